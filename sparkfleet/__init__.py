@@ -1,0 +1,1 @@
+"""sparkfleet: converge DGX Spark fleets to a declared vLLM serving state."""
