@@ -1,0 +1,1 @@
+"""Shared helpers for the sparkfleet test suite (importable as ``support``)."""
