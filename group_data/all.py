@@ -1,0 +1,108 @@
+"""Every sparkfleet default, for every host.
+
+Override per group (``group_data/<group>.py``), per host (host data in the inventory)
+or per run (``--data key=value``, which wins over everything). ``sparkfleet/config.py``
+validates the merged result for every host before anything runs; an unknown key is an
+error, so a typo cannot silently fall back to a default.
+"""
+
+# --- What to serve -------------------------------------------------------------------
+# dense (default): hybrid INT4+FP8 checkpoint + int8 lm-head + DFlash n=12
+# dflash: Intel INT4 + DFlash n=12 — agents, tool calls, code (~81 tok/s on agent turns)
+# base: Intel INT4 without speculation (28.2 tok/s) · mtp: native MTP-2 head (~40 tok/s)
+profile = "dense"
+# Serve another repo id than the profile's checkpoint (None: the profile's).
+model = None
+# repo id -> branch, tag or commit. Pin commits for a reproducible fleet.
+model_revisions = {}
+# A checkpoint directory already on the host, served instead of a download (mounted ro).
+model_dir = None
+# Build the hybrid INT4+FP8 checkpoint on the host instead of downloading the hosted one
+# (dense only): fetches the Intel INT4 checkpoint and the FP8 donor's non-expert shards.
+build_hybrid = False
+hybrid_dir = "/var/lib/sparkfleet/hybrid-int4-fp8"
+
+# --- Where it comes from ---------------------------------------------------------------
+# The sm121 vLLM 0.23 image with DFlash. The tag is mutable: pin `@sha256:...` for a fleet.
+image = "ghcr.io/aeon-7/aeon-vllm-ultimate:2026-06-18-v0.23.0-dflashfix"
+# The host's Hugging Face cache (mounted at /hf in the container).
+hf_home = "/var/lib/sparkfleet/hf"
+# Another hub endpoint (a mirror); None: huggingface.co.
+hf_endpoint = None
+# Read from the controller's HF_TOKEN when None. Reaches hosts only in a 0600 file.
+hf_token = None
+
+# --- Serving settings: the seeds' validated stack -----------------------------------------
+served_model_name = "qwen"
+# Where the API listens. 127.0.0.1 keeps it on the host; 0.0.0.0 serves the network.
+bind_address = "0.0.0.0"
+port = 8000
+max_model_len = 262144
+max_num_seqs = 3
+max_num_batched_tokens = 8192
+# 0.82 leaves ~14-16 GiB to the OS on a 128 GiB Spark; 0.88+ swaps and stalls the host.
+gpu_memory_utilization = 0.82
+# Reads the checkpoint straight to device in ~32 s instead of ~8 min on GB10.
+load_format = "fastsafetensors"
+attention_backend = "FLASH_ATTN"
+# DFlash's drafter is non-causal; FLASH_ATTN is the backend that supports it on sm121.
+drafter_attention_backend = "FLASH_ATTN"
+# An empty string turns a parser off.
+tool_call_parser = "qwen3_xml"
+reasoning_parser = "qwen3"
+chunked_prefill = True
+# Off in the seeds' validated stack; on adds the prefix-alignment patch for DFlash.
+prefix_caching = False
+# None: the profile's depth (12 for DFlash, 2 for MTP); 0 turns speculation off.
+num_speculative_tokens = None
+# Further `vllm serve` flags, appended verbatim (e.g. ["--kv-cache-dtype", "fp8"]).
+extra_serve_args = []
+# Extra environment for vLLM in the container (no secrets here: use hf_token/api_key).
+vllm_env = {}
+
+# --- Access ------------------------------------------------------------------------------
+# auto: one key generated per project, kept 0600 in api_key_file and on every host;
+# none: no key (trusted network only); anything else: that key.
+api_key = "auto"
+api_key_file = ".sparkfleet/api-key"
+
+# --- Lifecycle -------------------------------------------------------------------------
+# False stops and disables the service on every host, keeping image and weights.
+serving = True
+# Turn the GB10/aarch64 gate into a warning (other Blackwell hosts, untested).
+force = False
+# How long the first start may take (image load, weights to device, compile).
+ready_timeout_s = 1200
+
+# --- Host preparation ---------------------------------------------------------------------
+# NVIDIA's signed apt repository for the container toolkit ($(ARCH) is apt's own).
+nvidia_apt_repo = "https://nvidia.github.io/libnvidia-container/stable/deb/$(ARCH)"
+nvidia_apt_key_url = "https://nvidia.github.io/libnvidia-container/gpgkey"
+# Sizes used by the disk preflight, for what is not yet on the host.
+image_size_gib = 40.0
+artifact_sizes_gib = {
+    "Intel/Qwen3.5-122B-A10B-int4-AutoRound": 62.0,
+    "bleysg/Qwen3.5-122B-A10B-int4-fp8-hybrid": 67.0,
+    "z-lab/Qwen3.5-122B-A10B-DFlash": 1.6,
+    # Only the donor's non-expert shards are fetched for a hybrid build.
+    "Qwen/Qwen3.5-122B-A10B-FP8": 12.0,
+    "hybrid-build": 67.0,
+}
+# Head room kept free on every filesystem after the deploy.
+disk_margin_gib = 5.0
+
+# --- Post-deploy checks (checks/) ------------------------------------------------------------
+# Run after the deploy: any of smoke, decode, e2e, agent.
+checks = []
+# What checks/bench.py runs when used on its own.
+bench = ["smoke", "decode", "e2e"]
+bench_runs = 3
+bench_warmup = 1
+bench_max_tokens = 256
+# A Hermes-style state.db on the controller for the agent-turn bench.
+agent_state_db = None
+agent_sessions = 10
+agent_max_context_tokens = 16384
+# Results land in results_dir/<run_id>/<host>.json; None: a timestamp per run.
+run_id = None
+results_dir = "results"

@@ -1,0 +1,472 @@
+"""One model validates every host's merged data before any host is touched.
+
+pyinfra merges data as ``--data`` > host data > ``group_data/<group>.py`` >
+``group_data/all.py``. :func:`fleet_settings` validates that merged dict for *every* host
+of the inventory the first time a deploy file asks, and raises one
+:class:`ConfigError` naming host, key, value and fix for everything that is wrong —
+while nothing has run on any host yet. ``group_data/all.py`` holds every default; the
+model has none of its own, so there is exactly one place to read them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import json
+import logging
+import os
+import re
+import secrets
+from pathlib import Path
+from typing import Any, Iterable
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from sparkfleet.profiles import FP8_DONOR, INTEL_INT4, PROFILES, Profile
+
+try:  # pyinfra is the runtime, but the model is also used by plain unit tests
+    from pyinfra.api.exceptions import PyinfraError as _BaseError
+except ImportError:  # pragma: no cover
+    _BaseError = Exception
+
+log = logging.getLogger("sparkfleet")
+
+# The seeds measured 0.82 as the most a 128 GiB Spark takes without swapping the OS.
+MEASURED_GPU_MEMORY_UTILIZATION = 0.82
+MAX_CONTEXT = 262144
+CONTAINER_MODEL_DIR = "/model"
+
+# Data keys that belong to pyinfra's connectors, not to sparkfleet.
+_CONNECTOR_PREFIXES = ("ssh_", "_", "docker_", "chroot_", "local_", "winrm_", "vagrant_", "terraform_")
+
+_SAFE_PATH = re.compile(r"^/[A-Za-z0-9._/+-]*$")
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+_REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
+# registry[:port]/path[:tag][@sha256:digest] — lower-case path per the distribution spec.
+_IMAGE_REF = re.compile(
+    r"^(?:[a-zA-Z0-9.-]+(?::[0-9]+)?/)?[a-z0-9]+(?:[._/-][a-z0-9]+)*"
+    r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[0-9a-f]{64})?$"
+)
+_WORD = re.compile(r"^[A-Za-z0-9_.-]*$")
+_URL = re.compile(r"^https?://[A-Za-z0-9.:\[\]_-]+(?:/[A-Za-z0-9._~/$()%+-]*)?$")
+
+_FIXES: dict[str, str] = {
+    "profile": "pick one of the profiles, e.g. --data profile=dense",
+    "gpu_memory_utilization": "use a fraction between 0.10 and 0.95; the seeds measured 0.82 as safe on a 128 GiB Spark",
+    "max_model_len": f"use a context length from 1 to {MAX_CONTEXT}",
+    "port": "use a TCP port from 1 to 65535",
+    "num_speculative_tokens": "use 0 (off) to 16, or leave it unset for the profile's default",
+    "image": "use a reference like registry/name:tag or registry/name@sha256:<64 hex>",
+    "model": "use a Hugging Face repo id like org/name",
+    "api_key": "use 'auto' (generated per fleet), 'none' (trusted network only) or a key of 16+ characters",
+}
+
+
+class ConfigError(_BaseError):
+    """Invalid configuration; raised before any operation runs on any host."""
+
+
+class Settings(BaseModel):
+    """The declared state of one Spark. Defaults live in group_data/all.py."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
+
+    # What to serve
+    profile: str
+    model: str | None
+    model_revisions: dict[str, str]
+    model_dir: str | None
+    build_hybrid: bool
+    hybrid_dir: str
+    # Where it comes from
+    image: str
+    hf_home: str
+    hf_endpoint: str | None
+    hf_token: SecretStr | None
+    # Serving settings (the seeds' validated stack)
+    served_model_name: str
+    bind_address: str
+    port: int = Field(ge=1, le=65535)
+    max_model_len: int = Field(ge=1, le=MAX_CONTEXT)
+    max_num_seqs: int = Field(ge=1, le=256)
+    max_num_batched_tokens: int = Field(ge=256, le=1048576)
+    gpu_memory_utilization: float = Field(ge=0.10, le=0.95)
+    load_format: str
+    attention_backend: str
+    drafter_attention_backend: str
+    tool_call_parser: str
+    reasoning_parser: str
+    chunked_prefill: bool
+    prefix_caching: bool
+    num_speculative_tokens: int | None = Field(ge=0, le=16)
+    extra_serve_args: list[str]
+    vllm_env: dict[str, str]
+    # Access
+    api_key: SecretStr
+    api_key_file: str
+    # Lifecycle
+    serving: bool
+    force: bool
+    ready_timeout_s: int = Field(ge=10, le=7200)
+    # Host preparation
+    nvidia_apt_repo: str
+    nvidia_apt_key_url: str
+    image_size_gib: float = Field(gt=0)
+    artifact_sizes_gib: dict[str, float]
+    disk_margin_gib: float = Field(ge=0)
+    # Post-deploy checks (see checks/)
+    checks: list[str]
+    bench: list[str]
+    bench_runs: int = Field(ge=1, le=100)
+    bench_warmup: int = Field(ge=0, le=20)
+    bench_max_tokens: int = Field(ge=2, le=32768)
+    agent_state_db: str | None
+    agent_sessions: int = Field(ge=1, le=1000)
+    agent_max_context_tokens: int = Field(ge=256, le=MAX_CONTEXT)
+    run_id: str | None
+    results_dir: str
+
+    # --- field checks -------------------------------------------------------------
+
+    @field_validator("profile")
+    @classmethod
+    def _known_profile(cls, value: str) -> str:
+        if value not in PROFILES:
+            raise ValueError(f"unknown profile; valid profiles: {', '.join(sorted(PROFILES))}")
+        return value
+
+    @field_validator("model")
+    @classmethod
+    def _repo_id(cls, value: str | None) -> str | None:
+        if value is not None and not _REPO_ID.match(value):
+            raise ValueError("not a Hugging Face repo id (org/name)")
+        return value
+
+    @field_validator("model_revisions")
+    @classmethod
+    def _revisions(cls, value: dict[str, str]) -> dict[str, str]:
+        for repo, rev in value.items():
+            if not _REPO_ID.match(repo):
+                raise ValueError(f"{repo!r} is not a repo id (org/name)")
+            if not _REVISION.match(rev):
+                raise ValueError(f"revision {rev!r} of {repo} is not a branch, tag or commit")
+        return value
+
+    @field_validator("model_dir", "hybrid_dir", "hf_home")
+    @classmethod
+    def _host_path(cls, value: str | None) -> str | None:
+        if value is not None and (not _SAFE_PATH.match(value) or "/../" in value + "/"):
+            raise ValueError("must be an absolute path of letters, digits and ._/+-")
+        return value
+
+    @field_validator("image")
+    @classmethod
+    def _image_ref(cls, value: str) -> str:
+        if not _IMAGE_REF.match(value):
+            raise ValueError("not an image reference")
+        return value
+
+    @field_validator("hf_endpoint", "nvidia_apt_repo", "nvidia_apt_key_url")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        if value is not None and not _URL.match(value):
+            raise ValueError("must be an http(s) URL")
+        return value
+
+    @field_validator("bind_address")
+    @classmethod
+    def _address(cls, value: str) -> str:
+        ipaddress.ip_address(value)
+        return value
+
+    @field_validator(
+        "served_model_name", "load_format", "attention_backend", "drafter_attention_backend",
+        "tool_call_parser", "reasoning_parser",
+    )
+    @classmethod
+    def _word(cls, value: str) -> str:
+        if not _WORD.match(value):
+            raise ValueError("only letters, digits and ._- are allowed")
+        return value
+
+    @field_validator("extra_serve_args")
+    @classmethod
+    def _extra_args(cls, value: list[str]) -> list[str]:
+        for arg in value:
+            if "\n" in arg or "\x00" in arg:
+                raise ValueError(f"argument {arg!r} contains a newline")
+        return value
+
+    @field_validator("vllm_env")
+    @classmethod
+    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, val in value.items():
+            if not re.match(r"^[A-Z_][A-Z0-9_]*$", key) or "\n" in str(val):
+                raise ValueError(f"{key!r} is not a valid environment variable")
+        return value
+
+    @field_validator("api_key")
+    @classmethod
+    def _api_key(cls, value: SecretStr) -> SecretStr:
+        raw = value.get_secret_value()
+        if raw not in ("auto", "none") and (len(raw) < 16 or not re.match(r"^[A-Za-z0-9._~+-]+$", raw)):
+            raise ValueError("must be 'auto', 'none' or 16+ characters of letters, digits and ._~+-")
+        return value
+
+    @field_validator("checks", "bench")
+    @classmethod
+    def _check_names(cls, value: list[str]) -> list[str]:
+        known = {"smoke", "decode", "e2e", "agent"}
+        unknown = [name for name in value if name not in known]
+        if unknown:
+            raise ValueError(f"unknown check(s) {unknown}; known: {', '.join(sorted(known))}")
+        return value
+
+    @model_validator(mode="after")
+    def _coherent(self) -> "Settings":
+        if self.build_hybrid and self.profile != "dense":
+            raise ValueError("build_hybrid=true only makes sense with profile=dense")
+        if self.build_hybrid and self.model_dir:
+            raise ValueError("set either model_dir or build_hybrid, not both")
+        if self.num_speculative_tokens and not self.profile_spec.speculative_method:
+            raise ValueError(
+                f"profile {self.profile} has no speculative decoder; "
+                "use profile dflash, dense or mtp, or num_speculative_tokens=0"
+            )
+        return self
+
+    # --- what the profile and the overrides add up to -----------------------------
+
+    @property
+    def profile_spec(self) -> Profile:
+        return PROFILES[self.profile]
+
+    @property
+    def speculative_tokens(self) -> int:
+        if self.num_speculative_tokens is None:
+            return self.profile_spec.num_speculative_tokens
+        return self.num_speculative_tokens
+
+    @property
+    def speculative_method(self) -> str | None:
+        return self.profile_spec.speculative_method if self.speculative_tokens else None
+
+    @property
+    def drafter(self) -> str | None:
+        return self.profile_spec.drafter if self.speculative_method == "dflash" else None
+
+    @property
+    def model_repo(self) -> str:
+        return self.model or self.profile_spec.model
+
+    def revision(self, repo: str) -> str:
+        return self.model_revisions.get(repo, "main")
+
+    @property
+    def local_model_dir(self) -> str | None:
+        """Host directory served instead of a hub checkpoint, if any."""
+        if self.build_hybrid:
+            return self.hybrid_dir
+        return self.model_dir
+
+    @property
+    def repos_to_fetch(self) -> list[str]:
+        """Hub repositories this host needs in its HF cache."""
+        repos: list[str] = []
+        if self.build_hybrid:
+            repos.append(INTEL_INT4)  # the builder's input; the donor is fetched shard-wise
+        elif not self.model_dir:
+            repos.append(self.model_repo)
+        if self.drafter:
+            repos.append(self.drafter)
+        return repos
+
+    @property
+    def patches(self) -> list[str]:
+        patches = [p for p in self.profile_spec.patches if p != "kv_unify" or self.speculative_method == "dflash"]
+        if self.prefix_caching and self.speculative_method == "dflash":
+            patches.insert(patches.index("kv_unify") + 1, "prefix_align")
+        return patches
+
+    @property
+    def speculative_config(self) -> dict[str, Any] | None:
+        method = self.speculative_method
+        if method is None:
+            return None
+        config: dict[str, Any] = {"method": method}
+        if self.drafter:
+            config["model"] = self.drafter
+            if self.drafter in self.model_revisions:
+                config["revision"] = self.model_revisions[self.drafter]
+        config["num_speculative_tokens"] = self.speculative_tokens
+        if self.drafter:
+            # The drafter is non-causal: only FLASH_ATTN supports it on sm121.
+            config["attention_backend"] = self.drafter_attention_backend
+        return config
+
+    @property
+    def compile_signature(self) -> str:
+        """What invalidates vLLM's torch.compile cache (the seeds' startup crash)."""
+        return f"profile={self.profile} model={self.model_repo} spec={self.speculative_method}:{self.speculative_tokens}"
+
+    def serve_env(self) -> dict[str, str]:
+        """The non-secret environment of the serving container (docs/architecture.md)."""
+        model = CONTAINER_MODEL_DIR if self.local_model_dir else self.model_repo
+        spec = self.speculative_config
+        env = {
+            "SF_PROFILE": self.profile,
+            "SF_MODEL": model,
+            "SF_REVISION": "" if self.local_model_dir else self.revision(self.model_repo),
+            "SF_SERVED_MODEL_NAME": self.served_model_name,
+            "SF_HOST": self.bind_address,
+            "SF_PORT": str(self.port),
+            "SF_MAX_MODEL_LEN": str(self.max_model_len),
+            "SF_MAX_NUM_SEQS": str(self.max_num_seqs),
+            "SF_MAX_NUM_BATCHED_TOKENS": str(self.max_num_batched_tokens),
+            "SF_GPU_MEMORY_UTILIZATION": f"{self.gpu_memory_utilization:g}",
+            "SF_LOAD_FORMAT": self.load_format,
+            "SF_ATTENTION_BACKEND": self.attention_backend,
+            "SF_TOOL_CALL_PARSER": self.tool_call_parser,
+            "SF_REASONING_PARSER": self.reasoning_parser,
+            "SF_CHUNKED_PREFILL": "1" if self.chunked_prefill else "0",
+            "SF_PREFIX_CACHING": "1" if self.prefix_caching else "0",
+            "SF_SPECULATIVE_CONFIG": json.dumps(spec, separators=(",", ":")) if spec else "",
+            "SF_EXTRA_ARGS": json.dumps(self.extra_serve_args) if self.extra_serve_args else "",
+            "SF_PATCHES": ",".join(self.patches),
+            "HF_HOME": "/hf",
+            "VLLM_CACHE_ROOT": "/hf/.vllm_cache",
+            # The seeds' memory profiler otherwise over-reserves for CUDA graphs on GB10.
+            "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS": "0",
+        }
+        if self.hf_endpoint:
+            env["HF_ENDPOINT"] = self.hf_endpoint
+        env.update(self.vllm_env)
+        return env
+
+    def artifact_size_gib(self, name: str) -> float:
+        return self.artifact_sizes_gib.get(name, 0.0)
+
+
+# --- fleet-wide validation ----------------------------------------------------------
+
+
+def sparkfleet_keys(raw: dict[str, Any]) -> dict[str, Any]:
+    """The data keys that are sparkfleet's (connector and private keys removed)."""
+    return {k: v for k, v in raw.items() if not k.startswith(_CONNECTOR_PREFIXES)}
+
+
+def _close_matches(key: str) -> str:
+    matches = difflib.get_close_matches(key, Settings.model_fields.keys(), n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(matches)}?" if matches else ""
+
+
+def validate_host_data(host_name: str, raw: dict[str, Any]) -> Settings:
+    """Validate one host's merged data; raise ConfigError with every problem found."""
+    data = sparkfleet_keys(raw)
+    problems: list[str] = []
+    for key in sorted(set(data) - set(Settings.model_fields)):
+        problems.append(f"{host_name}: unknown key `{key}` = {_show(key, data[key])}{_close_matches(key)}")
+    known = {k: v for k, v in data.items() if k in Settings.model_fields}
+    missing = [k for k, f in Settings.model_fields.items() if f.is_required() and k not in known]
+    for key in missing:
+        problems.append(
+            f"{host_name}: missing key `{key}`: run pyinfra from the sparkfleet project directory "
+            "so group_data/all.py (every default) is loaded"
+        )
+    if not missing:
+        try:
+            settings = Settings.model_validate(known)
+        except ValidationError as exc:
+            for err in exc.errors():
+                key = ".".join(str(p) for p in err["loc"]) or "(settings)"
+                value = _show(key, known.get(key.split(".")[0], None)) if err["loc"] else ""
+                fix = _FIXES.get(key.split(".")[0], "see group_data/all.py for the allowed values")
+                message = err["msg"].removeprefix("Value error, ")
+                where = f"`{key}` = {value}: " if err["loc"] else ""
+                problems.append(f"{host_name}: {where}{message}. Fix: {fix}")
+        else:
+            if not problems:
+                return settings
+    raise ConfigError("\n  ".join(["invalid configuration:", *problems]))
+
+
+def _show(key: str, value: Any) -> str:
+    if key in ("hf_token", "api_key") and value not in (None, "auto", "none"):
+        return "'***'"
+    return repr(value)
+
+
+def validate_fleet(hosts: Iterable[Any]) -> dict[str, Settings]:
+    """Validate every host; one error lists all problems of all hosts."""
+    settings: dict[str, Settings] = {}
+    problems: list[str] = []
+    for host in hosts:
+        try:
+            settings[host.name] = validate_host_data(host.name, host.data.dict())
+        except ConfigError as exc:
+            problems.extend(str(exc).split("\n  ")[1:])
+    if problems:
+        raise ConfigError(
+            "\n  ".join(["invalid configuration, nothing was changed on any host:", *problems])
+        )
+    for name, s in settings.items():
+        if s.gpu_memory_utilization > MEASURED_GPU_MEMORY_UTILIZATION:
+            log.warning(
+                "%s: gpu_memory_utilization=%s is above the %s the seeds measured as safe; "
+                "a Spark's unified memory may swap and stall the host",
+                name, s.gpu_memory_utilization, MEASURED_GPU_MEMORY_UTILIZATION,
+            )
+    return settings
+
+
+_FLEET_CACHE: dict[int, dict[str, Settings]] = {}
+
+
+def fleet_settings() -> Settings:
+    """The current host's settings, validating the whole inventory once per run."""
+    from pyinfra import host, state
+
+    key = id(state)
+    if key not in _FLEET_CACHE:
+        _FLEET_CACHE[key] = validate_fleet(state.inventory)
+    return _FLEET_CACHE[key][host.name]
+
+
+# --- secrets (controller side) --------------------------------------------------------
+
+
+def resolve_api_key(settings: Settings) -> str | None:
+    """The API key the fleet serves with, or None for api_key=none.
+
+    ``auto`` keeps one generated key per project in ``api_key_file`` (0600), so every
+    host of the fleet and every later run share it.
+    """
+    raw = settings.api_key.get_secret_value()
+    if raw == "none":
+        return None
+    if raw != "auto":
+        return raw
+    path = Path(settings.api_key_file).expanduser()
+    if path.exists():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    key = "sf-" + secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(key + "\n")
+    return key
+
+
+def resolve_hf_token(settings: Settings) -> str | None:
+    """HF token from data, else from the controller's environment."""
+    if settings.hf_token is not None:
+        return settings.hf_token.get_secret_value() or None
+    return os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN") or None
