@@ -1,0 +1,654 @@
+"""A small Hugging Face Hub endpoint that serves local repositories (testbed).
+
+``huggingface_hub`` on the simulated hosts points ``HF_ENDPOINT`` here and runs its
+real download path (``snapshot_download`` / ``hf_hub_download``): repo info, the tree
+listing, ``HEAD``/``GET`` on ``/resolve`` with HTTP Range resume. Only what the client
+needs is implemented, and never the Xet headers, so the plain HTTP path is taken.
+
+Layout on disk::
+
+    ROOT/<org>/<name>/<revision>/<files...>    one directory per revision
+    ROOT/<org>/<name>/refs.json                optional: {"main": "<40-hex sha>", ...}
+    ROOT/<org>/<name>/.gated                   optional marker: files need a token
+
+A revision directory named by a 40-hex sha is that commit. Any other name (``main``, a
+tag) is a ref: a symlink to a sha directory aliases it, a real directory is a commit whose
+sha is derived from its content. ``main`` falls back to ``refs.json`` and then to the
+newest sha directory, so a root with one revision per repo needs no ref at all.
+
+Testbed endpoints: ``GET /_testbed/stats`` (body bytes served, per repo and client IP),
+``POST /_testbed/reset``, ``GET /_testbed/requests`` (recent request log) and
+``POST /_testbed/fault`` (``{"repo", "path", "abort_after", "times"}``: the next GETs of
+that file send their headers, then only ``abort_after`` body bytes, then drop the
+connection, to exercise resume).
+
+Stdlib only: it runs on the controller next to the registry.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime as _dt
+import hashlib
+import json
+import os
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Iterable
+from urllib.parse import parse_qs, unquote, urlsplit
+
+SHA_RE = re.compile(r"^[0-9a-f]{40}$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# The Hub's default .gitattributes: these go to LFS, whose ETag is the content sha256.
+_LFS_SUFFIXES = (
+    ".7z", ".arrow", ".bin", ".bz2", ".ckpt", ".ftz", ".gz", ".h5", ".joblib", ".mlmodel",
+    ".model", ".msgpack", ".npy", ".npz", ".onnx", ".ot", ".parquet", ".pb", ".pickle",
+    ".pkl", ".pt", ".pth", ".rar", ".safetensors", ".tar", ".tflite", ".tgz", ".wasm",
+    ".xz", ".zip", ".zst", ".gguf",
+)
+_LFS_MIN_SIZE = 10 * 1024 * 1024
+_LFS_POINTER_SIZE = 134
+_CHUNK = 1 << 20
+_REQUEST_LOG_LEN = 2000
+
+
+class HubError(Exception):
+    """An HTTP error answered the way the Hub does (status, X-Error-Code, message)."""
+
+    def __init__(self, status: int, code: str | None, message: str, commit: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.commit = commit
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    path: str  # repo-relative, "/"-separated
+    abspath: Path
+    size: int
+    blob_id: str  # git blob sha1, the Hub's "oid"
+    sha256: str | None  # set for LFS-like files
+
+    @property
+    def is_lfs(self) -> bool:
+        return self.sha256 is not None
+
+    @property
+    def etag(self) -> str:
+        return self.sha256 or self.blob_id
+
+
+@dataclass(frozen=True)
+class Revision:
+    repo_id: str
+    sha: str
+    directory: Path
+    mtime: float
+
+
+def _is_lfs(path: str, size: int) -> bool:
+    return path.lower().endswith(_LFS_SUFFIXES) or size >= _LFS_MIN_SIZE
+
+
+class RepoStore:
+    """Reads repositories from ``root``; hashes are cached by (size, mtime)."""
+
+    def __init__(self, root: str | os.PathLike[str], gated: Iterable[str] = ()) -> None:
+        self.root = Path(root)
+        self.gated = set(gated)
+        self._hash_cache: dict[Path, tuple[int, int, str, str | None]] = {}
+        self._lock = threading.Lock()
+
+    # -- repositories and revisions ---------------------------------------------------
+    def repo_dir(self, repo_id: str) -> Path:
+        parts = repo_id.split("/")
+        if len(parts) != 2 or not all(_NAME_RE.match(p) for p in parts):
+            raise HubError(404, "RepoNotFound", f"Repository not found: {repo_id}")
+        d = self.root / parts[0] / parts[1]
+        if not d.is_dir():
+            raise HubError(404, "RepoNotFound", f"Repository not found: {repo_id}")
+        return d
+
+    def is_gated(self, repo_id: str) -> bool:
+        return repo_id in self.gated or (self.repo_dir(repo_id) / ".gated").exists()
+
+    def _revision_dirs(self, repo_dir: Path) -> list[Path]:
+        return sorted(p for p in repo_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+    def resolve(self, repo_id: str, rev: str | None) -> Revision:
+        repo_dir = self.repo_dir(repo_id)
+        rev = rev or "main"
+        not_found = HubError(404, "RevisionNotFound", f"Invalid rev id: {rev}")
+        if "/" in rev or rev in (".", "..") or rev.startswith("."):
+            raise not_found
+        entry = repo_dir / rev
+        if entry.is_dir():
+            if entry.is_symlink():
+                target = entry.resolve()
+                if SHA_RE.match(target.name) and target.parent == repo_dir.resolve():
+                    return self._revision(repo_id, target.name, target)
+            if SHA_RE.match(rev):
+                return self._revision(repo_id, rev, entry)
+            return self._revision(repo_id, self._content_sha(repo_id, entry), entry)
+        if SHA_RE.match(rev):
+            # A sha may also name a ref directory whose sha is derived from its content.
+            for d in self._revision_dirs(repo_dir):
+                if not SHA_RE.match(d.name) and not d.is_symlink() and self._content_sha(repo_id, d) == rev:
+                    return self._revision(repo_id, rev, d)
+            raise not_found
+        refs_file = repo_dir / "refs.json"
+        if refs_file.is_file():
+            refs = json.loads(refs_file.read_text())
+            if rev in refs:
+                return self.resolve(repo_id, refs[rev])
+        if rev == "main":
+            shas = [d for d in self._revision_dirs(repo_dir) if SHA_RE.match(d.name)]
+            if shas:
+                newest = max(shas, key=lambda d: (d.stat().st_mtime_ns, d.name))
+                return self._revision(repo_id, newest.name, newest)
+        raise not_found
+
+    def _revision(self, repo_id: str, sha: str, directory: Path) -> Revision:
+        return Revision(repo_id=repo_id, sha=sha, directory=directory, mtime=directory.stat().st_mtime)
+
+    def _content_sha(self, repo_id: str, directory: Path) -> str:
+        h = hashlib.sha1(repo_id.encode())
+        for f in sorted(self.files(directory).values(), key=lambda f: f.path):
+            h.update(f"\0{f.path}\0{f.blob_id}".encode())
+        return h.hexdigest()
+
+    # -- files ---------------------------------------------------------------------------
+    def files(self, directory: Path) -> dict[str, FileInfo]:
+        out: dict[str, FileInfo] = {}
+        for dirpath, dirnames, filenames in os.walk(directory, followlinks=True):
+            dirnames[:] = sorted(d for d in dirnames if d != ".git")
+            for name in sorted(filenames):
+                abspath = Path(dirpath) / name
+                if not abspath.is_file():
+                    continue
+                rel = abspath.relative_to(directory).as_posix()
+                out[rel] = self._file_info(rel, abspath)
+        return out
+
+    def file(self, rev: Revision, path: str) -> FileInfo:
+        parts = path.split("/")
+        missing = HubError(404, "EntryNotFound", f"Entry not found: {path}", commit=rev.sha)
+        if not path or any(p in ("", ".", "..") for p in parts) or ".git" in parts:
+            raise missing
+        abspath = rev.directory.joinpath(*parts)
+        if not abspath.is_file():
+            raise missing
+        return self._file_info(path, abspath)
+
+    def _file_info(self, rel: str, abspath: Path) -> FileInfo:
+        st = abspath.stat()
+        with self._lock:
+            cached = self._hash_cache.get(abspath)
+        if cached and cached[0] == st.st_size and cached[1] == st.st_mtime_ns:
+            blob_id, sha256 = cached[2], cached[3]
+        else:
+            blob = hashlib.sha1(f"blob {st.st_size}\0".encode())
+            content = hashlib.sha256()
+            with abspath.open("rb") as fh:
+                for chunk in iter(lambda: fh.read(_CHUNK), b""):
+                    blob.update(chunk)
+                    content.update(chunk)
+            blob_id = blob.hexdigest()
+            sha256 = content.hexdigest() if _is_lfs(rel, st.st_size) else None
+            with self._lock:
+                self._hash_cache[abspath] = (st.st_size, st.st_mtime_ns, blob_id, sha256)
+        return FileInfo(path=rel, abspath=abspath, size=st.st_size, blob_id=blob_id, sha256=sha256)
+
+
+class ByteCounter:
+    """Body bytes served, per repo, per client IP and per (repo, client)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.total = 0
+            self.by_repo: dict[str, int] = collections.defaultdict(int)
+            self.by_client: dict[str, int] = collections.defaultdict(int)
+            self.by_repo_client: dict[str, dict[str, int]] = collections.defaultdict(
+                lambda: collections.defaultdict(int)
+            )
+            self.requests: collections.deque[dict[str, Any]] = collections.deque(maxlen=_REQUEST_LOG_LEN)
+
+    def add(self, repo_id: str, client: str, n: int) -> None:
+        with self._lock:
+            self.total += n
+            self.by_repo[repo_id] += n
+            self.by_client[client] += n
+            self.by_repo_client[repo_id][client] += n
+
+    def log(self, entry: dict[str, Any]) -> None:
+        with self._lock:
+            self.requests.append(entry)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "total": self.total,
+                "by_repo": dict(self.by_repo),
+                "by_client": dict(self.by_client),
+                "by_repo_client": {r: dict(c) for r, c in self.by_repo_client.items()},
+            }
+
+    def request_log(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self.requests)
+
+
+class _Faults:
+    """One-shot transfer faults, keyed by (repo_id, path)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._aborts: dict[tuple[str, str], list[int]] = {}
+
+    def add_abort(self, repo_id: str, path: str, after_bytes: int, times: int = 1) -> None:
+        with self._lock:
+            self._aborts[(repo_id, path)] = [int(after_bytes), int(times)]
+
+    def take_abort(self, repo_id: str, path: str) -> int | None:
+        with self._lock:
+            fault = self._aborts.get((repo_id, path))
+            if not fault:
+                return None
+            fault[1] -= 1
+            if fault[1] <= 0:
+                del self._aborts[(repo_id, path)]
+            return fault[0]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._aborts.clear()
+
+
+def _iso(ts: float) -> str:
+    return _dt.datetime.fromtimestamp(ts, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.000Z")
+
+
+def _parse_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """(start, end inclusive) of a single ``bytes=`` range; None = whole file.
+
+    Raises HubError(416) when the range cannot be satisfied. Multi-range requests are
+    answered with the whole file, which RFC 9110 allows."""
+    if not header:
+        return None
+    m = re.fullmatch(r"\s*bytes=(\d*)-(\d*)\s*", header)
+    if not m or (not m.group(1) and not m.group(2)):
+        return None
+    first, last = m.groups()
+    if not first:
+        length = int(last)
+        if length == 0:
+            raise HubError(416, None, "Range Not Satisfiable")
+        return max(0, size - length), size - 1
+    start = int(first)
+    end = min(int(last), size - 1) if last else size - 1
+    if start >= size or start > end:
+        raise HubError(416, None, "Range Not Satisfiable")
+    return start, end
+
+
+class _HubHTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    # Many hosts pull at once; the default backlog of 5 drops connections under load.
+    request_queue_size = 128
+
+    def __init__(self, addr: tuple[str, int], store: RepoStore, token: str | None, log_requests: bool) -> None:
+        super().__init__(addr, _HubHandler)
+        self.store = store
+        self.token = token
+        self.log_requests = log_requests
+        self.counter = ByteCounter()
+        self.faults = _Faults()
+
+
+class _HubHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _HubHTTPServer
+    server_version = "sparkfleet-hub/1"
+
+    def setup(self) -> None:
+        super().setup()
+        # Small JSON answers and HEADs should not wait on Nagle + delayed ACK.
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        if self.server.log_requests:
+            super().log_message(format, *args)
+
+    # -- plumbing --------------------------------------------------------------------------
+    def _segments(self) -> tuple[list[str], dict[str, list[str]]]:
+        split = urlsplit(self.path)
+        # Split before unquoting: a revision such as refs%2Fpr%2F1 is one segment.
+        segs = [unquote(s) for s in split.path.split("/")[1:]]
+        return segs, parse_qs(split.query)
+
+    def _read_body(self) -> bytes:
+        length = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(length) if length else b""
+
+    def _send(self, status: int, body: bytes, headers: dict[str, str] | None = None,
+              content_type: str = "application/json", head: bool = False) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        if not head:
+            self.wfile.write(body)
+
+    def _send_json(self, status: int, obj: Any, headers: dict[str, str] | None = None, head: bool = False) -> None:
+        self._send(status, json.dumps(obj).encode(), headers, head=head)
+
+    def _send_error(self, err: HubError, head: bool = False) -> None:
+        headers = {"X-Error-Message": err.message}
+        if err.code:
+            headers["X-Error-Code"] = err.code
+        if err.commit:
+            headers["X-Repo-Commit"] = err.commit
+        self._send_json(err.status, {"error": err.message}, headers, head=head)
+
+    def _bearer(self) -> str | None:
+        value = self.headers.get("Authorization") or ""
+        scheme, _, token = value.partition(" ")
+        return (token.strip() or None) if scheme.lower() == "bearer" else None
+
+    def _check_auth(self, repo_id: str, files: bool) -> None:
+        """Like the Hub: a wrong token is refused everywhere; gated files need a good one."""
+        token, expected = self._bearer(), self.server.token
+        if token and expected and token != expected:
+            raise HubError(401, None, "Invalid credentials in Authorization header")
+        if files and self.server.store.is_gated(repo_id) and not token:
+            raise HubError(
+                401, "GatedRepo",
+                f"Access to model {repo_id} is restricted. You must have access to it and be "
+                "authenticated to access it. Please log in.",
+            )
+
+    # -- verbs -------------------------------------------------------------------------------
+    def do_GET(self) -> None:
+        self._dispatch(head=False)
+
+    def do_HEAD(self) -> None:
+        self._dispatch(head=True)
+
+    def do_POST(self) -> None:
+        segs, _ = self._segments()
+        body = self._read_body()
+        try:
+            if segs == ["_testbed", "reset"]:
+                self.server.counter.reset()
+                self.server.faults.clear()
+                return self._send_json(200, {"ok": True})
+            if segs == ["_testbed", "fault"]:
+                spec = json.loads(body or b"{}")
+                self.server.faults.add_abort(spec["repo"], spec["path"], spec["abort_after"], spec.get("times", 1))
+                return self._send_json(200, {"ok": True})
+            raise HubError(404, None, "Not Found")
+        except (KeyError, ValueError) as exc:
+            self._send_error(HubError(400, None, f"bad request: {exc}"))
+        except HubError as err:
+            self._send_error(err)
+
+    def _dispatch(self, head: bool) -> None:
+        segs, query = self._segments()
+        try:
+            if segs[:1] == ["_testbed"]:
+                if segs == ["_testbed", "stats"]:
+                    return self._send_json(200, self.server.counter.snapshot(), head=head)
+                if segs == ["_testbed", "requests"]:
+                    return self._send_json(200, self.server.counter.request_log(), head=head)
+                raise HubError(404, None, "Not Found")
+            if segs[:2] == ["api", "models"] and len(segs) >= 4:
+                repo_id = f"{segs[2]}/{segs[3]}"
+                rest = segs[4:]
+                if not rest:
+                    return self._model_info(repo_id, None, head)
+                if rest[0] == "revision" and len(rest) == 2:
+                    return self._model_info(repo_id, rest[1], head)
+                if rest[0] == "tree" and len(rest) >= 2:
+                    return self._tree(repo_id, rest[1], "/".join(rest[2:]), query, head)
+                raise HubError(404, None, "Not Found")
+            if len(segs) >= 5 and segs[2] == "resolve":
+                return self._resolve(f"{segs[0]}/{segs[1]}", segs[3], "/".join(segs[4:]), head)
+            raise HubError(404, None, "Not Found")
+        except HubError as err:
+            self._send_error(err, head=head)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+
+    # -- API ---------------------------------------------------------------------------------
+    def _model_info(self, repo_id: str, rev_name: str | None, head: bool) -> None:
+        store = self.server.store
+        self._check_auth(repo_id, files=False)
+        rev = store.resolve(repo_id, rev_name)
+        files = store.files(rev.directory)
+        siblings = []
+        for f in files.values():
+            sib: dict[str, Any] = {"rfilename": f.path, "size": f.size, "blobId": f.blob_id}
+            if f.is_lfs:
+                sib["lfs"] = {"size": f.size, "sha256": f.sha256, "pointerSize": _LFS_POINTER_SIZE}
+            siblings.append(sib)
+        org, name = repo_id.split("/")
+        gated = store.is_gated(repo_id)
+        info = {
+            "_id": hashlib.sha1(repo_id.encode()).hexdigest()[:24],
+            "id": repo_id,
+            "modelId": repo_id,
+            "author": org,
+            "sha": rev.sha,
+            "lastModified": _iso(rev.mtime),
+            "createdAt": _iso(rev.mtime),
+            "private": False,
+            "gated": "manual" if gated else False,
+            "disabled": False,
+            "downloads": 0,
+            "likes": 0,
+            "tags": ["safetensors"],
+            "library_name": "transformers",
+            "siblings": siblings,
+            "spaces": [],
+            "usedStorage": sum(f.size for f in files.values()),
+        }
+        self._send_json(200, info, head=head)
+
+    def _tree(self, repo_id: str, rev_name: str, path: str, query: dict[str, list[str]], head: bool) -> None:
+        store = self.server.store
+        self._check_auth(repo_id, files=False)
+        rev = store.resolve(repo_id, rev_name)
+        recursive = (query.get("recursive") or ["false"])[0].lower() in ("1", "true")
+        files = store.files(rev.directory)
+        prefix = f"{path.strip('/')}/" if path.strip("/") else ""
+        if prefix and not any(p.startswith(prefix) for p in files):
+            raise HubError(404, "EntryNotFound", f"Entry not found: {path}", commit=rev.sha)
+        entries: list[dict[str, Any]] = []
+        dirs: set[str] = set()
+        for f in files.values():
+            if not f.path.startswith(prefix):
+                continue
+            rel = f.path[len(prefix):]
+            parents = rel.split("/")[:-1]
+            for i in range(1, len(parents) + 1):
+                if recursive or i == 1:
+                    dirs.add(prefix + "/".join(parents[:i]))
+            if "/" in rel and not recursive:
+                continue
+            entry: dict[str, Any] = {"type": "file", "oid": f.blob_id, "size": f.size, "path": f.path}
+            if f.is_lfs:
+                entry["lfs"] = {"oid": f.sha256, "size": f.size, "pointerSize": _LFS_POINTER_SIZE}
+            entries.append(entry)
+        for d in dirs:
+            oid = hashlib.sha1(f"tree {rev.sha} {d}".encode()).hexdigest()
+            entries.append({"type": "directory", "oid": oid, "size": 0, "path": d})
+        entries.sort(key=lambda e: (e["path"].count("/"), e["type"] != "directory", e["path"]))
+        self._send_json(200, entries, head=head)
+
+    def _resolve(self, repo_id: str, rev_name: str, path: str, head: bool) -> None:
+        store = self.server.store
+        client = self.client_address[0]
+        self._check_auth(repo_id, files=True)
+        rev = store.resolve(repo_id, rev_name)
+        f = store.file(rev, path)
+        headers = {
+            "X-Repo-Commit": rev.sha,
+            "ETag": f'"{f.etag}"',
+            "Accept-Ranges": "bytes",
+            "Last-Modified": self.date_time_string(rev.mtime),
+        }
+        if f.is_lfs:
+            headers["X-Linked-Etag"] = f'"{f.sha256}"'
+            headers["X-Linked-Size"] = str(f.size)
+        rng = None if head else _parse_range(self.headers.get("Range"), f.size)
+        start, end = rng if rng else (0, f.size - 1)
+        length = end - start + 1 if f.size else 0
+        self.send_response(206 if rng else 200)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(length if not head else f.size))
+        if rng:
+            self.send_header("Content-Range", f"bytes {start}-{end}/{f.size}")
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.end_headers()
+        entry = {
+            "time": time.time(), "method": self.command, "repo": repo_id, "path": path,
+            "revision": rev.sha, "range": self.headers.get("Range"), "client": client,
+            "status": 206 if rng else 200, "bytes": 0,
+        }
+        if head:
+            self.server.counter.log(entry)
+            return
+        abort_after = self.server.faults.take_abort(repo_id, path)
+        budget = length if abort_after is None else min(length, abort_after)
+        sent = 0
+        try:
+            with f.abspath.open("rb") as fh:
+                fh.seek(start)
+                while sent < budget:
+                    chunk = fh.read(min(_CHUNK, budget - sent))
+                    if not chunk:
+                        break
+                    self.wfile.write(chunk)
+                    sent += len(chunk)
+                    self.server.counter.add(repo_id, client, len(chunk))
+        finally:
+            entry["bytes"] = sent
+            entry["aborted"] = sent < length
+            self.server.counter.log(entry)
+        if sent < length:
+            # Simulated network failure: drop the connection mid-body.
+            self.close_connection = True
+            try:
+                self.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+class HubServer:
+    """The hub in a background thread (tests) or the foreground (``serve``)."""
+
+    def __init__(self, root: str | os.PathLike[str], host: str = "127.0.0.1", port: int = 0,
+                 token: str | None = None, gated: Iterable[str] = (), log_requests: bool = False) -> None:
+        self.store = RepoStore(root, gated=gated)
+        self.httpd = _HubHTTPServer((host, port), self.store, token, log_requests)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def host(self) -> str:
+        return str(self.httpd.server_address[0])
+
+    @property
+    def port(self) -> int:
+        return int(self.httpd.server_address[1])
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> "HubServer":
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="hub", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        if self._thread:
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> "HubServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stats(self) -> dict[str, Any]:
+        return self.httpd.counter.snapshot()
+
+    def requests(self) -> list[dict[str, Any]]:
+        return self.httpd.counter.request_log()
+
+    def reset(self) -> None:
+        self.httpd.counter.reset()
+        self.httpd.faults.clear()
+
+    def inject_abort(self, repo_id: str, path: str, after_bytes: int, times: int = 1) -> None:
+        """Make the next ``times`` GETs of ``path`` stop after ``after_bytes`` body bytes."""
+        self.httpd.faults.add_abort(repo_id, path, after_bytes, times)
+
+
+def serve(root: str | os.PathLike[str], host: str, port: int, token: str | None = None,
+          gated: Iterable[str] = (), log_requests: bool = False) -> None:
+    """Serve ``root`` until SIGTERM/SIGINT."""
+    server = HubServer(root, host, port, token=token, gated=gated, log_requests=log_requests)
+    stop = threading.Event()
+
+    def _on_signal(signum: int, frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    server.start()
+    print(f"sparkfleet hub serving {Path(root).resolve()} on {server.url}", file=sys.stderr, flush=True)
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sparkfleet.testbed.hub", description=__doc__.split("\n")[0])
+    parser.add_argument("--root", required=True, help="directory holding <org>/<name>/<revision>/ trees")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8090)
+    parser.add_argument("--token", default=None, help="the one valid bearer token (gated repos need it)")
+    parser.add_argument("--gated", action="append", default=[], metavar="ORG/NAME",
+                        help="mark a repo gated (also: a .gated file in its directory)")
+    parser.add_argument("--log-requests", action="store_true", help="log every request to stderr")
+    args = parser.parse_args(argv)
+    if not Path(args.root).is_dir():
+        parser.error(f"--root {args.root} is not a directory")
+    serve(args.root, args.host, args.port, token=args.token, gated=args.gated, log_requests=args.log_requests)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
