@@ -1,0 +1,30 @@
+"""Converge every Spark of the inventory to the declared serving state.
+
+    pyinfra inventory/sparks.py deploy.py [--data profile=dense]
+
+preflight -> NVIDIA container runtime -> serving image -> cached weights -> hybrid build
+-> systemd unit for the profile -> READY (-> post-deploy checks, with --data checks=...).
+Every host's data is validated first: a bad value stops the run before any host changes.
+"""
+
+from sparkfleet import container_runtime, hybrid, image, preflight, service, weights
+from sparkfleet.bench.deploy import run_checks
+from sparkfleet.config import fleet_settings
+from sparkfleet.disk import still_needed
+
+settings = fleet_settings()
+
+if not settings.serving:
+    service.stopped()
+else:
+    findings = preflight.inspect(settings, *still_needed(settings))
+    preflight.passed(name="preflight: GB10, aarch64, driver, docker, disk, memory", findings=findings)
+    if not findings.problems:  # a failing host stops at preflight; the others go on
+        container_runtime.configured(settings)
+        image.pulled(name="serving image present", settings=settings)
+        host_files = service.host_files(settings)  # runtime/ copy and 0600 secrets
+        weights.cached(name="weights in the HF cache", settings=settings)
+        build = hybrid.built(name="hybrid INT4+FP8 checkpoint", settings=settings)
+        service.running(settings, also_restart_for=(*host_files, build))
+        if settings.checks:
+            run_checks(settings.checks)

@@ -1,0 +1,205 @@
+"""Host preflight: is this a Spark that can hold and run the profile, before anything changes.
+
+Facts are read while pyinfra plans, so they see the host as it was. A host that fails
+gets one failing operation listing every problem with its fix; the other hosts go on.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+
+from pyinfra import host, logger
+from pyinfra.api import FactBase, StringCommand, operation
+
+from sparkfleet.config import Settings
+
+GB10_NAME = "NVIDIA GB10"
+GB10_COMPUTE_CAPABILITY = "12.1"
+SPARK_ARCH = "aarch64"
+GIB = 1024**3
+
+
+# --- facts --------------------------------------------------------------------------
+
+
+class Architecture(FactBase[str]):
+    """The processor architecture as the kernel reports it (``uname -m``)."""
+
+    def command(self) -> str:
+        return "uname -m"
+
+    def process(self, output):
+        return output[0].strip() if output else ""
+
+
+class Gpu(FactBase["dict[str, str] | None"]):
+    """The first GPU as ``nvidia-smi`` reports it, or None without a working nvidia-smi."""
+
+    def command(self) -> str:
+        return (
+            "nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader 2>/dev/null"
+            " || true"
+        )
+
+    def process(self, output):
+        for line in output:
+            parts = [p.strip() for p in line.split(",")]
+            if len(parts) == 3 and parts[0]:
+                return {"name": parts[0], "compute_cap": parts[1], "driver_version": parts[2]}
+        return None
+
+
+class DockerRoot(FactBase["str | None"]):
+    """Docker's data root if the daemon answers, else None."""
+
+    def command(self) -> str:
+        return "docker info --format '{{.DockerRootDir}}' 2>/dev/null || true"
+
+    def process(self, output):
+        root = output[0].strip() if output else ""
+        return root if root.startswith("/") else None
+
+
+class FreeSpace(FactBase["dict[str, object]"]):
+    """Free bytes and mount point of the filesystem that holds (or will hold) ``path``."""
+
+    def command(self, path: str) -> str:
+        # The path may not exist yet: ask about its nearest existing parent.
+        return (
+            f"p={shlex.quote(path)}; while [ ! -e \"$p\" ]; do p=$(dirname \"$p\"); done; "
+            "df -P -B1 \"$p\" | tail -n 1"
+        )
+
+    def process(self, output):
+        fields = output[-1].split() if output else []
+        if len(fields) < 6:
+            return {"mount": "?", "free": 0}
+        return {"mount": fields[5], "free": int(fields[3])}
+
+
+class Memory(FactBase["dict[str, int]"]):
+    """MemTotal and MemAvailable in bytes."""
+
+    def command(self) -> str:
+        return "grep -E '^(MemTotal|MemAvailable):' /proc/meminfo"
+
+    def process(self, output):
+        values = {}
+        for line in output:
+            key, rest = line.split(":", 1)
+            values[key] = int(rest.split()[0]) * 1024
+        return values
+
+
+class ServiceActive(FactBase[bool]):
+    """Whether the sparkfleet serving unit is running now."""
+
+    def command(self) -> str:
+        return "systemctl is-active sparkfleet-serve.service 2>/dev/null || true"
+
+    def process(self, output):
+        return bool(output) and output[0].strip() == "active"
+
+
+# --- checks -------------------------------------------------------------------------
+
+
+@dataclass
+class Findings:
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    summary: str = ""
+
+
+def inspect(settings: Settings, image_gib: float, path_needs: dict[str, float]) -> Findings:
+    """Read this host's facts and judge them.
+
+    ``image_gib`` is what the image still needs in docker's data root, ``path_needs`` maps
+    host paths to the GiB still to land there.
+    """
+    found = Findings()
+    gate = found.warnings if settings.force else found.problems
+    force_hint = " (or --data force=true to try anyway)"
+
+    arch = host.get_fact(Architecture)
+    if arch != SPARK_ARCH:
+        gate.append(f"processor is {arch or 'unknown'}, a DGX Spark is {SPARK_ARCH}{force_hint}")
+
+    gpu = host.get_fact(Gpu)
+    if gpu is None:
+        found.problems.append(
+            "nvidia-smi does not answer: install the NVIDIA driver (DGX OS ships it) and reboot"
+        )
+    else:
+        if gpu["name"] != GB10_NAME or gpu["compute_cap"] != GB10_COMPUTE_CAPABILITY:
+            gate.append(
+                f"GPU is {gpu['name']} (compute capability {gpu['compute_cap']}), the stack is built "
+                f"for {GB10_NAME} ({GB10_COMPUTE_CAPABILITY}){force_hint}"
+            )
+        if not gpu["driver_version"] or gpu["driver_version"].startswith("["):
+            found.problems.append("nvidia-smi reports no driver version: reinstall the NVIDIA driver")
+
+    docker_root = host.get_fact(DockerRoot)
+    if docker_root is None:
+        found.problems.append(
+            "docker is missing or its daemon does not answer: install docker and run "
+            "`systemctl enable --now docker`"
+        )
+    needs = dict(path_needs)
+    if docker_root and image_gib:
+        needs[docker_root] = needs.get(docker_root, 0.0) + image_gib
+
+    # Sum what lands on each filesystem: the image, the cache and a hybrid build may share one.
+    per_mount: dict[str, tuple[int, float, list[str]]] = {}
+    for path, gib in needs.items():
+        if gib <= 0:
+            continue
+        space = host.get_fact(FreeSpace, path=path)
+        free, total, paths = per_mount.get(space["mount"], (space["free"], 0.0, []))
+        per_mount[space["mount"]] = (free, total + gib, paths + [path])
+    for mount, (free, gib, paths) in per_mount.items():
+        need = gib + settings.disk_margin_gib
+        if free < need * GIB:
+            found.problems.append(
+                f"{mount} has {free / GIB:.1f} GiB free, {need:.1f} GiB needed for "
+                f"{', '.join(paths)} (incl. {settings.disk_margin_gib:g} GiB margin): free space "
+                "or point hf_home / docker's data-root at a bigger disk"
+            )
+
+    # vLLM claims gpu_memory_utilization of the unified memory at start; once our own
+    # server runs, that memory is ours, so only a host about to start is judged.
+    memory = host.get_fact(Memory)
+    if not host.get_fact(ServiceActive) and memory:
+        want = settings.gpu_memory_utilization * memory["MemTotal"]
+        if memory["MemAvailable"] < want:
+            found.problems.append(
+                f"{memory['MemAvailable'] / GIB:.1f} GiB memory available, vLLM will claim "
+                f"{want / GIB:.1f} GiB (gpu_memory_utilization={settings.gpu_memory_utilization:g}): "
+                "stop other GPU/memory users or lower gpu_memory_utilization"
+            )
+
+    found.summary = (
+        f"{arch}, {gpu['name'] if gpu else 'no GPU'} "
+        f"(cc {gpu['compute_cap'] if gpu else '-'}, driver {gpu['driver_version'] if gpu else '-'})"
+    )
+    return found
+
+
+@operation(is_idempotent=True)
+def passed(findings: Findings):
+    """
+    Fail this host, with every problem and its fix, when preflight found any.
+
+    + findings: what ``inspect`` found on this host
+    """
+    for warning in findings.warnings:
+        logger.warning(f"{host.print_prefix}preflight warning: {warning}")
+    if not findings.problems:
+        host.noop(f"preflight passed: {findings.summary}")
+        return
+    message = "preflight failed, nothing was changed on this host:\n" + "\n".join(
+        f"  - {p}" for p in findings.problems
+    )
+    # A failing command (not an exception) fails this host only; the others go on.
+    yield StringCommand("echo", shlex.quote(message), ">&2;", "exit 1")
