@@ -343,6 +343,8 @@ class Settings(BaseModel):
             "SF_PATCHES": ",".join(self.patches),
             "HF_HOME": "/hf",
             "VLLM_CACHE_ROOT": "/hf/.vllm_cache",
+            # The deploy fetched everything beforehand: starting never waits on the hub.
+            "HF_HUB_OFFLINE": "1",
             # The seeds' memory profiler otherwise over-reserves for CUDA graphs on GB10.
             "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS": "0",
         }

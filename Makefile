@@ -1,0 +1,39 @@
+# sparkfleet — the two commands of the README, and the pieces they are made of.
+#   make demo   boot 3 simulated Sparks, deploy, run the checks, print the fleet report
+#   make test   the whole suite, end-to-end tests on the simulated fleet included
+# Both run as root (the simulated fleet uses network namespaces and systemd-nspawn).
+
+PYTHON ?= python3
+HOSTS ?= 3
+APT_PACKAGES = debootstrap systemd-container docker-registry iproute2 apt-utils gnupg dpkg-dev curl ca-certificates
+STAMP = .sparkfleet/deps.stamp
+
+.PHONY: deps demo down status test test-unit report
+
+$(STAMP): pyproject.toml Makefile
+	@command -v debootstrap >/dev/null && command -v systemd-nspawn >/dev/null && command -v docker-registry >/dev/null \
+		&& command -v apt-ftparchive >/dev/null && command -v gpg >/dev/null \
+		|| { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PACKAGES); }
+	$(PYTHON) -m pip install -q -e '.[test]'
+	$(PYTHON) -m pip install -q torch==2.13.0 triton
+	@mkdir -p $(dir $(STAMP)) && touch $(STAMP)
+
+deps: $(STAMP)
+
+demo: deps
+	sparkfleet testbed up --hosts $(HOSTS)
+	pyinfra -y inventory/testbed.py deploy.py --data checks=smoke,decode,e2e --data run_id=demo
+	sparkfleet report results/demo
+	@echo "The simulated fleet stays up: try 'sparkfleet testbed status', 'make down' removes it."
+
+down:
+	sparkfleet testbed down
+
+status:
+	sparkfleet testbed status
+
+test: deps
+	$(PYTHON) -m pytest -ra tests
+
+test-unit: deps
+	$(PYTHON) -m pytest -ra -m "not e2e" tests

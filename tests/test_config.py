@@ -1,0 +1,116 @@
+"""Validation of the merged data: every error names host, key, value and fix."""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from sparkfleet.config import ConfigError, Settings, resolve_api_key, validate_fleet, validate_host_data
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def defaults() -> dict:
+    data = runpy.run_path(str(ROOT / "group_data" / "all.py"))
+    return {k: v for k, v in data.items() if not k.startswith("__")}
+
+
+def error_for(**overrides) -> str:
+    with pytest.raises(ConfigError) as caught:
+        validate_host_data("spark-7", {**defaults(), **overrides})
+    return str(caught.value)
+
+
+def test_defaults_validate_to_the_dense_profile():
+    settings = validate_host_data("spark-1", defaults())
+    assert settings.profile == "dense"
+    assert settings.gpu_memory_utilization == 0.82
+
+
+def test_every_default_is_a_setting_and_every_setting_has_a_default():
+    assert set(defaults()) == set(Settings.model_fields)
+
+
+def test_unknown_profile_lists_the_valid_ones():
+    message = error_for(profile="nonsense")
+    assert "spark-7" in message and "`profile` = 'nonsense'" in message
+    assert "base, dense, dflash, mtp" in message
+
+
+def test_gpu_memory_utilization_out_of_range_names_key_value_and_fix():
+    message = error_for(gpu_memory_utilization=1.5)
+    assert "`gpu_memory_utilization` = 1.5" in message
+    assert "0.95" in message and "0.82" in message
+
+
+def test_unknown_key_suggests_the_close_match():
+    message = error_for(max_model_length=1000)
+    assert "unknown key `max_model_length`" in message
+    assert "did you mean max_model_len" in message
+
+
+@pytest.mark.parametrize(
+    "key,value,fragment",
+    [
+        ("port", 70000, "`port` = 70000"),
+        ("max_model_len", 300000, "`max_model_len` = 300000"),
+        ("num_speculative_tokens", 17, "`num_speculative_tokens` = 17"),
+        ("model", "not-a-repo", "org/name"),
+        ("image", "Bad Image;rm -rf /", "`image`"),
+        ("hf_home", "/tmp/$(reboot)", "`hf_home`"),
+        ("bind_address", "0.0.0.0; reboot", "`bind_address`"),
+        ("served_model_name", "qwen; reboot", "`served_model_name`"),
+        ("extra_serve_args", ["--foo\nbar"], "newline"),
+        ("checks", ["smoke", "fastest"], "fastest"),
+        ("model_revisions", {"Intel/x": "main; reboot"}, "revision"),
+    ],
+)
+def test_values_that_reach_a_shell_are_validated(key, value, fragment):
+    assert fragment in error_for(**{key: value})
+
+
+def test_warning_above_the_measured_memory_utilization(caplog):
+    host = SimpleNamespace(name="spark-2", data=SimpleNamespace(dict=lambda: {**defaults(), "gpu_memory_utilization": 0.9}))
+    settings = validate_fleet([host])
+    assert settings["spark-2"].gpu_memory_utilization == 0.9
+    assert "above the 0.82" in caplog.text
+
+
+def test_fleet_errors_list_every_bad_host_and_ignore_connector_keys():
+    good = SimpleNamespace(name="a", data=SimpleNamespace(dict=lambda: {**defaults(), "ssh_user": "root", "_sudo": True}))
+    bad1 = SimpleNamespace(name="b", data=SimpleNamespace(dict=lambda: {**defaults(), "port": 0}))
+    bad2 = SimpleNamespace(name="c", data=SimpleNamespace(dict=lambda: {**defaults(), "profile": "x"}))
+    with pytest.raises(ConfigError) as caught:
+        validate_fleet([good, bad1, bad2])
+    message = str(caught.value)
+    assert "nothing was changed" in message
+    assert "b: `port` = 0" in message and "c: `profile` = 'x'" in message
+    assert "a:" not in message
+
+
+def test_secrets_are_masked_in_errors():
+    message = error_for(api_key="tooshort", hf_token="hf_supersecret", profil="dense")
+    assert "tooshort" not in message and "hf_supersecret" not in message
+
+
+def test_build_hybrid_only_for_dense():
+    assert "build_hybrid" in error_for(profile="dflash", build_hybrid=True)
+
+
+def test_speculative_tokens_need_a_speculative_profile():
+    assert "no speculative decoder" in error_for(profile="base", num_speculative_tokens=4)
+
+
+def test_auto_api_key_is_generated_once_and_private(tmp_path):
+    settings = validate_host_data("s", {**defaults(), "api_key_file": str(tmp_path / "k" / "api-key")})
+    first = resolve_api_key(settings)
+    assert first and len(first) > 20
+    assert resolve_api_key(settings) == first
+    assert (tmp_path / "k" / "api-key").stat().st_mode & 0o777 == 0o600
+
+
+def test_api_key_none_disables_auth():
+    assert resolve_api_key(validate_host_data("s", {**defaults(), "api_key": "none"})) is None
