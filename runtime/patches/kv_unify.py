@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""kv_unify: let a hybrid GDN/mamba target absorb the DFlash drafter's attention KV spec.
+
+vLLM aligns the hybrid target's pages (mamba pages padded up to the attention page), so
+the largest page is a *padded* size. 0.23's ``unify_kv_cache_spec_page_size`` can only
+scale another layer's block size by an exact integer ratio and asserts the result equals
+that maximum, so the drafter's attention spec (whose page does not divide it) is rejected
+- and a mamba spec below the maximum can never get there, since its page ignores
+``block_size``.
+
+Fix: scale the block size by the integer ratio *and* pad the remaining (< one original
+page) bytes; pad mamba pages directly. Keeping the scaled block size matters: padding
+alone (block size unchanged) mis-strides the drafter's KV and collapses acceptance.
+
+Capability gate: newer vLLM (function moved to ``kv_cache_planning.py``) pads pages
+itself; when the function body already handles ``page_size_padded`` the patch is skipped.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _patchlib as pl  # noqa: E402
+
+NAME = "kv_unify"
+FUNC = "unify_kv_cache_spec_page_size"
+CANDIDATES = ("vllm/v1/core/kv_cache_utils.py", "vllm/v1/core/kv_cache_planning.py")
+
+ANCHOR = """\
+            layer_page_size = layer_spec.page_size_bytes
+            if max_page_size % layer_page_size != 0:
+                raise NotImplementedError(
+                    "The page size of the layer is not divisible by the "
+                    "maximum page size. Cannot unify by adjusting block_size."
+                )
+            ratio = max_page_size // layer_page_size
+            new_block_size = layer_spec.block_size * ratio
+            new_spec = replace(layer_spec, block_size=new_block_size)
+            assert new_spec.page_size_bytes == max_page_size
+            new_kv_cache_spec[layer_name] = new_spec
+"""
+
+REPLACEMENT = f"""\
+            # {pl.sentinel(NAME)} scale the block size and pad the remainder
+            # (helper at the end of this module).
+            new_kv_cache_spec[layer_name] = _sparkfleet_unify_page(
+                layer_spec, max_page_size
+            )
+"""
+
+HELPER = f'''\
+# {pl.sentinel(NAME)} helper for unify_kv_cache_spec_page_size (sparkfleet runtime patch).
+def _sparkfleet_unify_page(layer_spec, max_page_size):
+    """Return ``layer_spec`` with ``page_size_bytes == max_page_size``.
+
+    Mamba pages do not depend on block_size: pad them. Plain (non-MLA) attention:
+    scale block_size by the integer ratio, then pad the remainder (< one original
+    page) - the scaled block size keeps the KV stride right, the padding absorbs
+    the geometry that does not divide. Other specs keep vLLM's exact-ratio rule.
+    """
+    from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
+    from vllm.v1.kv_cache_interface import MambaSpec as _MambaSpec
+
+    if isinstance(layer_spec, _MambaSpec):
+        new_spec = replace(layer_spec, page_size_padded=max_page_size)
+    else:
+        paddable = isinstance(layer_spec, AttentionSpec) and not isinstance(
+            layer_spec, MLAAttentionSpec
+        )
+        base = layer_spec
+        if paddable and layer_spec.page_size_padded is not None:
+            # A padded page ignores block_size; scale from the real page size.
+            base = replace(layer_spec, page_size_padded=None)
+        unit = base.page_size_bytes
+        if unit <= 0 or unit > max_page_size or (
+            not paddable and max_page_size % unit != 0
+        ):
+            raise NotImplementedError(
+                f"Cannot unify page size of {{type(layer_spec).__name__}} "
+                f"({{unit}} bytes) to {{max_page_size}} bytes."
+            )
+        ratio = max_page_size // unit
+        new_spec = replace(base, block_size=base.block_size * ratio)
+        if paddable and new_spec.page_size_bytes != max_page_size:
+            new_spec = replace(new_spec, page_size_padded=max_page_size)
+    assert new_spec.page_size_bytes == max_page_size, (
+        new_spec.page_size_bytes,
+        max_page_size,
+    )
+    return new_spec
+'''
+
+
+def upstream_pads(text: str) -> str | None:
+    if pl.code_uses(text, FUNC, "page_size_padded"):
+        return f"upstream {FUNC}() already pads pages (fixed in this vLLM)"
+    return None
+
+
+def apply(vllm: pl.Vllm) -> tuple[str, str]:
+    path = pl.find_defining_file(vllm, CANDIDATES, FUNC)
+    if path is None:
+        raise pl.PatchFailed(
+            f"none of {', '.join(CANDIDATES)} (vLLM {vllm.version}) defines anchor {FUNC}()"
+        )
+    edit = pl.Edit("ratio-only unify", ANCHOR, REPLACEMENT, scope=FUNC)
+    return pl.patch_file(vllm, NAME, path, [edit], append=HELPER, gate=upstream_pads)
+
+
+if __name__ == "__main__":
+    sys.exit(pl.run(NAME, apply))
