@@ -8,7 +8,7 @@ Every host's data is validated first: a bad value stops the run before any host 
 """
 
 from sparkfleet import container_runtime, hybrid, image, preflight, service, weights
-from sparkfleet.bench.deploy import run_checks
+from sparkfleet.bench.deploy import run_checks  # noqa: E402
 from sparkfleet.config import fleet_settings
 from sparkfleet.disk import still_needed
 

@@ -45,7 +45,7 @@ MAX_CONTEXT = 262144
 CONTAINER_MODEL_DIR = "/model"
 
 # Data keys that belong to pyinfra's connectors, not to sparkfleet.
-_CONNECTOR_PREFIXES = ("ssh_", "_", "docker_", "chroot_", "local_", "winrm_", "vagrant_", "terraform_")
+_CONNECTOR_PREFIXES = ("ssh_", "_", "docker_", "chroot_", "local_", "winrm_", "vagrant_", "terraform_", "fake_")
 
 _SAFE_PATH = re.compile(r"^/[A-Za-z0-9._/+-]*$")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")

@@ -26,6 +26,10 @@ NVIDIA_RUNTIME = {"path": "nvidia-container-runtime", "runtimeArgs": []}
 class ToolkitInstalled(FactBase[bool]):
     """Whether the pieces ``docker run --gpus`` uses are on the host."""
 
+    @staticmethod
+    def default():
+        return False
+
     def command(self) -> str:
         return (
             "command -v nvidia-container-runtime-hook >/dev/null && "
@@ -39,6 +43,10 @@ class ToolkitInstalled(FactBase[bool]):
 class DockerRuntimes(FactBase["list[str]"]):
     """The runtimes the running docker daemon lists."""
 
+    @staticmethod
+    def default():
+        return []
+
     def command(self) -> str:
         return "docker info --format '{{json .Runtimes}}' 2>/dev/null || echo '{}'"
 
@@ -51,6 +59,10 @@ class DockerRuntimes(FactBase["list[str]"]):
 
 class DaemonConfig(FactBase["dict | None"]):
     """docker's daemon.json as data ({} when absent, None when it is not valid JSON)."""
+
+    @staticmethod
+    def default():
+        return {}
 
     def command(self) -> str:
         return f"cat {DAEMON_JSON} 2>/dev/null || echo '{{}}'"

@@ -23,6 +23,10 @@ from sparkfleet.weights import container_command, marker_path, repo_cache_dir
 class HybridBuilt(FactBase[bool]):
     """Whether ``path`` holds a finished hybrid build (its config carries the build info)."""
 
+    @staticmethod
+    def default():
+        return False
+
     def command(self, path: str) -> str:
         return f"grep -q sparkfleet_hybrid {shlex.quote(path + '/config.json')} 2>/dev/null && echo yes || echo no"
 

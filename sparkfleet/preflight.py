@@ -26,6 +26,10 @@ GIB = 1024**3
 class Architecture(FactBase[str]):
     """The processor architecture as the kernel reports it (``uname -m``)."""
 
+    @staticmethod
+    def default():
+        return ""
+
     def command(self) -> str:
         return "uname -m"
 
@@ -64,6 +68,10 @@ class DockerRoot(FactBase["str | None"]):
 class FreeSpace(FactBase["dict[str, object]"]):
     """Free bytes and mount point of the filesystem that holds (or will hold) ``path``."""
 
+    @staticmethod
+    def default():
+        return {"mount": "?", "free": 0}
+
     def command(self, path: str) -> str:
         # The path may not exist yet: ask about its nearest existing parent.
         return (
@@ -81,6 +89,10 @@ class FreeSpace(FactBase["dict[str, object]"]):
 class Memory(FactBase["dict[str, int]"]):
     """MemTotal and MemAvailable in bytes."""
 
+    @staticmethod
+    def default():
+        return {}
+
     def command(self) -> str:
         return "grep -E '^(MemTotal|MemAvailable):' /proc/meminfo"
 
@@ -94,6 +106,10 @@ class Memory(FactBase["dict[str, int]"]):
 
 class ServiceActive(FactBase[bool]):
     """Whether the sparkfleet serving unit is running now."""
+
+    @staticmethod
+    def default():
+        return False
 
     def command(self) -> str:
         return "systemctl is-active sparkfleet-serve.service 2>/dev/null || true"

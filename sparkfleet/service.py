@@ -48,6 +48,10 @@ def local_address(settings: Settings) -> str:
 class UnitState(FactBase["dict[str, str]"]):
     """ActiveState, start time and restart count of the serving unit."""
 
+    @staticmethod
+    def default():
+        return {}
+
     def command(self) -> str:
         return f"systemctl show {UNIT} -p ActiveState -p ExecMainStartTimestampMonotonic -p NRestarts -p UnitFileState"
 

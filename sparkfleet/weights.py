@@ -44,6 +44,10 @@ class CachedSnapshot(FactBase["str | None"]):
 class CheckpointDir(FactBase[bool]):
     """Whether ``path`` holds a checkpoint (a config.json)."""
 
+    @staticmethod
+    def default():
+        return False
+
     def command(self, path: str) -> str:
         return f"test -f {shlex.quote(path + '/config.json')} && echo yes || echo no"
 

@@ -1,0 +1,65 @@
+"""deploy.py planned (--dry) against @fake hosts: validation and preflight decide what runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def plan(fleet: str, *data: str) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "pyinfra", "--dry", "tests/fixtures/fake_fleet.py", "deploy.py"]
+    for item in data:
+        args += ["--data", item]
+    env = {**os.environ, "FAKE_FLEET": fleet}
+    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def changes(result: subprocess.CompletedProcess) -> str:
+    return result.stdout + result.stderr
+
+
+def test_a_fresh_gb10_plans_every_step_in_order():
+    out = changes(plan("gb10"))
+    steps = [
+        "NVIDIA container toolkit installed",
+        "serving image present",
+        "weights in the HF cache",
+        "systemd unit sparkfleet-serve.service",
+        "READY: the served model answers",
+    ]
+    positions = [out.index(step) for step in steps]
+    assert positions == sorted(positions), out
+
+
+def test_a_wrong_gpu_plans_only_its_failing_preflight():
+    out = changes(plan("gb10,h100"))
+    preflight_line = next(line for line in out.splitlines() if line.strip().startswith("preflight:"))
+    assert "spark-2-h100" in preflight_line and "spark-1-gb10" not in preflight_line
+    image_line = next(line for line in out.splitlines() if "serving image present" in line)
+    assert "spark-1-gb10" in image_line and "spark-2-h100" not in image_line
+
+
+def test_force_turns_the_gpu_gate_into_a_warning():
+    out = changes(plan("h100", "force=true"))
+    assert "preflight warning: GPU is NVIDIA H100" in out
+    assert "serving image present" in out
+
+
+def test_a_full_disk_fails_preflight():
+    out = changes(plan("full"))
+    preflight_line = next(line for line in out.splitlines() if line.strip().startswith("preflight:"))
+    assert "spark-1-full" in preflight_line
+
+
+def test_invalid_data_exits_before_any_host_is_touched():
+    for item, needle in (("profile=nonsense", "valid profiles: base, dense, dflash, mtp"),
+                         ("gpu_memory_utilization=1.5", "`gpu_memory_utilization` = 1.5")):
+        result = plan("gb10,gb10", item)
+        assert result.returncode != 0
+        out = changes(result)
+        assert needle in out and "nothing was changed" in out
+        assert "Detected changes" not in out
