@@ -9,8 +9,10 @@ that maximum, so the drafter's attention spec (whose page does not divide it) is
 ``block_size``.
 
 Fix: scale the block size by the integer ratio *and* pad the remaining (< one original
-page) bytes; pad mamba pages directly. Keeping the scaled block size matters: padding
-alone (block size unchanged) mis-strides the drafter's KV and collapses acceptance.
+page) bytes, for attention and mamba specs alike. Keeping the scaled block size matters:
+padding alone (block size unchanged) mis-strides the drafter's KV and collapses
+acceptance. A scaled mamba block differs from ``cache_config.block_size``; with prefix
+caching on, ``prefix_align`` makes the hash block size cope with that.
 
 Capability gate: newer vLLM (function moved to ``kv_cache_planning.py``) pads pages
 itself; when the function body already handles ``page_size_padded`` the patch is skipped.
@@ -53,38 +55,36 @@ REPLACEMENT = f"""\
 HELPER = f'''\
 # {pl.sentinel(NAME)} helper for unify_kv_cache_spec_page_size (sparkfleet runtime patch).
 def _sparkfleet_unify_page(layer_spec, max_page_size):
-    """Return ``layer_spec`` with ``page_size_bytes == max_page_size``.
+    """Return ``layer_spec`` grown to ``page_size_bytes == max_page_size``.
 
-    Mamba pages do not depend on block_size: pad them. Plain (non-MLA) attention:
-    scale block_size by the integer ratio, then pad the remainder (< one original
-    page) - the scaled block size keeps the KV stride right, the padding absorbs
-    the geometry that does not divide. Other specs keep vLLM's exact-ratio rule.
+    Scale block_size by the integer ratio (as vLLM does), then pad what remains
+    (less than one original page) instead of asserting it away. Attention scales
+    from its real (unpadded) page; a mamba page ignores block_size, so its padded
+    page is the unit and its block size stays in step with the attention groups.
+    MLA and other specs keep vLLM's exact-ratio rule (their layout cannot pad).
     """
     from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
     from vllm.v1.kv_cache_interface import MambaSpec as _MambaSpec
 
-    if isinstance(layer_spec, _MambaSpec):
-        new_spec = replace(layer_spec, page_size_padded=max_page_size)
-    else:
-        paddable = isinstance(layer_spec, AttentionSpec) and not isinstance(
-            layer_spec, MLAAttentionSpec
+    is_mamba = isinstance(layer_spec, _MambaSpec)
+    is_attention = isinstance(layer_spec, AttentionSpec) and not isinstance(
+        layer_spec, MLAAttentionSpec
+    )
+    base = layer_spec
+    if is_attention and layer_spec.page_size_padded is not None:
+        base = replace(layer_spec, page_size_padded=None)
+    unit = base.page_size_bytes
+    paddable = is_mamba or is_attention
+    if unit <= 0 or unit > max_page_size or (
+        not paddable and max_page_size % unit != 0
+    ):
+        raise NotImplementedError(
+            f"Cannot unify the page size of {{type(layer_spec).__name__}} "
+            f"({{unit}} bytes) to {{max_page_size}} bytes."
         )
-        base = layer_spec
-        if paddable and layer_spec.page_size_padded is not None:
-            # A padded page ignores block_size; scale from the real page size.
-            base = replace(layer_spec, page_size_padded=None)
-        unit = base.page_size_bytes
-        if unit <= 0 or unit > max_page_size or (
-            not paddable and max_page_size % unit != 0
-        ):
-            raise NotImplementedError(
-                f"Cannot unify page size of {{type(layer_spec).__name__}} "
-                f"({{unit}} bytes) to {{max_page_size}} bytes."
-            )
-        ratio = max_page_size // unit
-        new_spec = replace(base, block_size=base.block_size * ratio)
-        if paddable and new_spec.page_size_bytes != max_page_size:
-            new_spec = replace(new_spec, page_size_padded=max_page_size)
+    new_spec = replace(base, block_size=base.block_size * (max_page_size // unit))
+    if paddable and new_spec.page_size_bytes != max_page_size:
+        new_spec = replace(new_spec, page_size_padded=max_page_size)
     assert new_spec.page_size_bytes == max_page_size, (
         new_spec.page_size_bytes,
         max_page_size,
