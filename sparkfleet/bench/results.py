@@ -1,0 +1,83 @@
+"""Result files on the controller: ``<results_dir>/<run-id>/<host>.json``.
+
+A host file is whatever the on-host bench wrote (schema ``sparkfleet.bench/1``), plus
+what only the controller knows (``host``, ``collected_at``). A host that could not
+produce one — unreachable, failed before its checks, bench crashed — gets a file too,
+with ``status: failed`` and the reason, so the report shows it as failed, not missing.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Dict, List, Optional
+
+SCHEMA = "sparkfleet.bench/1"
+REPORT_STEM = "fleet-report"
+
+
+def safe_host_name(name: str) -> str:
+    """A host name as a file name (``user@10.0.0.5:22`` -> ``user_10.0.0.5_22``)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name).strip(".") or "host"
+
+
+def run_dir(results_dir: str, run_id: str) -> Path:
+    return Path(results_dir) / run_id
+
+
+def result_path(directory: Path, host_name: str) -> Path:
+    return directory / f"{safe_host_name(host_name)}.json"
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def failed_result(host_name: str, run_id: str, reason: str, checks: Optional[List[str]] = None) -> dict:
+    return {
+        "schema": SCHEMA,
+        "host": host_name,
+        "run_id": run_id,
+        "status": "failed",
+        "reason": reason,
+        # The checks did not run: no per-check entries, only what was asked.
+        "checks": {},
+        "requested_checks": list(checks or []),
+        "collected_at": now_iso(),
+    }
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Atomic: a report built while hosts still finish never reads half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=str(path.parent))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(data, handle, indent=2, sort_keys=True)
+            handle.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def load_run(directory: Path) -> Dict[str, dict]:
+    """host name -> result, for every host file of a run (report files are skipped)."""
+    out: Dict[str, dict] = {}
+    for path in sorted(Path(directory).glob("*.json")):
+        if path.name.startswith(".") or path.stem == REPORT_STEM:
+            continue
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            out[path.stem] = failed_result(path.stem, directory.name, f"unreadable result file {path.name}: {exc}")
+            continue
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+            continue
+        out[str(data.get("host") or path.stem)] = data
+    return out
