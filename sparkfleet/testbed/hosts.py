@@ -1,0 +1,269 @@
+"""Simulated Spark hosts: systemd-nspawn containers with real systemd, sshd and dockerd.
+
+Each host boots from its own overlayfs over the cached host rootfs (nspawn locks the
+tree it boots, and writes must stay per host), gets a plain directory of the controller
+bound at /var/lib/docker (so its dockerd can use overlay2), and runs in its own network
+namespace `sf-spark-i`. Per-host files (identity, SSH key, docker daemon.json, simulated
+hardware, switches) are written into the overlay before the first boot; a restart boots
+the same overlay again, like a reboot.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from . import cgroups, paths, simhw
+from .proc import TestbedError, kill_wait, log, pid_alive, pid_matches, run, start_detached, wait_until
+from .state import HostState
+
+DAEMON_JSON = {"insecure-registries": [paths.REGISTRY]}
+
+#: nspawn mounts the cgroup v1 controller hierarchies read-only; dockerd's runc must
+#: create cgroups for its containers. Re-bind them writable (a per-mount flag: the
+#: hierarchy itself is rooted at this host's own cgroup through the cgroup namespace).
+CGROUPS_RW = """#!/usr/bin/python3
+import subprocess
+with open("/proc/self/mountinfo") as f:
+    for line in f:
+        p = line.split()
+        sep = p.index("-")
+        if p[sep + 1] == "cgroup" and "ro" in p[5].split(","):
+            subprocess.run(["mount", "--bind", p[4], p[4]], check=True, timeout=30)
+            subprocess.run(["mount", "-o", "remount,bind,rw", p[4]], check=True, timeout=30)
+"""
+
+CGROUPS_RW_UNIT = """[Unit]
+Description=sparkfleet testbed: writable cgroup controllers for dockerd
+DefaultDependencies=no
+After=local-fs.target
+Before=containerd.service docker.service sysinit.target
+
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+ExecStart=/usr/lib/sparkfleet-sim/cgroups-rw
+
+[Install]
+WantedBy=sysinit.target
+"""
+
+SSH_OPTS = [
+    "-o", "BatchMode=yes",
+    "-o", "StrictHostKeyChecking=no",
+    "-o", "UserKnownHostsFile=/dev/null",
+    "-o", "LogLevel=ERROR",
+    "-o", "ConnectTimeout=5",
+]
+
+
+# --- filesystem ------------------------------------------------------------------------
+
+
+def mount_overlay(h: HostState, rootfs: Path) -> None:
+    d = h.dir
+    for sub in ("upper", "work", "root", "docker"):
+        (d / sub).mkdir(parents=True, exist_ok=True)
+    if not _is_mountpoint(h.mnt):
+        run(
+            ["mount", "-t", "overlay", "overlay", "-o",
+             f"lowerdir={rootfs},upperdir={d / 'upper'},workdir={d / 'work'}", h.mnt],
+            timeout=30,
+        )
+
+
+def _is_mountpoint(p: Path) -> bool:
+    target = str(p)
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == target for line in f)
+
+
+def write_switches(h: HostState) -> None:
+    sim = h.mnt / paths.SIM_DIR_IN_HOST.lstrip("/")
+    sim.mkdir(parents=True, exist_ok=True)
+    (sim / "switches.json").write_text(json.dumps(h.switches, indent=1, sort_keys=True) + "\n")
+
+
+def provision(h: HostState, rootfs: Path, pubkey: str, toolkit_deb: Path) -> None:
+    """Prepare a host's root before its first boot (overlay mounted, files written)."""
+    mount_overlay(h, rootfs)
+    root = h.mnt
+    (root / "etc/hostname").write_text(h.name + "\n")
+    (root / "etc/hosts").write_text(
+        f"127.0.0.1\tlocalhost\n127.0.1.1\t{h.name}\n{h.address}\t{h.name}\n"
+        "::1\tlocalhost ip6-localhost ip6-loopback\n"
+    )
+    ssh_dir = root / "root/.ssh"
+    ssh_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    ssh_dir.chmod(0o700)
+    ak = ssh_dir / "authorized_keys"
+    ak.write_text(pubkey.strip() + "\n")
+    ak.chmod(0o600)
+    # Unique sshd host keys per host (the cached root has none).
+    run(["chroot", root, "ssh-keygen", "-A"], timeout=60)
+    docker_dir = root / "etc/docker"
+    docker_dir.mkdir(parents=True, exist_ok=True)
+    (docker_dir / "daemon.json").write_text(json.dumps(DAEMON_JSON, indent=2) + "\n")
+    simhw.install_hardware(root)
+    simhw.write_files(root, {
+        "usr/lib/sparkfleet-sim/cgroups-rw": (CGROUPS_RW, 0o755),
+        "etc/systemd/system/sparkfleet-sim-cgroups.service": (CGROUPS_RW_UNIT, 0o644),
+    })
+    wants = root / "etc/systemd/system/sysinit.target.wants"
+    wants.mkdir(parents=True, exist_ok=True)
+    link = wants / "sparkfleet-sim-cgroups.service"
+    if not link.is_symlink():
+        link.symlink_to("/etc/systemd/system/sparkfleet-sim-cgroups.service")
+    write_switches(h)
+    # The toolkit is installed as the (simulated) package, like on DGX OS; the .deb is
+    # kept on the host so a `no_nvidia_runtime` switch can be reverted offline.
+    stash = root / "usr/lib/sparkfleet-sim/nvidia-container-toolkit.deb"
+    stash.write_bytes(toolkit_deb.read_bytes())
+    if not h.switches.get("no_nvidia_runtime"):
+        run(["chroot", root, "dpkg", "-i", "/usr/lib/sparkfleet-sim/nvidia-container-toolkit.deb"],
+            timeout=120, env={"DEBIAN_FRONTEND": "noninteractive"})
+
+
+# --- lifecycle -------------------------------------------------------------------------
+
+
+def nspawn_argv(h: HostState) -> list[str]:
+    return [
+        "systemd-nspawn", "-b", "--register=no", "--keep-unit", "-q",
+        "--capability=all",
+        "--system-call-filter=@mount @keyring bpf",
+        f"--bind={h.dir / 'docker'}:/var/lib/docker",
+        f"--network-namespace-path=/run/netns/{h.netns}",
+        "--resolv-conf=off", "--link-journal=no",
+        "-D", str(h.mnt), "-M", h.name,
+    ]
+
+
+#: nspawn's environment: /proc/sys/net writable (dockerd sets ip_forward in the host's
+#: own netns); cgroup namespace kept (the default) so each host sees only its subtree.
+NSPAWN_ENV = {"SYSTEMD_NSPAWN_API_VFS_WRITABLE": "network"}
+
+
+def boot(h: HostState) -> int:
+    """Start the host's nspawn container detached; returns (and sets) its PID."""
+    if h.pid and pid_matches(h.pid, "systemd-nspawn"):
+        raise TestbedError(f"{h.name} is already running (pid {h.pid})")
+    dirs = cgroups.create(h.name)
+    h.pid = start_detached(
+        nspawn_argv(h), h.dir / "console.log", env=NSPAWN_ENV, cwd=Path("/"),
+        preexec_fn=lambda: cgroups.join(dirs),
+    )
+    return h.pid
+
+
+def ssh_argv(h: HostState, key: Path, command: str) -> list[str]:
+    return ["ssh", "-i", str(key), *SSH_OPTS, f"root@{h.address}", command]
+
+
+def ssh(h: HostState, key: Path, command: str, timeout: float = 60, check: bool = False) -> subprocess.CompletedProcess[str]:
+    return run(ssh_argv(h, key, command), timeout=timeout, check=check)
+
+
+def probe(h: HostState, key: Path) -> dict[str, str]:
+    """One readiness probe over real SSH: {"system": ..., "docker": ...} or {} if SSH
+    does not answer yet."""
+    try:
+        cp = ssh(h, key, "systemctl is-system-running; systemctl is-active docker", timeout=15)
+    except TestbedError:
+        return {}
+    if cp.returncode == 255:  # ssh itself failed
+        return {}
+    lines = cp.stdout.split()
+    return {"system": lines[0] if lines else "", "docker": lines[1] if len(lines) > 1 else ""}
+
+
+def wait_ready(h: HostState, key: Path, timeout: float = 180) -> None:
+    """Wait until sshd answers, systemd is running (or degraded) and docker is active."""
+    t0 = time.monotonic()
+    last: dict[str, str] = {}
+
+    def ready() -> bool:
+        nonlocal last
+        if not pid_alive(h.pid):
+            raise TestbedError(f"{h.name}: systemd-nspawn exited; see {h.dir / 'console.log'}")
+        last = probe(h, key)
+        return last.get("system") in ("running", "degraded") and last.get("docker") == "active"
+
+    try:
+        wait_until(ready, timeout, interval=1.0, what=f"{h.name} to be ready")
+    except TestbedError as exc:
+        tail = ""
+        try:
+            tail = (h.dir / "console.log").read_text(errors="replace")[-1500:]
+        except OSError:
+            pass
+        raise TestbedError(f"{exc}; last probe: {last or 'ssh not answering'}\nconsole tail:\n{tail}") from None
+    if last.get("system") == "degraded":
+        failed = ssh(h, key, "systemctl --failed --no-legend --plain", timeout=15).stdout.strip()
+        log(f"{h.name}: systemd degraded; failed units: {failed or '?'}")
+    log(f"{h.name} ready at {h.address} in {time.monotonic() - t0:.1f}s")
+
+
+def shutdown(h: HostState, grace: float = 60) -> None:
+    """Stop the host's container: SIGTERM makes nspawn power the container off in order;
+    SIGKILL after *grace* seconds. Processes left in its netns are then killed."""
+    if h.pid and pid_matches(h.pid, "systemd-nspawn"):
+        kill_wait(h.pid, sig=signal.SIGTERM, grace=grace)
+    h.pid = None
+    kill_netns_processes(h.netns)
+
+
+def kill_netns_processes(ns: str) -> None:
+    from .network import netns_pids
+
+    for pid in netns_pids(ns):
+        try:
+            kill_wait(pid, sig=signal.SIGKILL, grace=5)
+        except TestbedError as exc:
+            log(f"warning: {exc}")
+
+
+def container_init_pid(h: HostState) -> int:
+    """PID (in the controller's namespace) of the host's PID 1 (systemd)."""
+    if not h.pid or not pid_alive(h.pid):
+        raise TestbedError(f"{h.name} is not running")
+    try:
+        children = Path(f"/proc/{h.pid}/task/{h.pid}/children").read_text().split()
+    except OSError:
+        children = []
+    for c in children:
+        try:
+            status = Path(f"/proc/{c}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("NSpid:") and line.split()[-1] == "1":
+                return int(c)
+    raise TestbedError(f"{h.name}: no container init found under nspawn pid {h.pid}")
+
+
+def nsenter_exec(h: HostState, command: str, timeout: float = 60, check: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run *command* inside the host without SSH (works while its network is cut)."""
+    pid = container_init_pid(h)
+    return run(
+        ["nsenter", "-t", str(pid), "-m", "-u", "-i", "-n", "-p", "-C", "-r", "-w",
+         "/usr/bin/env", "-i", "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+         "HOME=/root", "/bin/sh", "-c", command],
+        timeout=timeout, check=check,
+    )
+
+
+def exec_cmd(h: HostState, key: Path, command: str | list[str], *, via: str = "ssh",
+             timeout: float = 60, check: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run a shell command (or argv, quoted for the shell) on host *h*."""
+    if not isinstance(command, str):
+        command = shlex.join(command)
+    if via == "ssh":
+        return ssh(h, key, command, timeout=timeout, check=check)
+    if via == "nsenter":
+        return nsenter_exec(h, command, timeout=timeout, check=check)
+    raise ValueError(f"via must be 'ssh' or 'nsenter', not {via!r}")

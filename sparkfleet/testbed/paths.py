@@ -1,0 +1,89 @@
+"""Names, addresses and paths of the simulated fleet.
+
+Everything here follows docs/architecture.md ("The simulated fleet"): change it only
+together with the contract. Every object the testbed creates on the controller is named
+from these constants, which is also how cleanup finds leftovers of an earlier run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+#: Repository root (sparkfleet/testbed/paths.py -> two levels up).
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+#: Git-ignored per-checkout output: controller SSH key and hosts.json.
+DOT_TESTBED = REPO_ROOT / ".testbed"
+HOSTS_JSON = DOT_TESTBED / "hosts.json"
+SSH_KEY = DOT_TESTBED / "id_ed25519"
+INVENTORY = REPO_ROOT / "inventory" / "testbed.py"
+
+#: Built once, kept by `down` (rootfs, image base layer, wheels, signing key).
+CACHE_DIR = Path("/var/cache/sparkfleet-testbed")
+#: Runtime state of one fleet; wiped by `up` and `down`.
+STATE_DIR = Path("/var/lib/sparkfleet-testbed")
+STATE_FILE = STATE_DIR / "state.json"
+HOSTS_DIR = STATE_DIR / "hosts"
+LOG_DIR = STATE_DIR / "logs"
+#: Outside STATE_DIR on purpose: it must survive the wipe of STATE_DIR it guards.
+LOCK_FILE = Path("/run/sparkfleet-testbed.lock")
+
+# --- network ------------------------------------------------------------------------
+BRIDGE = "sfbr0"
+SUBNET_PREFIX = "10.213.0."
+CONTROLLER_IP = "10.213.0.1"
+NETMASK_BITS = 24
+NETNS_PREFIX = "sf-spark-"
+#: Host-side veth names: "sfv-spark-<i>" (IFNAMSIZ is 16, so at most 15 characters).
+VETH_PREFIX = "sfv-spark-"
+HOST_PREFIX = "spark-"
+
+# --- services on the bridge address --------------------------------------------------
+REGISTRY_PORT = 5000
+HUB_PORT = 8090
+APT_PORT = 8091
+REGISTRY = f"{CONTROLLER_IP}:{REGISTRY_PORT}"
+IMAGE_REPO = "sparkfleet/vllm-sim"
+IMAGE_TAG = "0.23.0"
+IMAGE_REF = f"{REGISTRY}/{IMAGE_REPO}:{IMAGE_TAG}"
+HUB_URL = f"http://{CONTROLLER_IP}:{HUB_PORT}"
+APT_URL = f"http://{CONTROLLER_IP}:{APT_PORT}/"
+APT_KEY_URL = f"http://{CONTROLLER_IP}:{APT_PORT}/gpgkey"
+
+#: cgroup directory (in the name=systemd and unified hierarchies) holding one
+#: sub-cgroup per host, so that the systemd of each host manages its own subtree.
+CGROUP_PARENT = "sparkfleet-testbed"
+
+#: Where the simulated hardware reads its switches inside a host.
+SIM_DIR_IN_HOST = "/etc/sparkfleet-sim"
+
+
+def host_name(index: int) -> str:
+    """`spark-<index>` (1-based)."""
+    return f"{HOST_PREFIX}{index}"
+
+
+def host_index(name: str) -> int:
+    """Inverse of :func:`host_name`; raises ValueError for foreign names."""
+    if not name.startswith(HOST_PREFIX) or not name[len(HOST_PREFIX):].isdigit():
+        raise ValueError(f"not a testbed host name: {name!r}")
+    return int(name[len(HOST_PREFIX):])
+
+
+def host_address(index: int) -> str:
+    """10.213.0.(10+i)."""
+    if not 1 <= index <= 200:
+        raise ValueError(f"host index out of range 1..200: {index}")
+    return f"{SUBNET_PREFIX}{10 + index}"
+
+
+def netns_name(name: str) -> str:
+    return f"{NETNS_PREFIX}{host_index(name)}"
+
+
+def veth_name(name: str) -> str:
+    return f"{VETH_PREFIX}{host_index(name)}"
+
+
+def host_dir(name: str) -> Path:
+    return HOSTS_DIR / name

@@ -1,0 +1,112 @@
+"""Simulated hardware of a DGX Spark: only what a CPU machine cannot have.
+
+* `/usr/bin/nvidia-smi` answering like a GB10 (nvidia_smi.py),
+* the processor reported as aarch64 by `uname`/`arch` (wrappers in /usr/local/bin, which
+  is ahead of /usr/bin in every PATH a deploy uses: sshd's default PATH and sudo's
+  secure_path. `dpkg --print-architecture` and Python's platform.machine() still say
+  amd64/x86_64 - only the commands are wrapped),
+* the NVIDIA container toolkit pieces `docker run --gpus all` needs
+  (nvidia-container-runtime-hook, nvidia-container-runtime, nvidia-ctk), shipped as the
+  simulated `nvidia-container-toolkit` .deb (see aptrepo.py),
+* a boot unit applying the `disk_full` switch (apply_switches.py).
+
+Switches live in /etc/sparkfleet-sim/switches.json on each host; the tools read them
+at run time, so flipping a switch needs no reboot.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+TOOLKIT_PACKAGE = "nvidia-container-toolkit"
+TOOLKIT_VERSION = "1.17.8-1"
+
+#: dockerd registers its `--gpus` device driver only if it finds this in PATH at start;
+#: runc then runs it as an OCI prestart hook with the container state on stdin.
+HOOK_SH = """#!/bin/sh
+# Simulated nvidia-container-runtime-hook (sparkfleet testbed): a real one would mount
+# the GPU devices and driver libraries into the container. There is no GPU here, so it
+# only records the call (for tests) and succeeds.
+cat >/dev/null 2>&1
+mkdir -p /run/sparkfleet-sim 2>/dev/null
+echo "$(date +%s) $*" >> /run/sparkfleet-sim/hook.log 2>/dev/null
+exit 0
+"""
+
+RUNTIME_SH = """#!/bin/sh
+# Simulated nvidia-container-runtime (sparkfleet testbed): the real one is a runc shim
+# that injects the hook; docker's --gpus already adds the hook, so plain runc suffices.
+if [ "$1" = "--version" ]; then
+    echo "NVIDIA Container Runtime version 1.17.8 (simulated)"
+fi
+exec runc "$@"
+"""
+
+UNAME_SH = """#!/bin/sh
+# Simulated processor (sparkfleet testbed): report aarch64 like a DGX Spark, or the
+# `arch` switch of /etc/sparkfleet-sim/switches.json. The real uname is /usr/bin/uname.
+arch=$(sed -n 's/.*"arch": *"\\([^"]*\\)".*/\\1/p' /etc/sparkfleet-sim/switches.json 2>/dev/null | head -n 1)
+[ -n "$arch" ] || arch=aarch64
+out=$(/usr/bin/uname "$@") || exit $?
+printf '%s\\n' "$out" | sed "s/x86_64/$arch/g"
+"""
+
+ARCH_SH = """#!/bin/sh
+# Simulated processor (sparkfleet testbed): see /usr/local/bin/uname.
+exec /usr/local/bin/uname -m
+"""
+
+SWITCH_UNIT = """[Unit]
+Description=sparkfleet testbed: apply simulated hardware switches
+DefaultDependencies=no
+After=local-fs.target
+Before=docker.service ssh.service multi-user.target
+
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+ExecStart=/usr/lib/sparkfleet-sim/apply-switches
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def toolkit_files() -> dict[str, tuple[str, int]]:
+    """Files of the simulated `nvidia-container-toolkit` package: path -> (text, mode)."""
+    return {
+        "usr/bin/nvidia-container-runtime-hook": (HOOK_SH, 0o755),
+        "usr/bin/nvidia-container-runtime": (RUNTIME_SH, 0o755),
+        "usr/bin/nvidia-ctk": ((HERE / "nvidia_ctk.py").read_text(), 0o755),
+    }
+
+
+def hardware_files() -> dict[str, tuple[str, int]]:
+    """Files installed in every host root: path -> (text, mode)."""
+    return {
+        "usr/bin/nvidia-smi": ((HERE / "nvidia_smi.py").read_text(), 0o755),
+        "usr/local/bin/uname": (UNAME_SH, 0o755),
+        "usr/local/bin/arch": (ARCH_SH, 0o755),
+        "usr/lib/sparkfleet-sim/apply-switches": ((HERE / "apply_switches.py").read_text(), 0o755),
+        "etc/systemd/system/sparkfleet-sim-switches.service": (SWITCH_UNIT, 0o644),
+    }
+
+
+def write_files(root: Path, files: dict[str, tuple[str, int]]) -> None:
+    for rel, (text, mode) in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+        p.chmod(mode)
+
+
+def install_hardware(root: Path) -> None:
+    """Install the simulated hardware into a host root and enable the switch unit."""
+    write_files(root, hardware_files())
+    wants = root / "etc/systemd/system/multi-user.target.wants"
+    wants.mkdir(parents=True, exist_ok=True)
+    link = wants / "sparkfleet-sim-switches.service"
+    if not link.is_symlink():
+        link.symlink_to("/etc/systemd/system/sparkfleet-sim-switches.service")

@@ -1,0 +1,68 @@
+#!/usr/bin/python3
+"""Apply the boot-time simulated-hardware switches of a testbed host (stdlib only).
+
+Installed as /usr/lib/sparkfleet-sim/apply-switches and run by the
+`sparkfleet-sim-switches.service` unit before docker at every boot, and by the
+controller after it flips a switch. Only `disk_full` needs action here: it mounts a tiny
+tmpfs at /var/lib/sparkfleet and fills it to ~95%, so a deploy sees a nearly full disk.
+(`gpu` and `arch` are read live by nvidia-smi and uname; `no_nvidia_runtime` is the
+absence of the toolkit package, handled by the controller.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+SIM_DIR = os.environ.get("SPARKFLEET_SIM_DIR", "/etc/sparkfleet-sim")
+MOUNTPOINT = "/var/lib/sparkfleet"
+SOURCE = "sparkfleet-sim-disk"  # the tmpfs "device" name: how we recognise our mount
+SIZE_MIB = 16
+FILL_FRACTION = 0.95
+FILL_FILE = ".sparkfleet-sim-fill"
+
+
+def switches() -> dict:
+    try:
+        with open(os.path.join(SIM_DIR, "switches.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def our_mount() -> bool:
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            parts = line.split()
+            sep = parts.index("-")
+            if parts[4] == MOUNTPOINT and parts[sep + 2] == SOURCE:
+                return True
+    return False
+
+
+def main() -> int:
+    sw = switches()
+    if sw.get("disk_full"):
+        if not our_mount():
+            os.makedirs(MOUNTPOINT, exist_ok=True)
+            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SIZE_MIB}m,mode=0755", SOURCE, MOUNTPOINT],
+                           check=True, timeout=30)
+        st = os.statvfs(MOUNTPOINT)
+        total = st.f_blocks * st.f_frsize
+        used = (st.f_blocks - st.f_bfree) * st.f_frsize
+        want = int(total * FILL_FRACTION) - used
+        if want > 0:
+            fill = os.path.join(MOUNTPOINT, FILL_FILE)
+            with open(fill, "ab") as f:
+                f.write(b"\0" * want)  # real bytes: tmpfs does not allocate holes
+        print(f"disk_full: {MOUNTPOINT} is {SIZE_MIB} MiB, ~{int(FILL_FRACTION * 100)}% used")
+    elif our_mount():
+        subprocess.run(["umount", MOUNTPOINT], check=True, timeout=30)
+        print(f"disk_full off: unmounted {MOUNTPOINT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""The testbed's record of what it made: hosts, PIDs, services, image digest.
+
+Saved (atomically) to /var/lib/sparkfleet-testbed/state.json after every step of `up`,
+so that `down`, `status` and a later `up` can find and remove everything by the PIDs
+and names recorded here, even after a crash half-way through `up`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import paths
+
+STATE_VERSION = 1
+
+
+@dataclass
+class HostState:
+    """One simulated Spark."""
+
+    name: str
+    index: int
+    address: str
+    netns: str
+    veth: str
+    pid: int | None = None
+    switches: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def dir(self) -> Path:
+        return paths.host_dir(self.name)
+
+    @property
+    def mnt(self) -> Path:
+        """The host's root: an overlay of the cached rootfs."""
+        return self.dir / "root"
+
+
+@dataclass
+class ServiceState:
+    """A detached controller-side server (registry, hub, apt repo)."""
+
+    name: str
+    pid: int | None
+    url: str
+    #: A string unique to our command line, checked before signalling a recorded PID.
+    marker: str
+    log: str = ""
+
+
+@dataclass
+class State:
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    created: float = field(default_factory=time.time)
+    version: int = STATE_VERSION
+    rootfs: str = ""
+    hosts: dict[str, HostState] = field(default_factory=dict)
+    services: dict[str, ServiceState] = field(default_factory=dict)
+    image: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
+
+    # --- (de)serialisation ---------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "State":
+        if d.get("version") != STATE_VERSION:
+            raise ValueError(f"unsupported state version {d.get('version')!r}")
+        return cls(
+            run_id=d["run_id"],
+            created=d["created"],
+            version=d["version"],
+            rootfs=d.get("rootfs", ""),
+            hosts={k: HostState(**v) for k, v in d.get("hosts", {}).items()},
+            services={k: ServiceState(**v) for k, v in d.get("services", {}).items()},
+            image=dict(d.get("image", {})),
+            data=dict(d.get("data", {})),
+        )
+
+    def save(self, path: Path = paths.STATE_FILE) -> None:
+        """Write atomically: a crash never leaves a half-written state file."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path = paths.STATE_FILE) -> "State | None":
+        """The saved state, or None if there is none (or it is unreadable: then the
+        leftover scan in cleanup is what finds the remains)."""
+        try:
+            return cls.from_dict(json.loads(path.read_text()))
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+def write_hosts_json(state: State, ssh_key: Path = paths.SSH_KEY, path: Path = paths.HOSTS_JSON) -> None:
+    """`.testbed/hosts.json`, the contract with inventory/testbed.py."""
+    doc = {
+        "hosts": [
+            {
+                "name": h.name,
+                "address": h.address,
+                "ssh_key": str(ssh_key),
+                "switches": h.switches,
+            }
+            for h in sorted(state.hosts.values(), key=lambda h: h.index)
+        ],
+        "data": state.data,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
