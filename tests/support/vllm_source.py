@@ -198,6 +198,21 @@ def vllm_source_file(version: str, relpath: str) -> Path:
     return dest
 
 
+def vllm_source_files(version: str, relpaths: Iterable[str]) -> dict[str, Path]:
+    """Like ``vllm_source_file`` for many members, extracting the missing ones in a
+    single pass over the tarball (one pass per member would rescan it each time)."""
+    rels = [r.lstrip("/") for r in relpaths]
+    src = _version_dir(version) / "src"
+    todo = [r for r in rels if not (src / r).exists()]
+    if todo:
+        members = set(vllm_members(version))
+        absent = [r for r in todo if r not in members]
+        if absent:
+            raise VllmSourceError(f"vllm {version} sdist has no member(s): {', '.join(absent)}")
+        _extract(version, todo)
+    return {r: src / r for r in rels}
+
+
 def vllm_has_file(version: str, relpath: str) -> bool:
     return relpath.lstrip("/") in set(vllm_members(version))
 
