@@ -601,12 +601,12 @@ def sim_profile(model: str, config: dict[str, Any], spec: SpecConfig | None, env
     )
 
 
-def decode_blocks(n_tokens: int, accept_len: float, k: int) -> list[int]:
+def decode_blocks(n_tokens: int, accept_len: float, k: int, steps: int | None = None) -> list[int]:
     """Sizes of the token groups a request's output arrives in.
 
     The first token comes alone (it is the prefill's output). The other ``n - 1`` come
-    one per decode step, or under speculative decoding in D near-equal accepted blocks
-    with ``(n - 1) / D`` ≈ ``accept_len`` and no block above ``k + 1`` tokens."""
+    one per decode step, or under speculative decoding in ``steps`` near-equal accepted
+    blocks (default: the nearest to ``(n - 1) / accept_len``), none above ``k + 1``."""
     if n_tokens <= 0:
         return []
     rest = n_tokens - 1
@@ -614,9 +614,37 @@ def decode_blocks(n_tokens: int, accept_len: float, k: int) -> list[int]:
         return [1]
     if k <= 0:
         return [1] * n_tokens
-    steps = max(math.ceil(rest / (k + 1)), round(rest / accept_len), 1)
-    steps = min(steps, rest)
+    if steps is None:
+        steps = round(rest / accept_len)
+    steps = min(max(steps, math.ceil(rest / (k + 1)), 1), rest)
     return [1] + [(i + 1) * rest // steps - i * rest // steps for i in range(steps)]
+
+
+class StepPlanner:
+    """Chooses each request's number of decode steps so that the engine's acceptance
+    length tracks the set value across requests, short ones included (alone, a 30-token
+    request can only be 29/3 or 29/4 tokens per step).
+
+    The rounding residue is carried to the next request, so one request is within one
+    step of ``(n - 1) / accept_len`` and the running total within half a step. Steps
+    forced by the limits (at least one, at most k + 1 tokens each) are not carried."""
+
+    def __init__(self, accept_len: float, k: int) -> None:
+        self.accept_len, self.k = accept_len, k
+        self._carry = 0.0
+        self._lock = threading.Lock()
+
+    def blocks(self, n_tokens: int) -> list[int]:
+        if self.k <= 0 or n_tokens <= 1:
+            return decode_blocks(n_tokens, self.accept_len, self.k)
+        rest = n_tokens - 1
+        with self._lock:
+            wanted = rest / self.accept_len + self._carry
+            blocks = decode_blocks(n_tokens, self.accept_len, self.k, steps=round(wanted))
+            steps = len(blocks) - 1
+            if steps == round(wanted):
+                self._carry = wanted - steps
+        return blocks
 
 
 # --------------------------------------------------------------------------------------
@@ -842,10 +870,12 @@ class Engine:
     max_num_seqs: int
     access_log: bool
     metrics: Metrics = field(init=False)
+    planner: StepPlanner = field(init=False)
     slots: threading.BoundedSemaphore = field(init=False)
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.served_names[0], self.profile.num_speculative_tokens)
+        self.planner = StepPlanner(self.profile.accept_len, self.profile.num_speculative_tokens)
         self.slots = threading.BoundedSemaphore(self.max_num_seqs)
 
     def run(self, prompt_tokens: int, plan: Plan, emit: Callable[[list[Piece]], None]) -> int:
@@ -863,7 +893,7 @@ class Engine:
         produced = 0
         outcome = "abort"
         try:
-            blocks = decode_blocks(plan.n_tokens, prof.accept_len, prof.num_speculative_tokens)
+            blocks = self.planner.blocks(plan.n_tokens)
             t_first = t0 + prof.ttft_s
             with m.lock:
                 m.prompt_tokens += prompt_tokens
