@@ -1,0 +1,118 @@
+"""The simulated NVIDIA container-toolkit apt repository at http://10.213.0.1:8091/.
+
+A flat repository (`deb [signed-by=...] http://10.213.0.1:8091/ /`) holding one package,
+`nvidia-container-toolkit` (Architecture: all, no dependencies, so it installs on the
+offline hosts), built with dpkg-deb from the stand-ins in simhw; indexed with
+apt-ftparchive and signed (InRelease, Release.gpg) with a testbed key generated once and
+cached. The ASCII-armored public key is served at /gpgkey, as NVIDIA serves theirs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from . import paths, services, simhw
+from .proc import TestbedError, log, run
+from .state import ServiceState
+
+GNUPGHOME = paths.CACHE_DIR / "gnupg"
+KEY_UID = "sparkfleet testbed apt signing key <testbed@sparkfleet.invalid>"
+REPO_DIR = paths.STATE_DIR / "apt"
+BUILD_DIR = paths.STATE_DIR / "apt-build"
+
+
+def _gpg(*args: str, timeout: float = 60, input: str | None = None):
+    GNUPGHOME.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return run(["gpg", "--batch", "--yes", "--pinentry-mode", "loopback", "--passphrase", "",
+                "--homedir", str(GNUPGHOME), *args], timeout=timeout, input=input)
+
+
+def _stop_agent() -> None:
+    """gpg starts a gpg-agent for the key; stop it so nothing of ours lingers."""
+    run(["gpgconf", "--homedir", str(GNUPGHOME), "--kill", "all"], timeout=30, check=False)
+
+
+def ensure_key() -> str:
+    """Fingerprint of the testbed signing key (created once, kept in the cache)."""
+    def fpr() -> str | None:
+        out = _gpg("--with-colons", "--list-secret-keys").stdout
+        for line in out.splitlines():
+            if line.startswith("fpr:"):
+                return line.split(":")[9]
+        return None
+
+    found = fpr()
+    if not found:
+        _gpg("--quick-gen-key", KEY_UID, "ed25519", "sign", "never", timeout=120)
+        found = fpr()
+    if not found:
+        raise TestbedError("could not create the testbed apt signing key")
+    return found
+
+
+def build_deb(out_dir: Path) -> Path:
+    """Build the simulated nvidia-container-toolkit .deb into *out_dir*."""
+    stage = BUILD_DIR / "pkg"
+    if stage.exists():
+        shutil.rmtree(stage)
+    simhw.write_files(stage, simhw.toolkit_files())
+    (stage / "DEBIAN").mkdir(parents=True)
+    (stage / "DEBIAN/control").write_text(
+        f"Package: {simhw.TOOLKIT_PACKAGE}\n"
+        f"Version: {simhw.TOOLKIT_VERSION}\n"
+        "Architecture: all\n"
+        "Maintainer: sparkfleet testbed <testbed@sparkfleet.invalid>\n"
+        "Section: utils\n"
+        "Priority: optional\n"
+        "Description: NVIDIA Container Toolkit (simulated by the sparkfleet testbed)\n"
+        " Stand-ins for nvidia-container-runtime-hook, nvidia-container-runtime and\n"
+        " nvidia-ctk, so `docker run --gpus all` starts containers on hosts without a GPU.\n"
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    deb = out_dir / f"{simhw.TOOLKIT_PACKAGE}_{simhw.TOOLKIT_VERSION}_all.deb"
+    run(["dpkg-deb", "--root-owner-group", "-Zgzip", "--build", stage, deb], timeout=60)
+    return deb
+
+
+def build_repo() -> Path:
+    """(Re)build the signed repository in REPO_DIR; return the .deb path."""
+    if REPO_DIR.exists():
+        shutil.rmtree(REPO_DIR)
+    REPO_DIR.mkdir(parents=True)
+    deb = build_deb(REPO_DIR)
+    packages = run(["apt-ftparchive", "packages", "."], cwd=REPO_DIR, timeout=60).stdout
+    (REPO_DIR / "Packages").write_text(packages)
+    run(["gzip", "-9nk", "Packages"], cwd=REPO_DIR, timeout=30)
+    release = run(
+        ["apt-ftparchive",
+         "-o", "APT::FTPArchive::Release::Origin=sparkfleet-testbed",
+         "-o", "APT::FTPArchive::Release::Label=nvidia-container-toolkit (simulated)",
+         "release", "."],
+        cwd=REPO_DIR, timeout=60,
+    ).stdout
+    (REPO_DIR / "Release").write_text(release)
+    fpr = ensure_key()
+    try:
+        _gpg("--local-user", fpr, "--clearsign", "-o", str(REPO_DIR / "InRelease"), str(REPO_DIR / "Release"))
+        _gpg("--local-user", fpr, "--armor", "--detach-sign", "-o", str(REPO_DIR / "Release.gpg"),
+             str(REPO_DIR / "Release"))
+        (REPO_DIR / "gpgkey").write_text(_gpg("--armor", "--export", fpr).stdout)
+    finally:
+        _stop_agent()
+    shutil.rmtree(BUILD_DIR, ignore_errors=True)
+    log(f"apt repo built: {deb.name}, signed by {fpr[-16:]}")
+    return deb
+
+
+def start_server() -> ServiceState:
+    """Serve REPO_DIR at http://10.213.0.1:8091/ with python's http.server."""
+    if not (REPO_DIR / "InRelease").exists():
+        raise TestbedError("apt repo not built")
+    return services.start(
+        "apt",
+        [services.python(), "-m", "http.server", str(paths.APT_PORT), "--bind", paths.CONTROLLER_IP,
+         "--directory", str(REPO_DIR)],
+        url=paths.APT_URL, marker=str(REPO_DIR), port=paths.APT_PORT,
+    )

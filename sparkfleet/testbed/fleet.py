@@ -1,0 +1,424 @@
+"""Bring the simulated fleet up and down, report its status, and operate on its hosts.
+
+`up()` starts from a clean slate (everything a previous run left is removed first), then
+builds or reuses the cached roots, makes the network, provisions and boots the hosts,
+and - while they boot - starts registry (+ image push), hub and apt repo. It writes the
+state file after every step and `.testbed/hosts.json` at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterator
+
+from . import aptrepo, cleanup, hosts, hubservice, image, keys, network, paths, registry, rootfs, switches
+from .proc import TestbedError, log, pid_alive, pid_matches, require_root, require_tools, run
+from .services import port_open
+from .state import HostState, State, write_hosts_json
+
+READY_TIMEOUT_S = 300  # group-data override: the sim engine is ready in seconds
+HOST_READY_TIMEOUT = 180.0
+
+_lock_depth = 0
+_lock_fd: int | None = None
+
+
+@contextlib.contextmanager
+def locked() -> Iterator[None]:
+    """Serialise testbed operations across processes (flock), re-entrant in-process."""
+    global _lock_depth, _lock_fd
+    if _lock_depth == 0:
+        paths.LOCK_FILE.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(paths.LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log("another testbed operation is running; waiting for it")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        _lock_fd = fd
+    _lock_depth += 1
+    try:
+        yield
+    finally:
+        _lock_depth -= 1
+        if _lock_depth == 0 and _lock_fd is not None:
+            os.close(_lock_fd)
+            _lock_fd = None
+
+
+def _check_env() -> None:
+    require_root()
+    require_tools()
+
+
+# --- up / down -------------------------------------------------------------------------
+
+
+def up(n_hosts: int, host_switches: dict[str, dict[str, Any]] | None = None, *,
+       keep_on_failure: bool = False) -> "Testbed":
+    """Boot a fresh fleet of *n_hosts* hosts (spark-1..N); return it."""
+    if not 1 <= n_hosts <= 50:
+        raise TestbedError(f"--hosts must be 1..50, not {n_hosts}")
+    _check_env()
+    host_switches = host_switches or {}
+    names = [paths.host_name(i) for i in range(1, n_hosts + 1)]
+    unknown = set(host_switches) - set(names)
+    if unknown:
+        raise TestbedError(f"switches for hosts that are not in the fleet: {', '.join(sorted(unknown))}")
+    with locked():
+        t0 = time.monotonic()
+        timings: dict[str, float] = {}
+
+        def mark(step: str, since: float) -> float:
+            now = time.monotonic()
+            timings[step] = round(now - since, 1)
+            return now
+
+        cleanup.teardown()
+        t = mark("cleanup", t0)
+        state = State()
+        paths.LOG_DIR.mkdir(parents=True, exist_ok=True)
+        state.save()
+        try:
+            _up(state, names, host_switches, mark, t)
+        except BaseException:
+            state.save()
+            if keep_on_failure:
+                log("up failed; leaving what was made for inspection (`sparkfleet testbed down` removes it)")
+            else:
+                log("up failed; removing what was made")
+                try:
+                    cleanup.teardown(state)
+                except Exception as exc:  # noqa: BLE001 - the original error matters more
+                    log(f"warning: cleanup after failure: {exc}")
+            raise
+        timings["total"] = round(time.monotonic() - t0, 1)
+        state.data["_timings_s"] = timings  # stripped from hosts.json below
+        tb = Testbed(state)
+        tb._save()
+        log(f"fleet up: {n_hosts} host(s) in {timings['total']}s ({', '.join(f'{k} {v}s' for k, v in timings.items())})")
+        return tb
+
+
+def _up(state: State, names: list[str], host_switches: dict[str, dict[str, Any]], mark, t: float) -> None:
+    host_root = rootfs.ensure_rootfs(rootfs.host_recipe())
+    state.rootfs = str(host_root)
+    image.base_layer()  # builds the image's root once; cached after
+    t = mark("rootfs", t)
+    pubkey = keys.ensure_ssh_key()
+    network.ensure_bridge()
+    deb = aptrepo.build_repo()
+    t = mark("apt_repo_build", t)
+
+    for name in names:
+        i = paths.host_index(name)
+        h = HostState(name=name, index=i, address=paths.host_address(i), netns=paths.netns_name(name),
+                      veth=paths.veth_name(name), switches=host_switches.get(name, {}))
+        state.hosts[name] = h
+        state.save()
+        network.create_host_net(name, h.address)
+        hosts.provision(h, host_root, pubkey, deb)
+    t = mark("provision", t)
+    for h in state.hosts.values():
+        hosts.boot(h)
+        state.save()
+    t = mark("boot_start", t)
+
+    # While the hosts boot: the services they will use.
+    state.services["registry"] = registry.start_server()
+    state.save()
+    state.image = image.publish()
+    state.save()
+    t = mark("registry_image", t)
+    revisions = hubservice.write_repos()
+    state.services["hub"] = hubservice.start_server()
+    state.save()
+    state.services["apt"] = aptrepo.start_server()
+    state.save()
+    t = mark("hub_apt", t)
+
+    key = paths.SSH_KEY
+    with ThreadPoolExecutor(max_workers=len(state.hosts)) as pool:
+        for fut in [pool.submit(hosts.wait_ready, h, key, HOST_READY_TIMEOUT) for h in state.hosts.values()]:
+            fut.result()
+    t = mark("hosts_ready", t)
+
+    state.data = {
+        "image": state.image["pinned"],
+        "hf_endpoint": paths.HUB_URL,
+        "nvidia_apt_repo": paths.APT_URL,
+        "nvidia_apt_key_url": paths.APT_KEY_URL,
+        "model_revisions": revisions,
+        "image_size_gib": round(state.image["size_bytes"] / hubservice.GIB, 6),
+        "artifact_sizes_gib": hubservice.repo_sizes_gib(revisions),
+        "ready_timeout_s": READY_TIMEOUT_S,
+    }
+
+
+def down() -> None:
+    """Remove the fleet: containers, processes, mounts, cgroups, netns, links, state.
+    The cache stays."""
+    _check_env()
+    with locked():
+        t0 = time.monotonic()
+        cleanup.teardown()
+        left = {k: v for k, v in cleanup.leftovers().items() if v}
+        if left:
+            raise TestbedError(f"down left things behind: {left}")
+        log(f"fleet down in {time.monotonic() - t0:.1f}s (cache kept in {paths.CACHE_DIR})")
+
+
+# --- the fleet object ------------------------------------------------------------------
+
+
+class Testbed:
+    """A running simulated fleet, as recorded in the state file.
+
+    `hosts` are HostState records (name, address, pid, switches); `inventory_path` is
+    the pyinfra inventory (inventory/testbed.py). Host operations go through the lock
+    and update the state file (and hosts.json for switches).
+    """
+
+    __test__ = False
+
+    def __init__(self, state: State):
+        self.state = state
+
+    @classmethod
+    def load(cls) -> "Testbed":
+        state = State.load()
+        if state is None or not state.hosts:
+            raise TestbedError("no testbed is up: run `sparkfleet testbed up` first")
+        return cls(state)
+
+    # --- properties ---------------------------------------------------------------
+
+    @property
+    def hosts(self) -> list[HostState]:
+        return sorted(self.state.hosts.values(), key=lambda h: h.index)
+
+    @property
+    def names(self) -> list[str]:
+        return [h.name for h in self.hosts]
+
+    @property
+    def inventory_path(self) -> Path:
+        return paths.INVENTORY
+
+    @property
+    def hosts_json(self) -> Path:
+        return paths.HOSTS_JSON
+
+    @property
+    def ssh_key(self) -> Path:
+        return paths.SSH_KEY
+
+    @property
+    def data(self) -> dict[str, Any]:
+        return {k: v for k, v in self.state.data.items() if not k.startswith("_")}
+
+    @property
+    def image(self) -> dict[str, Any]:
+        return self.state.image
+
+    @property
+    def run_id(self) -> str:
+        return self.state.run_id
+
+    def host(self, name: str) -> HostState:
+        try:
+            return self.state.hosts[name]
+        except KeyError:
+            raise TestbedError(f"no host {name!r} in the testbed ({', '.join(self.names)})") from None
+
+    def _save(self) -> None:
+        self.state.save()
+        public = State.from_dict(self.state.to_dict())
+        public.data = self.data
+        write_hosts_json(public)
+
+    def _reload(self) -> None:
+        fresh = State.load()
+        if fresh is None or fresh.run_id != self.state.run_id:
+            raise TestbedError("the testbed this object describes is gone (down or a new up happened)")
+        self.state = fresh
+
+    # --- host operations ----------------------------------------------------------
+
+    def exec(self, name: str, command: str | list[str], *, via: str = "ssh", timeout: float = 60,
+             check: bool = False):
+        """Run a shell command on a host, over real SSH (default) or nsenter."""
+        return hosts.exec_cmd(self.host(name), self.ssh_key, command, via=via, timeout=timeout, check=check)
+
+    def stop_host(self, name: str, grace: float = 60) -> None:
+        """Power the host off (its overlay, docker data and netns stay): unreachable
+        until start_host()."""
+        with locked():
+            self._reload()
+            h = self.host(name)
+            hosts.shutdown(h, grace=grace)
+            self._save()
+            log(f"{name} stopped")
+
+    def start_host(self, name: str, timeout: float = HOST_READY_TIMEOUT) -> None:
+        """Boot a stopped host again (same overlay) and wait until it is ready."""
+        with locked():
+            self._reload()
+            h = self.host(name)
+            if h.pid and pid_matches(h.pid, "systemd-nspawn"):
+                raise TestbedError(f"{name} is already running")
+            hosts.boot(h)
+            self._save()
+            hosts.wait_ready(h, self.ssh_key, timeout)
+
+    def restart_host(self, name: str, grace: float = 60, timeout: float = HOST_READY_TIMEOUT) -> None:
+        """Simulate a reboot: stop the container in order and boot the same root again."""
+        with locked():
+            self.stop_host(name, grace=grace)
+            self.start_host(name, timeout=timeout)
+
+    def kill_host(self, name: str) -> None:
+        """Simulate a power cut: SIGKILL the host's container, no orderly shutdown."""
+        import signal as _signal
+        from .proc import kill_wait
+
+        with locked():
+            self._reload()
+            h = self.host(name)
+            if h.pid and pid_matches(h.pid, "systemd-nspawn"):
+                kill_wait(h.pid, sig=_signal.SIGKILL)
+            hosts.kill_netns_processes(h.netns)
+            h.pid = None
+            self._save()
+
+    def set_link(self, name: str, up: bool) -> None:
+        """Cut (False) or restore (True) a host's network; the host keeps running."""
+        self.host(name)
+        network.set_host_link(name, up)
+
+    @contextlib.contextmanager
+    def unreachable(self, name: str) -> Iterator[None]:
+        """Within the block the host runs but cannot be reached (link down)."""
+        self.set_link(name, False)
+        try:
+            yield
+        finally:
+            self.set_link(name, True)
+
+    def set_switches(self, name: str, **changes: Any) -> dict[str, Any]:
+        """Flip simulated-hardware switches on a host (None/False turns one off); returns
+        the previous switches. Takes effect at once: nvidia-smi and uname read the
+        switch file live, `disk_full` is (un)mounted, `no_nvidia_runtime` purges or
+        reinstalls the toolkit package and restarts docker."""
+        with locked():
+            self._reload()
+            h = self.host(name)
+            old = dict(h.switches)
+            merged = {**old, **changes}
+            new = switches.normalize({k: v for k, v in merged.items() if v not in (None, False)})
+            h.switches = new
+            hosts.write_switches(h)
+            running = bool(h.pid and pid_alive(h.pid))
+            if running and bool(old.get("disk_full")) != bool(new.get("disk_full")):
+                hosts.nsenter_exec(h, "/usr/lib/sparkfleet-sim/apply-switches", timeout=60, check=True)
+            if bool(old.get("no_nvidia_runtime")) != bool(new.get("no_nvidia_runtime")):
+                self._toolkit(h, present=not new.get("no_nvidia_runtime"), running=running)
+            self._save()
+            return old
+
+    def _toolkit(self, h: HostState, present: bool, running: bool) -> None:
+        if present:
+            cmd = "dpkg -i /usr/lib/sparkfleet-sim/nvidia-container-toolkit.deb >/dev/null"
+        else:
+            cmd = ("dpkg --purge nvidia-container-toolkit >/dev/null; python3 -c '" + _STRIP_NVIDIA + "'")
+        if running:
+            # reset-failed: docker's unit allows 3 starts a minute, and tests flip switches
+            # right after a deploy restarted docker.
+            hosts.nsenter_exec(h, cmd + " && systemctl reset-failed docker.service; systemctl restart docker",
+                               timeout=120, check=True)
+        else:
+            run(["chroot", h.mnt, "/bin/sh", "-c", cmd], timeout=120)
+
+    def clear_switches(self, name: str) -> dict[str, Any]:
+        return self.set_switches(name, **{k: None for k in switches.ALL_SWITCHES})
+
+    @contextlib.contextmanager
+    def switched(self, name: str, **changes: Any) -> Iterator["Testbed"]:
+        """`with tb.switched("spark-2", gpu="NVIDIA H100 80GB HBM3"): ...` - reverted after."""
+        old = self.set_switches(name, **changes)
+        try:
+            yield self
+        finally:
+            self.set_switches(name, **{k: old.get(k) for k in switches.ALL_SWITCHES})
+
+    # --- status -------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"run_id": self.state.run_id, "hosts": [], "services": []}
+        for h in self.hosts:
+            alive = bool(h.pid and pid_alive(h.pid))
+            ssh_ok = port_open(h.address, 22, timeout=1.0) if alive else False
+            probe = hosts.probe(h, self.ssh_key) if ssh_ok else {}
+            out["hosts"].append({
+                "name": h.name, "pid": h.pid if alive else None, "address": h.address,
+                "ssh": ssh_ok, "system": probe.get("system", "-"), "docker": probe.get("docker", "-"),
+                "switches": h.switches,
+            })
+        for s in self.state.services.values():
+            out["services"].append({
+                "name": s.name, "pid": s.pid if s.pid and pid_matches(s.pid, s.marker) else None,
+                "url": s.url,
+            })
+        out["image"] = self.state.image.get("pinned")
+        return out
+
+    def down(self) -> None:
+        down()
+
+
+#: Run inside a host: drop the nvidia runtime from docker's daemon.json (as on a host
+#: that never had the toolkit), keeping everything else.
+_STRIP_NVIDIA = (
+    "import json,os\n"
+    "p=\"/etc/docker/daemon.json\"\n"
+    "d=json.load(open(p)) if os.path.exists(p) else {}\n"
+    "d.get(\"runtimes\",{}).pop(\"nvidia\",None)\n"
+    "d.pop(\"runtimes\") if d.get(\"runtimes\")=={} else None\n"
+    "d.pop(\"default-runtime\") if d.get(\"default-runtime\")==\"nvidia\" else None\n"
+    "open(p,\"w\").write(json.dumps(d,indent=2)+\"\\n\")\n"
+)
+
+
+def status() -> dict[str, Any] | None:
+    """Status of the recorded fleet, or None when none is up."""
+    state = State.load()
+    if state is None or not state.hosts:
+        return None
+    return Testbed(state).status()
+
+
+# Module-level conveniences for tests and scripts.
+def load() -> Testbed:
+    return Testbed.load()
+
+
+def restart_host(name: str) -> None:
+    Testbed.load().restart_host(name)
+
+
+def stop_host(name: str) -> None:
+    Testbed.load().stop_host(name)
+
+
+def start_host(name: str) -> None:
+    Testbed.load().start_host(name)
+
+
+def host_exec(name: str, command: str | list[str], **kw: Any):
+    return Testbed.load().exec(name, command, **kw)

@@ -1,0 +1,281 @@
+"""The simulated serving image `10.213.0.1:5000/sparkfleet/vllm-sim:0.23.0`.
+
+Built without a docker engine, as two deterministic layers:
+
+1. *base*: a Debian bookworm minbase root with python3 (rootfs.image_recipe), trimmed;
+   cached per recipe;
+2. *app*: Python packages the serving image offers (huggingface_hub, requests,
+   prometheus_client and their dependencies) installed offline from wheels the
+   controller downloads once, plus the simulated engine (sparkfleet/testbed/engine.py)
+   as /usr/local/bin/vllm; cached per input hash.
+
+Layers are tarred in sorted order with fixed mtimes/owners names and gzip mtime 0, and the
+manifest is serialised canonically, so the same inputs always give the same digest.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import shutil
+import stat
+import tarfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable
+
+from . import paths, rootfs
+from .proc import TestbedError, log, run
+
+#: Fixed mtime of every file in the image (2024-01-01T00:00:00Z).
+EPOCH = 1704067200
+CREATED = "2024-01-01T00:00:00Z"
+APP_LAYER_VERSION = 1
+
+PIP_PINS = ["huggingface_hub==2.4.0", "requests==2.34.2", "prometheus_client==0.26.0"]
+PIP_PLATFORMS = [
+    "manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x86_64",
+    "manylinux_2_31_x86_64", "manylinux_2_34_x86_64", "manylinux_2_36_x86_64",
+]
+IMAGE_PYTHON = "3.11"  # bookworm's python3
+
+ENGINE_SRC = Path(__file__).resolve().parent / "engine.py"
+PLACEHOLDER_ENGINE = """#!/usr/bin/python3
+import sys
+sys.exit("vllm (sparkfleet testbed): the simulated engine (sparkfleet/testbed/engine.py) was not available when this image was built")
+"""
+
+IMAGE_ENV = [
+    "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "LANG=C.UTF-8",
+    "PYTHONUNBUFFERED=1",
+]
+#: Like the vllm-openai images: the entrypoint is `vllm serve`; the deploy overrides it
+#: with `--entrypoint python3`.
+ENTRYPOINT = ["vllm", "serve"]
+
+#: Contents of these directories are not part of an image (docker mounts its own).
+BASE_EMPTY_DIRS = ("dev", "proc", "sys", "run", "tmp", "var/tmp")
+
+
+@dataclass
+class Layer:
+    path: str
+    digest: str       # sha256 of the gzip blob
+    diff_id: str      # sha256 of the uncompressed tar
+    size: int         # blob bytes
+    uncompressed: int # tar bytes
+
+    @property
+    def blob(self) -> Path:
+        return Path(self.path)
+
+
+class _Hashing:
+    """File-like writer that hashes and counts what passes through."""
+
+    def __init__(self, out):
+        self.out = out
+        self.h = hashlib.sha256()
+        self.n = 0
+
+    def write(self, b) -> int:
+        self.h.update(b)
+        self.n += len(b)
+        self.out.write(b)
+        return len(b)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+def _entries(root: Path, skip_contents: Iterable[str] = (), skip: Iterable[str] = ()) -> list[str]:
+    """Relative paths under *root*, sorted depth-first (parents before children, names
+    in byte order), not descending into symlinks."""
+    skip_contents, skip = set(skip_contents), set(skip)
+    out: list[str] = []
+
+    def walk(rel: str) -> None:
+        full = root / rel if rel else root
+        for name in sorted(os.listdir(full)):
+            r = f"{rel}/{name}" if rel else name
+            if r in skip:
+                continue
+            out.append(r)
+            p = root / r
+            if p.is_dir() and not p.is_symlink() and r not in skip_contents:
+                walk(r)
+
+    walk("")
+    return out
+
+
+def write_layer(root: Path, out: Path, *, skip_contents: Iterable[str] = (), skip: Iterable[str] = ()) -> Layer:
+    """Tar *root* deterministically into gzip blob *out* (written via a temp file)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    with open(tmp, "wb") as raw:
+        zhash = _Hashing(raw)
+        with gzip.GzipFile(filename="", mode="wb", fileobj=zhash, mtime=0, compresslevel=6) as gz:
+            thash = _Hashing(gz)
+            with tarfile.open(fileobj=thash, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+                for rel in _entries(root, skip_contents, skip):
+                    full = root / rel
+                    mode = full.lstat().st_mode
+                    if stat.S_ISSOCK(mode) or stat.S_ISFIFO(mode) or stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+                        continue
+                    ti = tar.gettarinfo(str(full), arcname=rel)
+                    ti.mtime = EPOCH
+                    ti.uname = ti.gname = ""
+                    ti.pax_headers = {}
+                    if ti.isreg():
+                        with open(full, "rb") as f:
+                            tar.addfile(ti, f)
+                    else:
+                        tar.addfile(ti)
+    os.replace(tmp, out)
+    return Layer(str(out), "sha256:" + zhash.h.hexdigest(), "sha256:" + thash.h.hexdigest(), zhash.n, thash.n)
+
+
+def _cached_layer(meta: Path) -> Layer | None:
+    try:
+        layer = Layer(**json.loads(meta.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+    if not layer.blob.exists() or layer.blob.stat().st_size != layer.size:
+        return None
+    return layer
+
+
+def base_layer() -> Layer:
+    recipe = rootfs.image_recipe()
+    key = rootfs.recipe_hash(recipe)
+    meta = paths.CACHE_DIR / f"image-base-{key}.json"
+    layer = _cached_layer(meta)
+    if layer:
+        return layer
+    root = rootfs.ensure_rootfs(recipe)
+    log("writing the image base layer (once)")
+    layer = write_layer(root, paths.CACHE_DIR / f"image-base-{key}.tar.gz",
+                        skip_contents=BASE_EMPTY_DIRS, skip={".sparkfleet-recipe.json"})
+    meta.write_text(json.dumps(asdict(layer), indent=2))
+    return layer
+
+
+def ensure_wheels() -> Path:
+    """Wheels for PIP_PINS (+ deps) for the image's CPython/platform, downloaded once."""
+    key = hashlib.sha256(json.dumps([PIP_PINS, PIP_PLATFORMS, IMAGE_PYTHON]).encode()).hexdigest()[:16]
+    final = paths.CACHE_DIR / f"wheels-{key}"
+    if (final / ".complete").exists():
+        return final
+    tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    log("downloading wheels for the serving image (once)")
+    plats = [a for p in PIP_PLATFORMS for a in ("--platform", p)]
+    run(["python3", "-m", "pip", "download", "-q", "--only-binary=:all:",
+         "--python-version", IMAGE_PYTHON, "--implementation", "cp", "--abi", "cp311", *plats,
+         "-d", tmp, *PIP_PINS], timeout=600)
+    (tmp / ".complete").write_text("\n".join(PIP_PINS) + "\n")
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    return final
+
+
+def engine_source() -> bytes:
+    if ENGINE_SRC.exists():
+        body = ENGINE_SRC.read_bytes()
+        lines = body.split(b"\n", 1)
+        # Run it with the image's python3, whatever shebang the source carries.
+        if lines[0].startswith(b"#!"):
+            body = lines[1] if len(lines) > 1 else b""
+        return b"#!/usr/bin/python3\n" + body
+    log(f"warning: {ENGINE_SRC} missing; the image gets a placeholder vllm")
+    return PLACEHOLDER_ENGINE.encode()
+
+
+def app_layer(base: Layer) -> Layer:
+    wheels = ensure_wheels()
+    engine = engine_source()
+    h = hashlib.sha256()
+    h.update(json.dumps([APP_LAYER_VERSION, PIP_PINS, base.diff_id]).encode())
+    for w in sorted(wheels.glob("*.whl")):
+        h.update(w.name.encode() + hashlib.sha256(w.read_bytes()).digest())
+    h.update(engine)
+    key = h.hexdigest()[:16]
+    meta = paths.CACHE_DIR / f"image-app-{key}.json"
+    layer = _cached_layer(meta)
+    if layer:
+        return layer
+    for old in paths.CACHE_DIR.glob("image-app-*"):  # only the current app layer is kept
+        old.unlink(missing_ok=True)
+    stage = paths.CACHE_DIR / f"image-app-stage.tmp-{os.getpid()}"
+    shutil.rmtree(stage, ignore_errors=True)
+    try:
+        site = stage / f"usr/local/lib/python{IMAGE_PYTHON}/dist-packages"
+        plats = [a for p in PIP_PLATFORMS for a in ("--platform", p)]
+        # --isolated: only our wheel set, never this machine's pip config or find-links.
+        run(["python3", "-m", "pip", "--isolated", "install", "-q", "--no-index", "--find-links", wheels,
+             "--only-binary=:all:", "--python-version", IMAGE_PYTHON, "--implementation", "cp",
+             "--abi", "cp311", *plats, "--target", site, "--no-compile", "--no-warn-script-location",
+             *PIP_PINS], timeout=600)
+        # Console scripts carry the controller's interpreter path: useless in the image.
+        shutil.rmtree(site / "bin", ignore_errors=True)
+        vllm = stage / "usr/local/bin/vllm"
+        vllm.parent.mkdir(parents=True, exist_ok=True)
+        vllm.write_bytes(engine)
+        for p in [stage, *stage.rglob("*")]:
+            if p.is_symlink():
+                continue
+            p.chmod(0o755 if p.is_dir() or p == vllm else 0o644)
+        layer = write_layer(stage, paths.CACHE_DIR / f"image-app-{key}.tar.gz")
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    meta.write_text(json.dumps(asdict(layer), indent=2))
+    return layer
+
+
+def config_bytes(layers: list[Layer]) -> bytes:
+    doc = {
+        "architecture": "amd64",
+        "os": "linux",
+        "created": CREATED,
+        "config": {
+            "Env": IMAGE_ENV,
+            "Entrypoint": ENTRYPOINT,
+            "WorkingDir": "/",
+            "Labels": {"org.opencontainers.image.title": "sparkfleet simulated vLLM 0.23.0 serving image"},
+        },
+        "rootfs": {"type": "layers", "diff_ids": [l.diff_id for l in layers]},
+        "history": [
+            {"created": CREATED, "created_by": "sparkfleet testbed: debian bookworm minbase + python3"},
+            {"created": CREATED, "created_by": "sparkfleet testbed: python packages + simulated vllm"},
+        ],
+    }
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+def build() -> tuple[bytes, list[Layer]]:
+    base = base_layer()
+    return config_bytes([base, app := app_layer(base)]), [base, app]
+
+
+def publish() -> dict:
+    """Build (or reuse) the layers and push the image; {ref, digest, pinned, size_bytes}."""
+    from .registry import RegistryClient, push_image
+
+    config, layers = build()
+    client = RegistryClient(f"http://{paths.REGISTRY}")
+    digest = push_image(client, paths.IMAGE_REPO, paths.IMAGE_TAG, config,
+                        [(l.blob, l.digest, l.size) for l in layers])
+    if not digest.startswith("sha256:"):
+        raise TestbedError(f"unexpected digest {digest!r}")
+    return {
+        "ref": paths.IMAGE_REF,
+        "digest": digest,
+        "pinned": f"{paths.REGISTRY}/{paths.IMAGE_REPO}:{paths.IMAGE_TAG}@{digest}",
+        # What the image takes in docker's data root once pulled (unpacked layers).
+        "size_bytes": sum(l.uncompressed for l in layers),
+        "blob_bytes": sum(l.size for l in layers),
+    }

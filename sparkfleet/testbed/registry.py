@@ -1,0 +1,146 @@
+"""The image registry at 10.213.0.1:5000 (Debian's `docker-registry`, distribution 2.8),
+and a minimal registry-v2 client to push the simulated serving image without a docker
+engine on the controller.
+
+The registry starts fresh on every `up` (storage under STATE_DIR is wiped with it); the
+image's layers are cached, so the push is only a local upload.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from . import paths, services
+from .proc import TestbedError, log
+from .state import ServiceState
+
+REGISTRY_DIR = paths.STATE_DIR / "registry"
+
+MANIFEST_V2 = "application/vnd.docker.distribution.manifest.v2+json"
+CONFIG_V1 = "application/vnd.docker.container.image.v1+json"
+LAYER_GZIP = "application/vnd.docker.image.rootfs.diff.tar.gzip"
+
+
+def write_config() -> Path:
+    storage = REGISTRY_DIR / "data"
+    storage.mkdir(parents=True, exist_ok=True)
+    cfg = REGISTRY_DIR / "config.yml"
+    # No auth: the testbed network is private to this machine. JSON is valid YAML.
+    cfg.write_text(json.dumps({
+        "version": 0.1,
+        "log": {"level": "info", "accesslog": {"disabled": False}},
+        "storage": {"filesystem": {"rootdirectory": str(storage)}, "delete": {"enabled": True}},
+        "http": {"addr": paths.REGISTRY, "headers": {"X-Content-Type-Options": ["nosniff"]}},
+    }, indent=2) + "\n")
+    return cfg
+
+
+def start_server() -> ServiceState:
+    if REGISTRY_DIR.exists():
+        shutil.rmtree(REGISTRY_DIR)
+    cfg = write_config()
+    client = RegistryClient(f"http://{paths.REGISTRY}")
+    return services.start(
+        "registry", ["docker-registry", "serve", str(cfg)],
+        url=f"http://{paths.REGISTRY}", marker=str(cfg), port=paths.REGISTRY_PORT,
+        ready=client.ping,
+    )
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+class RegistryClient:
+    """Just enough of the distribution v2 API: monolithic blob upload and manifest PUT."""
+
+    def __init__(self, base: str, timeout: float = 60):
+        import requests
+
+        self.base = base.rstrip("/")
+        self.timeout = timeout
+        self.http = requests.Session()
+        self.http.trust_env = False  # never via a proxy: the registry is on our bridge
+
+    def ping(self) -> bool:
+        try:
+            return self.http.get(f"{self.base}/v2/", timeout=2).status_code == 200
+        except Exception:  # noqa: BLE001 - not up yet
+            return False
+
+    def has_blob(self, repo: str, digest: str) -> bool:
+        r = self.http.head(f"{self.base}/v2/{repo}/blobs/{digest}", timeout=self.timeout)
+        return r.status_code == 200
+
+    def push_blob(self, repo: str, data: bytes | Path, digest: str) -> None:
+        if self.has_blob(repo, digest):
+            return
+        r = self.http.post(f"{self.base}/v2/{repo}/blobs/uploads/", timeout=self.timeout)
+        if r.status_code != 202:
+            raise TestbedError(f"registry: start upload for {repo}: HTTP {r.status_code} {r.text[:300]}")
+        loc = r.headers["Location"]
+        if loc.startswith("/"):
+            loc = self.base + loc
+        sep = "&" if "?" in loc else "?"
+        if isinstance(data, Path):
+            with open(data, "rb") as f:
+                r = self.http.put(f"{loc}{sep}digest={digest}", data=f, timeout=max(self.timeout, 300),
+                                  headers={"Content-Type": "application/octet-stream",
+                                           "Content-Length": str(data.stat().st_size)})
+        else:
+            r = self.http.put(f"{loc}{sep}digest={digest}", data=data, timeout=self.timeout,
+                              headers={"Content-Type": "application/octet-stream"})
+        if r.status_code != 201:
+            raise TestbedError(f"registry: upload {digest}: HTTP {r.status_code} {r.text[:300]}")
+
+    def put_manifest(self, repo: str, tag: str, manifest: bytes) -> str:
+        r = self.http.put(f"{self.base}/v2/{repo}/manifests/{tag}", data=manifest,
+                          headers={"Content-Type": MANIFEST_V2}, timeout=self.timeout)
+        if r.status_code != 201:
+            raise TestbedError(f"registry: manifest {repo}:{tag}: HTTP {r.status_code} {r.text[:300]}")
+        digest = "sha256:" + hashlib.sha256(manifest).hexdigest()
+        served = r.headers.get("Docker-Content-Digest")
+        if served and served != digest:
+            raise TestbedError(f"registry answered digest {served}, expected {digest}")
+        return digest
+
+    def get_manifest(self, repo: str, ref: str) -> tuple[dict[str, Any], str]:
+        r = self.http.get(f"{self.base}/v2/{repo}/manifests/{ref}", headers={"Accept": MANIFEST_V2},
+                          timeout=self.timeout)
+        r.raise_for_status()
+        return r.json(), r.headers.get("Docker-Content-Digest", "")
+
+
+def push_image(client: RegistryClient, repo: str, tag: str, config: bytes,
+               layers: list[tuple[Path, str, int]]) -> str:
+    """Push config + layers (path, digest, size) and the schema-2 manifest; its digest."""
+    config_digest = "sha256:" + hashlib.sha256(config).hexdigest()
+    for path, digest, _size in layers:
+        client.push_blob(repo, path, digest)
+    client.push_blob(repo, config, config_digest)
+    manifest = manifest_bytes(config, layers)
+    digest = client.put_manifest(repo, tag, manifest)
+    log(f"pushed {paths.REGISTRY}/{repo}:{tag}@{digest}")
+    return digest
+
+
+def manifest_bytes(config: bytes, layers: list[tuple[Path, str, int]]) -> bytes:
+    """The schema-2 manifest, serialised canonically (sorted keys, no spaces) so that the
+    same content always has the same digest."""
+    doc = {
+        "schemaVersion": 2,
+        "mediaType": MANIFEST_V2,
+        "config": {"mediaType": CONFIG_V1, "size": len(config),
+                   "digest": "sha256:" + hashlib.sha256(config).hexdigest()},
+        "layers": [{"mediaType": LAYER_GZIP, "size": size, "digest": digest}
+                   for _p, digest, size in layers],
+    }
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
