@@ -1109,6 +1109,8 @@ class _Handler(BaseHTTPRequestHandler):
         max_tokens = _int_param(body, "max_completion_tokens", "max_tokens") if chat else _int_param(body, "max_tokens")
         if not chat and max_tokens is None:
             max_tokens = 16  # vLLM's CompletionRequest default
+        if max_tokens is not None and max_tokens < 1:
+            raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
         min_tokens = _int_param(body, "min_tokens") or 0
         room = eng.max_model_len - prompt_tokens
         if max_tokens is not None and max_tokens > room:

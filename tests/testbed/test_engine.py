@@ -328,7 +328,10 @@ def test_sigterm_exits_zero(start: Any) -> None:
     server = start()
     assert server.stop() == 0
     early = start(env={"SIM_READY_DELAY_S": "30"}, ready=False)
-    time.sleep(0.5)
+    deadline = time.monotonic() + 20
+    while "Starting to load model" not in early.log.read_text():
+        assert time.monotonic() < deadline and early.proc.poll() is None, early.log.read_text()
+        time.sleep(0.05)
     assert early.stop() == 0  # also while "loading"
 
 
