@@ -25,9 +25,23 @@ nowhere else:
   length, at the same long-run rate, and the ``vllm:spec_decode_*`` counters count
   exactly those blocks.
 
+Counters: each decode step after the first token is one draft; a step that yields b
+tokens adds 1 to ``spec_decode_num_drafts``, b - 1 to ``num_accepted_tokens`` (positions
+0..b-2 to the per-position counters) and k to ``num_draft_tokens``, so 1 + accepted /
+drafts = (n - 1) / steps is the acceptance length. The per-request step count is the
+nearest to (n - 1) / accept_len, with the rounding carried across requests.
+
+Text is deterministic per prompt: "capital of France" → "Paris."; counting, code, JSON
+and prose prompts get matching filler; a reply ends by itself (finish "stop") unless
+``ignore_eos``/``min_tokens``/``max_tokens`` say otherwise. With ``tools``, a tool call
+comes when ``tool_choice`` requires one or the last user message names a tool (or says
+"tool"/"function"). Reasoning (``--reasoning-parser``) is emitted only when the request
+sets ``chat_template_kwargs.enable_thinking: true``. ``n``, ``stop``, ``logprobs`` and
+sampling parameters are accepted and ignored.
+
 Simulator-only knobs (environment): ``SIM_DECODE_TOK_S``, ``SIM_TTFT_S``,
 ``SIM_ACCEPT_LEN``, ``SIM_READY_DELAY_S`` (default 3). ``POST /_sim/crash`` makes the
-process exit 1 at once (a dead engine, for restart tests).
+process exit 1 at once (a dead engine, for restart tests; API key required when set).
 """
 from __future__ import annotations
 

@@ -16,6 +16,11 @@ tag) is a ref: a symlink to a sha directory aliases it, a real directory is a co
 sha is derived from its content. ``main`` falls back to ``refs.json`` and then to the
 newest sha directory, so a root with one revision per repo needs no ref at all.
 
+Auth, like the Hub: repo info and tree listings are public; file downloads of a gated
+repo need ``Authorization: Bearer <token>`` (the ``--token`` value; any token when none is
+configured), else 401 ``X-Error-Code: GatedRepo``. A bearer token that is not the
+configured one is refused on every endpoint (401 "Invalid credentials").
+
 Testbed endpoints: ``GET /_testbed/stats`` (body bytes served, per repo and client IP),
 ``POST /_testbed/reset``, ``GET /_testbed/requests`` (recent request log) and
 ``POST /_testbed/fault`` (``{"repo", "path", "abort_after", "times"}``: the next GETs of
