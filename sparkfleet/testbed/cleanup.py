@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 import signal
+import time
 
 from . import cgroups, network, paths, rootfs, services
 from .hosts import kill_netns_processes
@@ -86,6 +87,7 @@ def teardown(state: State | None = None, *, remove_hosts_json: bool = True) -> N
     and the state directory. The cache (rootfs, image layers, wheels, key) is kept."""
     if state is None:
         state = State.load()
+    t0 = time.monotonic()
     stop_hosts(state)
     stop_services(state)
     # gpg may have left an agent for the signing key.
@@ -100,6 +102,9 @@ def teardown(state: State | None = None, *, remove_hosts_json: bool = True) -> N
         shutil.rmtree(paths.STATE_DIR)
     if remove_hosts_json:
         paths.HOSTS_JSON.unlink(missing_ok=True)
+    dt = time.monotonic() - t0
+    if dt > 5:
+        log(f"teardown took {dt:.1f}s")
 
 
 def leftovers() -> dict[str, list[str]]:

@@ -52,6 +52,14 @@ ExecStart=/usr/lib/sparkfleet-sim/cgroups-rw
 WantedBy=sysinit.target
 """
 
+#: This machine's processes lack CAP_SYS_RESOURCE, so nobody here can raise the hard
+#: RLIMIT_MEMLOCK (8 MiB), and runc fails a container asking for more (the deploy runs the
+#: serving container with `--ulimit memlock=-1:-1`, right for a real Spark). runc is
+#: therefore wrapped (dpkg-divert keeps the real one as runc.distrib): on `create`/`run`
+#: it clamps the memlock limit of the bundle's config.json to what is allowed and logs it
+#: to /run/sparkfleet-sim/runc-clamp.log. Where CAP_SYS_RESOURCE is present it only execs.
+RUNC_WRAPPER = Path(__file__).resolve().parent / "simhw" / "runc_memlock.py"
+
 SSH_OPTS = [
     "-o", "BatchMode=yes",
     "-o", "StrictHostKeyChecking=no",
@@ -119,6 +127,10 @@ def provision(h: HostState, rootfs: Path, pubkey: str, toolkit_deb: Path) -> Non
     if not link.is_symlink():
         link.symlink_to("/etc/systemd/system/sparkfleet-sim-cgroups.service")
     write_switches(h)
+    if not (root / "usr/sbin/runc.distrib").exists():
+        run(["chroot", root, "dpkg-divert", "--local", "--rename", "--divert", "/usr/sbin/runc.distrib",
+             "--add", "/usr/sbin/runc"], timeout=60)
+    simhw.write_files(root, {"usr/sbin/runc": (RUNC_WRAPPER.read_text(), 0o755)})
     # The toolkit is installed as the (simulated) package, like on DGX OS; the .deb is
     # kept on the host so a `no_nvidia_runtime` switch can be reverted offline.
     stash = root / "usr/lib/sparkfleet-sim/nvidia-container-toolkit.deb"
