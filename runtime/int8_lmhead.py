@@ -1,0 +1,351 @@
+"""int8 lm-head: per-row symmetric int8 weights, one batched Triton GEMV/GEMM.
+
+The 248320 x 3072 lm-head is the largest dense weight read every decode step
+(1.5 GB in bf16).  Stored as int8 with one scale per vocab row it is half the
+bytes; since decode is bandwidth-bound, the logits cost about half the time.
+
+    q, scales = quantize_rows(weight)          # once
+    logits = int8_logits(hidden, q, scales)    # [B, V] bf16, B = 1 .. 64+
+
+    head = Int8LMHead.for_weight(weight)       # cached, quantizes on first use
+    logits = head(hidden)
+
+Design notes (why, not what):
+* Scales are float32.  They cost 4 bytes per row, 1 MB for the whole head,
+  0.13% of the int8 bytes, so their bandwidth price is nil; fp16 scales would
+  add a per-row relative error up to 2^-11 that moves whole rows' logits
+  against each other (the very comparison argmax makes), and rows with tiny
+  norms (unused / padded vocab entries) give max|row|/127 below fp16's normal
+  range, where precision collapses.  fp32 has neither problem.
+* One launch covers the whole batch: the grid tiles the vocab (rows of W);
+  each program streams its [BLOCK_V, K] int8 slab through shared memory once
+  and multiplies it against the whole (padded) batch with `tl.dot` on tensor
+  cores, fp32 accumulation.  The batch is the N side of the product (W tile is
+  the M side, "swap AB"), because wgmma needs M >= 64 while N can be as small
+  as 8..16; B <= 16 therefore costs the same as B = 1.  No per-row loops.
+* The per-row scale is applied once to the fp32 accumulator (exact for a
+  per-row scale), then cast to bf16.
+* The bf16 weight is never freed or modified: the DFlash drafter shares the
+  target's lm_head (the seeds saw garbage drafts when a port zeroed it).
+
+torch and triton are imported lazily so this module imports anywhere (the
+runtime patch loader, CPU-only tests of other modules).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["quantize_rows", "int8_logits", "Int8LMHead", "pick_config", "KernelConfig"]
+
+INSTALL_HINT = (
+    "int8_lmhead needs torch and triton: `pip install torch==2.13.0 && pip install triton` "
+    "(CPU: run with TRITON_INTERPRET=1)"
+)
+
+# Batches above this go to the bf16 matmul in Int8LMHead: there the product is
+# compute-bound and cuBLAS on the kept bf16 weight wins (prefill logprobs etc.).
+BF16_FALLBACK_ABOVE = 64
+
+
+def _imports() -> tuple[Any, Any, Any]:
+    try:
+        import torch
+        import triton
+        import triton.language as tl
+    except ImportError as exc:  # pragma: no cover - exercised only without deps
+        raise ImportError(INSTALL_HINT) from exc
+    return torch, triton, tl
+
+
+# --------------------------------------------------------------------------- quantization
+
+
+def quantize_rows(weight: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
+    """Symmetric per-row int8: scale = max|row| / 127, q = round(w / scale).
+
+    Returns (q int8 [V, K] contiguous, scales float32 [V]).  Works in chunks of
+    rows so the fp32 temporaries stay small (the real head is 1.5 GB in bf16).
+    All-zero rows get scale 1 (q = 0 anyway) to avoid 0/0.
+    """
+    torch, _, _ = _imports()
+    if weight.dim() != 2:
+        raise ValueError(f"expected a 2-D weight, got {tuple(weight.shape)}")
+    v, k = weight.shape
+    q = torch.empty((v, k), dtype=torch.int8, device=weight.device)
+    scales = torch.empty((v,), dtype=torch.float32, device=weight.device)
+    chunk = max(1, (64 << 20) // max(1, k * 4))  # ~64 MiB of fp32 per step
+    with torch.no_grad():
+        for s in range(0, v, chunk):
+            w = weight[s:s + chunk].float()
+            amax = w.abs().amax(dim=1)
+            sc = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+            q[s:s + chunk] = torch.round(w / sc[:, None]).clamp_(-127, 127).to(torch.int8)
+            scales[s:s + chunk] = sc
+    return q, scales
+
+
+def dequantize_rows(q: "torch.Tensor", scales: "torch.Tensor") -> "torch.Tensor":
+    """float32 reference of the quantized weight (tests, benchmarks)."""
+    return q.float() * scales.float()[:, None]
+
+
+# --------------------------------------------------------------------------- kernel
+
+
+class KernelConfig:
+    """Tile sizes and launch parameters.  BLOCK_B is chosen from B at launch."""
+
+    __slots__ = ("block_v", "block_k", "num_warps", "num_stages", "fast_cvt")
+
+    def __init__(self, block_v: int, block_k: int, num_warps: int, num_stages: int, fast_cvt: bool = True) -> None:
+        self.block_v, self.block_k, self.num_warps, self.num_stages = block_v, block_k, num_warps, num_stages
+        self.fast_cvt = fast_cvt
+
+    def __repr__(self) -> str:
+        return f"V{self.block_v}_K{self.block_k}_w{self.num_warps}_s{self.num_stages}" + ("" if self.fast_cvt else "_cvt")
+
+    @classmethod
+    def parse(cls, s: str) -> "KernelConfig":
+        """'V128_K128_w4_s4[_cvt]' (the repr) -> config; used by SF_INT8_LMHEAD_CONFIG."""
+        items = s.strip().split("_")
+        parts = {p[0]: int(p[1:]) for p in items if p != "cvt"}
+        return cls(parts["V"], parts["K"], parts["w"], parts["s"], fast_cvt="cvt" not in items)
+
+
+# Tuned on an H200 at [248320, 3072] (benchmarks/int8_lmhead_bench.py); keyed by
+# the padded batch tile.  Small tiles for the interpreter keep CPU tests fast.
+_TUNED: dict[int, KernelConfig] = {
+    16: KernelConfig(64, 128, 4, 3),
+    32: KernelConfig(128, 128, 4, 3),
+    64: KernelConfig(128, 128, 8, 3),
+}
+_INTERPRET = KernelConfig(64, 64, 4, 1)
+
+_kernel = None
+_kernel_lock = threading.Lock()
+
+
+def _get_kernel() -> Any:
+    global _kernel
+    if _kernel is not None:
+        return _kernel
+    with _kernel_lock:
+        if _kernel is None:
+            _kernel = _build_kernel()
+    return _kernel
+
+
+# int8 x4 -> bf16 x4 in PTX (8 integer/bf16x2 ops per 4 values).  Each byte b
+# goes into the low mantissa of bf16 128.0 twice: once as 0x43 | (b & 0x7F)
+# (= 128 + |low 7 bits|) and once as 0x43 | (b & 0x80) (= 128 or 256 by the
+# sign bit); their difference is exactly the signed value.  Triton's own cast
+# does the same arithmetic, but only after moving the int8 tile into the dot
+# layout with 2-byte shared loads; doing it in the load layout is the point.
+
+
+def _build_kernel() -> Any:
+    _, triton, tl = _imports()
+
+    @triton.jit
+    def _int8_lmhead_kernel(
+        x_ptr, w_ptr, s_ptr, out_ptr,
+        B, V, K,
+        stride_xb, stride_wv, stride_ob,
+        BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+        EVEN_K: tl.constexpr, EVEN_V: tl.constexpr, DOT_F32: tl.constexpr, FAST_CVT: tl.constexpr,
+    ):
+        # One program per vocab tile (a persistent variant with a flattened
+        # tile x K loop measured 1.4-2.5x slower on the H200).
+        pid_v = tl.program_id(0)
+        pid_b = tl.program_id(1)
+        offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+        offs_k = tl.arange(0, BLOCK_K)
+        b_mask = offs_b < B
+        offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        v_mask = offs_v < V
+        # int64 row offsets: V*K overflows int32 past ~700k x 3072.
+        w_ptrs = w_ptr + offs_v.to(tl.int64)[:, None] * stride_wv + offs_k[None, :]
+        # x^T tile [BLOCK_K, BLOCK_B]: the batch is the N side of the dot.
+        x_ptrs = x_ptr + offs_b.to(tl.int64)[None, :] * stride_xb + offs_k[:, None]
+        acc = tl.zeros((BLOCK_V, BLOCK_B), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                if EVEN_V:
+                    w = tl.load(w_ptrs)
+                else:
+                    w = tl.load(w_ptrs, mask=v_mask[:, None], other=0)
+                xt = tl.load(x_ptrs, mask=b_mask[None, :], other=0.0)
+            else:
+                k_ok = (k0 + offs_k) < K
+                w = tl.load(w_ptrs, mask=v_mask[:, None] & k_ok[None, :], other=0)
+                xt = tl.load(x_ptrs, mask=b_mask[None, :] & k_ok[:, None], other=0.0)
+            if DOT_F32:
+                # Triton's CPU interpreter multiplies bf16 as raw uint16 and
+                # casts int8 -> bf16 by bit pattern (seen in 3.6 and 3.9), so
+                # under TRITON_INTERPRET the same tiles are multiplied in fp32.
+                acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+            elif FAST_CVT:
+                # is_pure=False keeps Triton from hoisting the conversion past
+                # the shared-memory layout change: converting in the load
+                # layout (16 contiguous bytes per thread), then moving bf16
+                # through smem with ldmatrix, is far cheaper than moving int8
+                # with 2-byte shared loads (measured 305 -> 221 us).
+                wb = tl.inline_asm_elementwise(
+                    "{\n"
+                    ".reg .b32 t0, t1, a0, a1, b0, b1;\n"
+                    "prmt.b32 t0, $2, 0x43, 0x4140;\n"
+                    "prmt.b32 t1, $2, 0x43, 0x4342;\n"
+                    "and.b32 a0, t0, 0x437F437F;\n"
+                    "and.b32 b0, t0, 0x43804380;\n"
+                    "and.b32 a1, t1, 0x437F437F;\n"
+                    "and.b32 b1, t1, 0x43804380;\n"
+                    "sub.bf16x2 $0, a0, b0;\n"
+                    "sub.bf16x2 $1, a1, b1;\n"
+                    "}\n",
+                    "=r,=r,r", [w], dtype=tl.bfloat16, is_pure=False, pack=4)
+                acc = tl.dot(wb, xt, acc)
+            else:
+                # int8 values are exact in bf16/fp16 (|q| <= 127 < 2^8).
+                acc = tl.dot(w.to(xt.dtype), xt, acc)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        scale = tl.load(s_ptr + offs_v, mask=v_mask, other=0.0)
+        acc = acc * scale[:, None]
+        o_ptrs = out_ptr + offs_b.to(tl.int64)[None, :] * stride_ob + offs_v[:, None]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=v_mask[:, None] & b_mask[None, :])
+
+    return _int8_lmhead_kernel
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def batch_tile(b: int) -> int:
+    """Padded batch tile: tl.dot needs N >= 16; up to 64 in one tile."""
+    t = 16
+    while t < b and t < 64:
+        t *= 2
+    return t
+
+
+def pick_config(b: int) -> KernelConfig:
+    env = os.environ.get("SF_INT8_LMHEAD_CONFIG")
+    if env:
+        return KernelConfig.parse(env)
+    if _interpreting():
+        return _INTERPRET
+    return _TUNED[batch_tile(b)]
+
+
+def int8_logits(
+    hidden: "torch.Tensor",
+    q: "torch.Tensor",
+    scales: "torch.Tensor",
+    out: "torch.Tensor | None" = None,
+    config: KernelConfig | None = None,
+) -> "torch.Tensor":
+    """logits[B, V] = hidden[B, K] @ (q * scales[:, None])^T, bf16 out, fp32 accumulate.
+
+    hidden: bf16 (or fp16) [B, K] or [K]; q: int8 [V, K] with unit stride along K;
+    scales: fp32 [V].  One kernel launch for the whole batch.
+    """
+    torch, triton, _ = _imports()
+    squeeze = hidden.dim() == 1
+    x = hidden.unsqueeze(0) if squeeze else hidden
+    if x.dim() != 2:
+        raise ValueError(f"hidden must be [B, K] or [K], got {tuple(hidden.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        x = x.to(torch.bfloat16)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if q.dtype != torch.int8 or q.dim() != 2 or q.stride(1) != 1:
+        raise ValueError("q must be a row-major int8 [V, K] tensor")
+    b, k = x.shape
+    v = q.shape[0]
+    if q.shape[1] != k or scales.shape != (v,):
+        raise ValueError(f"shape mismatch: hidden {tuple(x.shape)}, q {tuple(q.shape)}, scales {tuple(scales.shape)}")
+    if scales.dtype != torch.float32:
+        scales = scales.float()
+    if out is None:
+        out = torch.empty((b, v), dtype=torch.bfloat16, device=x.device)
+    if b == 0:
+        return out[0] if squeeze else out
+    cfg = config or pick_config(b)
+    bt = batch_tile(b)
+    grid = (triton.cdiv(v, cfg.block_v), triton.cdiv(b, bt))
+    _get_kernel()[grid](
+        x, q, scales, out,
+        b, v, k,
+        x.stride(0), q.stride(0), out.stride(0),
+        BLOCK_B=bt, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k,
+        EVEN_K=(k % cfg.block_k == 0), EVEN_V=(v % cfg.block_v == 0), DOT_F32=_interpreting(),
+        # The PTX trick produces bf16; fp16 activations take the generic cast.
+        FAST_CVT=cfg.fast_cvt and x.dtype == torch.bfloat16 and x.is_cuda,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out[0] if squeeze else out
+
+
+# --------------------------------------------------------------------------- cache
+
+
+class Int8LMHead:
+    """Quantize-once wrapper around a (bf16) lm-head weight.
+
+    `for_weight(w)` returns the same object for the same storage/shape/dtype, so
+    the target and a drafter that shares the head share one int8 copy.  The
+    int8 copy is made lazily on first call (after weights are loaded and any
+    post-load processing has run, not at construction).  The bf16 weight is
+    referenced, never freed or modified.
+    """
+
+    _cache: dict[tuple, "Int8LMHead"] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, weight: "torch.Tensor") -> None:
+        self.weight = weight
+        self.q: "torch.Tensor | None" = None
+        self.scales: "torch.Tensor | None" = None
+        self._qlock = threading.Lock()
+
+    @staticmethod
+    def _key(weight: "torch.Tensor") -> tuple:
+        return (weight.data_ptr(), tuple(weight.shape), str(weight.dtype), str(weight.device))
+
+    @classmethod
+    def for_weight(cls, weight: "torch.Tensor") -> "Int8LMHead":
+        key = cls._key(weight)
+        with cls._lock:
+            head = cls._cache.get(key)
+            if head is None:
+                head = cls._cache[key] = cls(weight)
+            return head
+
+    @classmethod
+    def clear_cache(cls) -> None:
+        with cls._lock:
+            cls._cache.clear()
+
+    def quantized(self) -> tuple["torch.Tensor", "torch.Tensor"]:
+        if self.q is None:
+            with self._qlock:
+                if self.q is None:
+                    q, s = quantize_rows(self.weight.detach())
+                    self.scales = s
+                    self.q = q
+        assert self.q is not None and self.scales is not None
+        return self.q, self.scales
+
+    def __call__(self, hidden: "torch.Tensor") -> "torch.Tensor":
+        rows = hidden.shape[0] if hidden.dim() == 2 else 1
+        if rows > BF16_FALLBACK_ABOVE:
+            return hidden.to(self.weight.dtype) @ self.weight.t()
+        q, s = self.quantized()
+        return int8_logits(hidden, q, s)
