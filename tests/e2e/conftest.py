@@ -1,0 +1,95 @@
+"""End-to-end fixtures: a simulated fleet of 3 Sparks, and pyinfra run against it.
+
+The session fixture `testbed` boots `sparkfleet testbed up --hosts 3` once (all hosts
+unswitched; a test that needs a wrong GPU, an x86 host, a full disk or no NVIDIA runtime
+flips it with ``testbed.switched("spark-2", gpu="NVIDIA H100 80GB HBM3")``, reverted on
+exit) and removes the fleet at the end of the session.
+
+Needs root and the testbed's system tools: without them the tests FAIL, with the reason
+(they are part of `make test`; a skip would hide that nothing end-to-end ran).
+
+Environment knobs for development:
+  SPARKFLEET_TESTBED_REUSE=1  reuse a fleet that is already up (>= 3 healthy hosts)
+  SPARKFLEET_KEEP_TESTBED=1   leave the fleet up after the session
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+INVENTORY = "inventory/testbed.py"
+N_HOSTS = 3
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test under tests/e2e is an e2e test (`-m "not e2e"` deselects them)."""
+    here = Path(__file__).resolve().parent
+    for item in items:
+        if here in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.e2e)
+
+
+def _environment_problem() -> str | None:
+    if os.geteuid() != 0:
+        return "the e2e tests need root (network namespaces, overlay mounts, systemd-nspawn)"
+    from sparkfleet.testbed.proc import missing_tools
+
+    missing = missing_tools()
+    if missing:
+        return (f"the e2e tests need {', '.join(sorted(missing))}: "
+                f"apt-get install -y {' '.join(sorted(set(missing.values())))}")
+    return None
+
+
+def _reusable():
+    from sparkfleet.testbed import fleet
+
+    st = fleet.status()
+    if not st or len(st["hosts"]) < N_HOSTS:
+        return None
+    if all(h["pid"] and h["ssh"] for h in st["hosts"]) and all(s["pid"] for s in st["services"]):
+        return fleet.load()
+    return None
+
+
+@pytest.fixture(scope="session")
+def testbed():
+    """A running simulated fleet (sparkfleet.testbed.fleet.Testbed) of spark-1..3."""
+    problem = _environment_problem()
+    if problem:
+        pytest.fail(problem, pytrace=False)
+    from sparkfleet.testbed import fleet
+
+    tb = _reusable() if os.environ.get("SPARKFLEET_TESTBED_REUSE") == "1" else None
+    owned = tb is None
+    if owned:
+        tb = fleet.up(N_HOSTS)
+    try:
+        yield tb
+    finally:
+        if owned and os.environ.get("SPARKFLEET_KEEP_TESTBED") != "1":
+            fleet.down()
+
+
+def run_pyinfra(*args: str, timeout: float = 1200, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`pyinfra -y inventory/testbed.py ARGS...` from the repo root; output captured
+    (text), never raises on a non-zero exit: tests assert on returncode/stdout."""
+    cmd = ["pyinfra", "-y", INVENTORY, *args]
+    try:
+        return subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        return subprocess.CompletedProcess(cmd, 124, out, err + f"\n[timed out after {timeout}s]")
+
+
+@pytest.fixture(name="run_pyinfra")
+def run_pyinfra_fixture(testbed):
+    """The run_pyinfra helper, with the fleet guaranteed up."""
+    return run_pyinfra

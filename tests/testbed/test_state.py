@@ -1,0 +1,120 @@
+"""Testbed state file, hosts.json and switch parsing (no root needed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sparkfleet.testbed import paths, switches
+from sparkfleet.testbed.state import HostState, ServiceState, State, write_hosts_json
+
+
+def _state() -> State:
+    st = State()
+    st.hosts["spark-1"] = HostState(name="spark-1", index=1, address="10.213.0.11", netns="sf-spark-1",
+                                    veth="sfv-spark-1", pid=4242, switches={"disk_full": True})
+    st.hosts["spark-2"] = HostState(name="spark-2", index=2, address="10.213.0.12", netns="sf-spark-2",
+                                    veth="sfv-spark-2", pid=None, switches={"gpu": "NVIDIA H100 80GB HBM3"})
+    st.services["registry"] = ServiceState(name="registry", pid=99, url="http://10.213.0.1:5000",
+                                           marker="/x/config.yml", log="/x/registry.log")
+    st.image = {"digest": "sha256:" + "a" * 64, "pinned": "r/x:1@sha256:" + "a" * 64, "size_bytes": 10}
+    st.data = {"image": "r/x:1@sha256:" + "a" * 64, "ready_timeout_s": 300}
+    return st
+
+
+def test_round_trip(tmp_path):
+    st = _state()
+    f = tmp_path / "state.json"
+    st.save(f)
+    loaded = State.load(f)
+    assert loaded is not None
+    assert loaded.to_dict() == st.to_dict()
+    assert loaded.hosts["spark-1"].pid == 4242
+    assert loaded.hosts["spark-2"].switches == {"gpu": "NVIDIA H100 80GB HBM3"}
+    assert loaded.services["registry"].marker == "/x/config.yml"
+    # atomic write: no temp file left next to it
+    assert [p.name for p in tmp_path.iterdir()] == ["state.json"]
+
+
+def test_missing_or_corrupt_state_is_none(tmp_path):
+    assert State.load(tmp_path / "nope.json") is None
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert State.load(bad) is None
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({**_state().to_dict(), "version": 0}))
+    assert State.load(old) is None
+
+
+def test_host_paths_follow_the_contract():
+    h = _state().hosts["spark-1"]
+    assert h.mnt == paths.HOSTS_DIR / "spark-1" / "root"
+    assert paths.host_address(1) == "10.213.0.11"
+    assert paths.host_address(3) == "10.213.0.13"
+    assert paths.netns_name("spark-2") == "sf-spark-2"
+    assert len(paths.veth_name("spark-50")) <= 15  # IFNAMSIZ - 1
+    with pytest.raises(ValueError):
+        paths.host_index("web-1")
+
+
+def test_hosts_json_shape(tmp_path):
+    out = tmp_path / "hosts.json"
+    write_hosts_json(_state(), ssh_key=tmp_path / "id_ed25519", path=out)
+    doc = json.loads(out.read_text())
+    assert set(doc) == {"hosts", "data"}
+    assert [h["name"] for h in doc["hosts"]] == ["spark-1", "spark-2"]
+    assert doc["hosts"][0] == {"name": "spark-1", "address": "10.213.0.11",
+                               "ssh_key": str(tmp_path / "id_ed25519"), "switches": {"disk_full": True}}
+    assert doc["data"]["ready_timeout_s"] == 300
+
+
+def test_inventory_reads_hosts_json(tmp_path, monkeypatch):
+    """inventory/testbed.py turns hosts.json into pyinfra host tuples with the data."""
+    src = paths.INVENTORY.read_text()
+    hosts_json = tmp_path / ".testbed" / "hosts.json"
+    write_hosts_json(_state(), ssh_key=tmp_path / "k", path=hosts_json)
+    inv = tmp_path / "inventory" / "testbed.py"
+    inv.parent.mkdir()
+    inv.write_text(src)
+    ns: dict = {"__file__": str(inv)}
+    exec(compile(src, str(inv), "exec"), ns)
+    hosts, group = ns["sparks"]
+    assert group == {}
+    name, data = hosts[0]
+    assert name == "spark-1"
+    assert data["ssh_hostname"] == "10.213.0.11"
+    assert data["ssh_user"] == "root"
+    assert data["ssh_key"] == str(tmp_path / "k")
+    assert data["ssh_strict_host_key_checking"] == "no"
+    assert data["ssh_known_hosts_file"] == "/dev/null"
+    assert data["ready_timeout_s"] == 300
+
+
+def test_inventory_without_hosts_json_says_what_to_do(tmp_path):
+    inv = tmp_path / "inventory" / "testbed.py"
+    inv.parent.mkdir()
+    src = paths.INVENTORY.read_text()
+    with pytest.raises(SystemExit, match="sparkfleet testbed up"):
+        exec(compile(src, str(inv), "exec"), {"__file__": str(inv)})
+
+
+def test_switch_specs():
+    names = ["spark-1", "spark-2", "spark-3"]
+    got = switches.parse_specs(
+        ["spark-2:gpu=NVIDIA H100 80GB HBM3", "spark-2:compute_cap=9.0", "spark-1:disk_full",
+         "spark-3:arch=x86_64", "spark-3:no_nvidia_runtime=1", "spark-1:no_nvidia_runtime=0"],
+        names,
+    )
+    assert got == {
+        "spark-2": {"gpu": "NVIDIA H100 80GB HBM3", "compute_cap": "9.0"},
+        "spark-1": {"disk_full": True},
+        "spark-3": {"arch": "x86_64", "no_nvidia_runtime": True},
+    }
+
+
+@pytest.mark.parametrize("spec", ["spark-9:disk_full", "spark-1", "spark-1:warp_drive", "spark-1:arch=sparc",
+                                  "spark-1:disk_full=maybe", "spark-1:compute_cap=9.0"])
+def test_bad_switch_specs(spec):
+    with pytest.raises(ValueError):
+        switches.parse_specs([spec], ["spark-1", "spark-2"])
