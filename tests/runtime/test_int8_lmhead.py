@@ -1,0 +1,199 @@
+"""int8 lm-head kernel on the CPU through Triton's interpreter.
+
+CI must have torch and triton; without them these tests FAIL (not skip) with
+the install commands, so a missing dependency can't pass silently.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# Before the kernel is first built (it is built lazily on first launch).
+os.environ["TRITON_INTERPRET"] = "1"
+
+RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
+sys.path.insert(0, str(RUNTIME))
+
+import int8_lmhead as m  # noqa: E402  (must import without torch/triton)
+
+try:
+    import torch
+    import triton  # noqa: F401
+except ImportError as exc:  # pragma: no cover - exercised only on a broken CI image
+    torch = None
+    _MISSING = f"{exc}. Install: pip install torch==2.13.0 && pip install triton"
+else:
+    _MISSING = ""
+
+
+@pytest.fixture(autouse=True)
+def _require_torch_triton():
+    if torch is None:
+        pytest.fail(f"int8 lm-head tests need torch and triton: {_MISSING}", pytrace=False)
+
+
+ULP = 2**-7  # one bf16 ulp, relative
+
+
+def _weight(v: int, k: int, seed: int = 0) -> "torch.Tensor":
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(v, k, generator=g) * 0.02).bfloat16()
+
+
+def _hidden(b: int, k: int, seed: int = 1) -> "torch.Tensor":
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, k, generator=g).bfloat16()
+
+
+def test_quantize_rows_symmetric_per_row():
+    w = _weight(37, 70)
+    w[5] = 0  # all-zero row: no 0/0
+    q, s = m.quantize_rows(w)
+    assert q.dtype == torch.int8 and q.shape == w.shape and q.is_contiguous()
+    assert s.dtype == torch.float32 and s.shape == (37,)
+    wf = w.float()
+    amax = wf.abs().amax(1)
+    nz = amax > 0
+    torch.testing.assert_close(s[nz], amax[nz] / 127, rtol=0, atol=0)
+    assert s[5] == 1 and not q[5].any()
+    assert int(q.abs().max()) == 127  # the row max maps to +-127
+    err = (m.dequantize_rows(q, s) - wf).abs()
+    assert bool((err <= s[:, None] / 2 + 1e-9).all())  # round to nearest
+
+
+@pytest.mark.parametrize("b", [1, 5, 13, 32])
+@pytest.mark.parametrize("v,k", [(1000, 200), (4099, 96)])  # odd vocab; K not a multiple of the K tile
+def test_matches_float_reference_of_dequantized_weight(b, v, k):
+    w = _weight(v, k, seed=v + k)
+    x = _hidden(b, k, seed=b)
+    q, s = m.quantize_rows(w)
+    y = m.int8_logits(x, q, s)
+    assert y.dtype == torch.bfloat16 and y.shape == (b, v)
+    ref = x.float() @ m.dequantize_rows(q, s).t()
+    # Only the final bf16 rounding and fp32 summation order separate the two:
+    # one bf16 ulp (2^-7 relative), since Triton's interpreter truncates
+    # fp32 -> bf16 where the GPU rounds to nearest.
+    torch.testing.assert_close(y.float(), ref, rtol=ULP, atol=1e-3)
+
+
+def test_even_tiles_and_vector_hidden():
+    # V and K multiples of the tile: the unmasked (EVEN_V / EVEN_K) load path.
+    w = _weight(1024, 128)
+    q, s = m.quantize_rows(w)
+    x = _hidden(3, 128)
+    ref = x.float() @ m.dequantize_rows(q, s).t()
+    torch.testing.assert_close(m.int8_logits(x, q, s).float(), ref, rtol=ULP, atol=1e-3)
+    y1 = m.int8_logits(x[1], q, s)  # [K] -> [V]
+    assert y1.shape == (1024,)
+    torch.testing.assert_close(y1.float(), ref[1], rtol=ULP, atol=1e-3)
+
+
+def test_batch_above_one_tile():
+    # B=70 > 64: a second program row over the batch (grid axis 1).
+    w = _weight(300, 64)
+    q, s = m.quantize_rows(w)
+    x = _hidden(70, 64)
+    ref = x.float() @ m.dequantize_rows(q, s).t()
+    torch.testing.assert_close(m.int8_logits(x, q, s).float(), ref, rtol=ULP, atol=1e-3)
+
+
+def test_fp16_hidden():
+    w = _weight(500, 64)
+    q, s = m.quantize_rows(w)
+    x = _hidden(4, 64).half()
+    ref = x.float() @ m.dequantize_rows(q, s).t()
+    torch.testing.assert_close(m.int8_logits(x, q, s).float(), ref, rtol=ULP, atol=1e-3)
+
+
+def test_argmax_agreement_with_bf16_matmul():
+    v, k = 4099, 256
+    w = _weight(v, k, seed=7)
+    q, s = m.quantize_rows(w)
+    g = torch.Generator().manual_seed(3)
+    rows = 64
+    x_iid = torch.randn(rows, k, generator=g)
+    # LM-like rows: the hidden state points at a target token, as in a
+    # confident model, so the top logit stands out by a realistic margin.
+    tgt = torch.randint(0, v, (rows,), generator=g)
+    wt = w[tgt].float()
+    x_lm = x_iid + 1.5 * wt / wt.norm(dim=1, keepdim=True) * k**0.5 * 0.1
+    rates = {}
+    for name, x in (("iid", x_iid.bfloat16()), ("lm", x_lm.bfloat16())):
+        ref = (x @ w.t()).float().argmax(1)  # the bf16 matmul the kernel replaces
+        got = torch.cat([m.int8_logits(x[i:i + 32], q, s) for i in range(0, rows, 32)]).float().argmax(1)
+        rates[name] = (got == ref).float().mean().item()
+    # iid gaussian logits have top-2 gaps comparable to int8 noise (~97% at
+    # the real shape); a peaked distribution must agree essentially always.
+    print("argmax agreement", rates)
+    assert rates["lm"] >= 0.98, rates
+    assert rates["iid"] >= 0.85, rates
+
+
+def test_lmhead_cache_quantizes_once_and_keeps_bf16_weight():
+    m.Int8LMHead.clear_cache()
+    w = _weight(600, 64)
+    before = w.clone()
+    head = m.Int8LMHead.for_weight(w)
+    assert m.Int8LMHead.for_weight(w) is head  # the drafter sharing the head shares the int8 copy
+    assert head.q is None  # lazy: nothing until the first forward
+    x = _hidden(2, 64)
+    y = head(x)
+    q_first = head.q
+    assert q_first is not None
+    head(x)
+    assert head.q is q_first  # quantized once
+    assert head.weight is w
+    assert torch.equal(w, before)  # never zeroed / freed / modified
+    torch.testing.assert_close(y.float(), x.float() @ m.dequantize_rows(*head.quantized()).t(), rtol=ULP, atol=1e-3)
+    other = m.Int8LMHead.for_weight(_weight(600, 64, seed=9))
+    assert other is not head
+    # large batches fall back to the bf16 matmul on the kept weight
+    xb = _hidden(m.BF16_FALLBACK_ABOVE + 1, 64)
+    torch.testing.assert_close(head(xb).float(), (xb @ w.t()).float())
+    m.Int8LMHead.clear_cache()
+
+
+def test_config_parse_and_env_override(monkeypatch):
+    c = m.KernelConfig.parse("V64_K128_w4_s3")
+    assert (c.block_v, c.block_k, c.num_warps, c.num_stages, c.fast_cvt) == (64, 128, 4, 3, True)
+    assert repr(m.KernelConfig.parse("V128_K64_w8_s2_cvt")) == "V128_K64_w8_s2_cvt"
+    monkeypatch.setenv("SF_INT8_LMHEAD_CONFIG", "V32_K32_w4_s1")
+    assert repr(m.pick_config(13)) == "V32_K32_w4_s1"
+    w = _weight(100, 40)
+    q, s = m.quantize_rows(w)
+    x = _hidden(3, 40)
+    torch.testing.assert_close(m.int8_logits(x, q, s).float(), x.float() @ m.dequantize_rows(q, s).t(),
+                               rtol=ULP, atol=1e-3)
+
+
+def test_shape_errors():
+    q, s = m.quantize_rows(_weight(10, 16))
+    with pytest.raises(ValueError):
+        m.int8_logits(_hidden(2, 15), q, s)
+    with pytest.raises(ValueError):
+        m.int8_logits(_hidden(2, 16), q.float(), s)
+
+
+def test_module_imports_without_torch_or_triton():
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('torch', 'triton'):\n"
+        "            raise ImportError('blocked ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        f"sys.path.insert(0, {str(RUNTIME)!r})\n"
+        "import int8_lmhead as m\n"
+        "try:\n"
+        "    m.quantize_rows(None)\n"
+        "except ImportError as e:\n"
+        "    assert 'pip install' in str(e), e\n"
+        "    print('ok')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr
