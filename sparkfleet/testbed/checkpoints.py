@@ -556,7 +556,9 @@ def write_intel(d: Path, dims: Dims = D) -> None:
 
 
 def write_donor(d: Path, dims: Dims = D) -> None:
-    write_sharded(d, donor_tensors(dims))
+    # Smaller shards than the others: like the real 122B FP8 release, several
+    # shards then hold routed experts only, which the builder must not fetch.
+    write_sharded(d, donor_tensors(dims), shard_bytes=128 << 10)
     cfg = model_config(dims)
     cfg["quantization_config"] = fp8_qconfig()
     write_json(d / "config.json", cfg)
