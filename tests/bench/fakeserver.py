@@ -209,9 +209,12 @@ def _handler(state: FakeState):
             self.end_headers()
             if chat:  # vLLM opens a chat stream with an empty role delta
                 self._write_event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+            # The first token comes alone (prefill), the rest in bursts of tokens_per_chunk
+            # (as accepted speculative blocks arrive).
             step = max(1, cfg.tokens_per_chunk)
-            for start in range(0, len(pieces), step):
-                chunk = pieces[start:start + step]
+            starts = [0] + list(range(1, len(pieces), step)) if pieces else []
+            for n, start in enumerate(starts):
+                chunk = pieces[start:(starts[n + 1] if n + 1 < len(starts) else len(pieces))]
                 last = start + len(chunk) - 1
                 self._sleep_until(t0 + cfg.ttft_s + last / cfg.decode_tok_s)
                 text = "".join(chunk)
@@ -239,14 +242,21 @@ def _handler(state: FakeState):
     return Handler
 
 
+class _QuietServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        # A client that hangs up mid-stream (a failed check, a timeout) is not news.
+        pass
+
+
 class FakeServer:
     """``with FakeServer(FakeConfig(...)) as srv: srv.base_url``"""
 
     def __init__(self, cfg: Optional[FakeConfig] = None, port: int = 0) -> None:
         self.cfg = cfg or FakeConfig()
         self.state = FakeState(self.cfg)
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), _handler(self.state))
-        self.httpd.daemon_threads = True
+        self.httpd = _QuietServer(("127.0.0.1", port), _handler(self.state))
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
     @property

@@ -10,6 +10,7 @@ Speculative acceptance is measured over exactly the measured window of each work
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
@@ -188,7 +189,7 @@ def run_e2e(ctx: BenchContext) -> dict:
         passes.append(results)
     after = scrape(ctx)
     measured = passes[-1]
-    mean = sum(r["tok_s"] for r in measured.values()) / len(measured)
+    mean = math.fsum(r["tok_s"] for r in measured.values()) / len(measured)
     acc = window_acceptance(before, after)
     ctx.progress.log(f"e2e: cross-prompt mean {mean:.2f} tok/s (albond published 51.58), {_fmt_acc(acc)}")
     return {

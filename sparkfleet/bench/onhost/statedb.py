@@ -204,8 +204,9 @@ def trim_context(
     """Fit system prompt + messages into ``max_tokens`` (estimated).
 
     Oldest units go first, except the user message that started the current chain (the
-    last user message), which is kept so the turn still answers someone. When that is not
-    enough, the largest contents (usually tool outputs) are cut.
+    last user message), kept so the turn still answers someone, and the newest unit, the
+    one the regenerated turn follows. When that is not enough, the largest contents
+    (usually tool outputs) are cut.
     Returns (messages, dropped count, truncated count).
     """
     system = [{"role": "system", "content": system_prompt}] if system_prompt else []
@@ -217,7 +218,8 @@ def trim_context(
         return system + [m for u in units for m in u]
 
     while estimate_tokens(flat()) > max_tokens:
-        victims = [i for i in range(len(units)) if i != pin]
+        # Older history first, then the chain's older exchanges; the newest unit stays.
+        victims = [i for i in range(len(units) - 1) if i != pin]
         if not victims:
             break
         victim = victims[0]
@@ -226,23 +228,20 @@ def trim_context(
         if pin is not None and victim < pin:
             pin -= 1
 
-    truncated = 0
     out = flat()
+    cut: set = set()
     while estimate_tokens(out) > max_tokens:
-        # Cut the longest content to what the budget leaves for it.
-        idx = max(range(len(out)), key=lambda i: len(out[i].get("content") or ""))
-        content = out[idx].get("content") or ""
-        excess_chars = int((estimate_tokens(out) - max_tokens) * CHARS_PER_TOKEN) + len(TRIM_MARK) + 16
-        keep = len(content) - excess_chars
-        if keep <= 0 or not content:
-            if content:
-                out[idx] = dict(out[idx], content=TRIM_MARK.strip())
-                truncated += 1
-                continue
-            break  # nothing left to cut: the structure alone is over budget
-        out[idx] = dict(out[idx], content=content[:keep] + TRIM_MARK)
-        truncated += 1
-    return out, dropped, truncated
+        # Cut the longest content by what is over budget; every pass shortens one message,
+        # so this ends (at worst with every content reduced to the trim mark).
+        candidates = [i for i, m in enumerate(out) if len(m.get("content") or "") > len(TRIM_MARK)]
+        if not candidates:
+            break  # the structure alone is over budget: best effort
+        idx = max(candidates, key=lambda i: len(out[i]["content"]))
+        content = out[idx]["content"]
+        excess = math.ceil((estimate_tokens(out) - max_tokens) * CHARS_PER_TOKEN) + len(TRIM_MARK)
+        out[idx] = dict(out[idx], content=content[: max(0, len(content) - excess)] + TRIM_MARK)
+        cut.add(idx)
+    return out, dropped, len(cut)
 
 
 def load_turns(
