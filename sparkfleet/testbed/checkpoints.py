@@ -566,7 +566,7 @@ def write_donor(d: Path, dims: Dims = D) -> None:
 
 
 def write_dflash(d: Path, dims: Dims = D) -> None:
-    write_sharded(d, dflash_tensors(dims), shard_bytes=1 << 20)
+    write_sharded(d, dflash_tensors(dims))
     write_json(d / "config.json", dflash_config(dims))
 
 
