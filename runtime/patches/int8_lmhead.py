@@ -3,9 +3,9 @@
 
 The lm-head (248 320 x hidden, 1.5 GB in BF16) is the largest dense read of every
 decode step. ``LogitsProcessor._get_logits`` is patched to call
-``int8_logits(hidden, weight)`` from ``runtime/int8_lmhead.py`` (at
-``$SPARKFLEET_RUNTIME_DIR``, default ``/host``), which quantizes the weight per row on
-first use and caches it. The BF16 weight is left untouched: the DFlash drafter shares
+the kernel in ``runtime/int8_lmhead.py`` (at ``$SPARKFLEET_RUNTIME_DIR``, default
+``/host``): ``int8_logits(hidden, weight)``, or ``Int8LMHead.for_weight(weight)(hidden)``
+(quantized per row on first use, cached per weight). The BF16 weight is left untouched: the DFlash drafter shares
 this very head module, and zeroing/replacing it corrupts the drafter (the seeds' lesson).
 Anything unusual (bias, a quantized or non-BF16 head, CPU, a fp32 head dtype, the
 kernel not importable, ``SPARKFLEET_INT8_LMHEAD=0``) falls back to vLLM's own path.
@@ -48,7 +48,41 @@ def _edit(call: str) -> pl.Edit:
 
 HELPERS = f'''\
 # {pl.sentinel(NAME)} helpers for LogitsProcessor._get_logits (sparkfleet runtime patch).
-_SPARKFLEET_INT8_KERNEL = []  # [int8_logits or None], resolved once per process
+_SPARKFLEET_INT8_KERNEL = []  # [callable(hidden, weight) or None], resolved once
+
+
+def _sparkfleet_int8_entry(module):
+    """``logits = f(hidden, weight)`` from runtime/int8_lmhead.py: its
+    ``int8_logits(hidden, weight)`` if it has that shape, else a per-weight cached
+    ``Int8LMHead.for_weight(weight)`` / ``.from_weight(weight)`` called on hidden."""
+    import inspect
+
+    fn = getattr(module, "int8_logits", None)
+    if callable(fn):
+        required = [
+            p
+            for p in inspect.signature(fn).parameters.values()
+            if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        if len(required) == 2:
+            return fn
+    head_cls = getattr(module, "Int8LMHead", None)
+    for ctor in ("for_weight", "from_weight"):
+        make = getattr(head_cls, ctor, None)
+        if make is not None:
+            heads = {{}}
+
+            def call(hidden, weight, _make=make, _heads=heads):
+                key = (weight.data_ptr(), tuple(weight.shape), str(weight.device))
+                head = _heads.get(key)
+                if head is None:
+                    head = _heads[key] = _make(weight)
+                return head(hidden)
+
+            return call
+    raise AttributeError(
+        "neither int8_logits(hidden, weight) nor Int8LMHead.for_weight/from_weight"
+    )
 
 
 def _sparkfleet_int8_kernel():
@@ -72,7 +106,7 @@ def _sparkfleet_int8_kernel():
             module = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = module
             spec.loader.exec_module(module)
-            fn = module.int8_logits
+            fn = _sparkfleet_int8_entry(module)
             log.info("sparkfleet int8_lmhead: int8 w8a16 lm-head from %s", path)
         except Exception as exc:
             sys.modules.pop("sparkfleet_int8_lmhead", None)

@@ -7,6 +7,7 @@ The unpatched originals are run on the same inputs to show the failure each patc
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 import types
@@ -413,6 +414,35 @@ def test_int8_head_calls_the_kernel_with_the_shared_bf16_weight(int8_ns, tmp_pat
     assert f(proc, quantized, hidden, None) is None
 
 
+def test_int8_head_adapts_to_the_kernel_modules_api(int8_ns, tmp_path) -> None:
+    """runtime/int8_lmhead.py may offer Int8LMHead.for_weight (cached per weight) and an
+    int8_logits(hidden, q, scales) of another shape: the head is then built per weight."""
+    import torch
+
+    (tmp_path / "int8_lmhead.py").write_text(
+        "built = []\n"
+        "def int8_logits(hidden, q, scales):\n    raise AssertionError('wrong entry point')\n"
+        "class Int8LMHead:\n"
+        "    def __init__(self, w):\n        self.w = w\n"
+        "    @classmethod\n"
+        "    def for_weight(cls, w):\n        built.append(w)\n        return cls(w)\n"
+        "    def __call__(self, hidden):\n        return ('head', hidden, self.w)\n"
+    )
+
+    class W(FakeTensor):
+        shape, device = (8, 4), "cuda:0"
+
+        def data_ptr(self):
+            return 1234
+
+    head = types.SimpleNamespace(weight=W(torch.bfloat16), quant_method=UnquantizedEmbeddingMethod())
+    hidden = FakeTensor(torch.bfloat16)
+    f = int8_ns["_sparkfleet_int8_logits"]
+    assert f(types.SimpleNamespace(), head, hidden, None) == ("head", hidden, head.weight)
+    assert f(types.SimpleNamespace(), head, hidden, None) == ("head", hidden, head.weight)
+    assert len(sys.modules["sparkfleet_int8_lmhead"].built) == 1  # quantized once
+
+
 def test_int8_head_falls_back_when_the_kernel_is_missing(int8_ns) -> None:
     import torch
 
@@ -464,3 +494,42 @@ def test_fla_shared_memory_bar(vllm_tree, capability, shared_mem, stock, patched
 
     assert check(pristine, False) is stock
     assert check(text, True) is patched
+
+
+INT8_PROBE = """
+import importlib.util, sys, torch
+text = open(sys.argv[1]).read()
+ns = {"torch": torch}
+exec(text[text.index("# [sparkfleet:int8_lmhead] helper"):], ns)
+spec = importlib.util.spec_from_file_location("sparkfleet_int8_lmhead", sys.argv[2])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+f = ns["_sparkfleet_int8_entry"](module)
+torch.manual_seed(0)
+w = torch.randn(300, 64, dtype=torch.bfloat16)
+h = torch.randn(3, 64, dtype=torch.bfloat16)
+w0 = w.clone()
+out = f(h, w)
+ref = h.float() @ w.float().t()
+assert out.shape == (3, 300) and out.dtype == torch.bfloat16, (out.shape, out.dtype)
+assert torch.equal(out.float().argmax(-1), ref.argmax(-1))
+assert torch.equal(w, w0), "the shared bf16 weight was modified"
+print("ok")
+"""
+
+
+def test_int8_head_with_the_project_kernel(vllm_tree, tmp_path) -> None:
+    """The patched helper drives the real runtime/int8_lmhead.py (Triton interpreter, CPU)."""
+    from support.runtime_env import RUNTIME_DIR
+
+    kernel = RUNTIME_DIR / "int8_lmhead.py"
+    if not kernel.is_file():
+        pytest.skip("runtime/int8_lmhead.py not present")
+    pytest.importorskip("triton")
+    root = patched_tree(vllm_tree, "int8_lmhead")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", INT8_PROBE, str(root / LOGITS_FILE), str(kernel)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
