@@ -25,8 +25,10 @@ from pathlib import Path
 from typing import Mapping
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+PATCH_DIR = HERE / "patches"
+sys.path[:0] = [str(HERE), str(PATCH_DIR)]
 
+from _patchlib import STATUS_PREFIX, parse_status_line  # noqa: E402  (the patch protocol)
 from serve_args import (  # noqa: E402
     TOLERATED_PATCHES,
     ServeEnvError,
@@ -34,8 +36,6 @@ from serve_args import (  # noqa: E402
     patches_for,
 )
 
-PATCH_DIR = HERE / "patches"
-STATUS_PREFIX = "sparkfleet-patch:"  # the patches' protocol (patches/_patchlib.py)
 PATCH_TIMEOUT_S = 300
 # Environment whose values must never show up in argv or the printed command.
 SECRET_ENV = ("VLLM_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
@@ -78,11 +78,10 @@ def run_patch(name: str, env: Mapping[str, str]) -> tuple[str, str]:
         log(f"  [{name}] {line}")
     if status is None:
         return "failed", f"exit {proc.returncode} without a status line"
-    parts = status[len(STATUS_PREFIX):].strip().split(": ", 2)
-    outcome = parts[1] if len(parts) > 1 else ""
-    detail = parts[2] if len(parts) > 2 else ""
-    if outcome not in _LABELS:
+    parsed = parse_status_line(status)
+    if parsed is None or parsed[0] != name:
         return "failed", f"unreadable status line {status!r}"
+    _, outcome, detail = parsed
     if (proc.returncode == 0) != (outcome != "failed"):
         return "failed", f"exit {proc.returncode} contradicts status {outcome!r}: {detail}"
     return outcome, detail

@@ -116,7 +116,20 @@ def _sparkfleet_find_fp8_layers(cfg, model_name, revision=None):
 
     # vLLM does not pass the revision here; the serve wrapper's env has it.
     revision = revision or os.environ.get("SF_REVISION") or None
-    metadata = get_safetensors_params_metadata(model_name, revision=revision)
+    source = model_name
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    if offline and not os.path.exists(model_name):
+        # Offline (the deploy pre-fetches): read the cached snapshot's headers
+        # directly instead of letting the hub lookup fail, retry and log errors.
+        from huggingface_hub import snapshot_download
+
+        source = snapshot_download(
+            model_name,
+            revision=revision,
+            allow_patterns=["*.safetensors"],
+            local_files_only=True,
+        )
+    metadata = get_safetensors_params_metadata(source, revision=revision)
     cfg._sparkfleet_fp8 = _sparkfleet_fp8_layers_from_metadata(metadata)
     init_logger(__name__).info(
         "sparkfleet inc_fp8_shared: %d FP8 dense layers in %s%s",

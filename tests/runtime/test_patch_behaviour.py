@@ -337,6 +337,23 @@ def test_inc_dispatches_fp8_for_the_shared_expert_only(inc_helpers) -> None:
     assert dispatch(types.SimpleNamespace(), LinearBase(), f"{vllm_prefix}.shared_expert.down_proj") is None
 
 
+def test_inc_reads_the_cached_snapshot_when_offline(inc_helpers, monkeypatch, tmp_path) -> None:
+    calls = []
+    hub = types.ModuleType("huggingface_hub")
+    hub.snapshot_download = lambda repo, **kw: calls.append((repo, kw)) or str(tmp_path)
+    monkeypatch.setitem(sys.modules, "huggingface_hub", hub)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("SF_REVISION", "abc123")
+    cfg = types.SimpleNamespace()
+    inc_helpers["_sparkfleet_find_fp8_layers"](cfg, "bleysg/Qwen3.5-122B-A10B-int4-fp8-hybrid")
+    assert calls == [("bleysg/Qwen3.5-122B-A10B-int4-fp8-hybrid",
+                      {"revision": "abc123", "allow_patterns": ["*.safetensors"], "local_files_only": True})]
+    assert len(cfg._sparkfleet_fp8) == 3
+    monkeypatch.setenv("SPARKFLEET_INC_FP8", "0")
+    inc_helpers["_sparkfleet_find_fp8_layers"](cfg, "/model")
+    assert cfg._sparkfleet_fp8 == {}
+
+
 def test_inc_refuses_half_fp8_fused_layers_and_odd_scales(inc_helpers) -> None:
     cfg = types.SimpleNamespace(_sparkfleet_fp8={"layers.0.mlp.shared_expert.gate_proj": [128, 128]})
     with pytest.raises(ValueError, match="only"):
