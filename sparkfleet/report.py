@@ -183,7 +183,8 @@ def render_table(rep: FleetReport) -> str:
                 continue
             first = False
             if cell.tok_s is None:
-                out.write(f"{title:<{wl_w}}  {row.host:<{host_w}}  {'FAILED':>8}  {cell.reason or ''}\n")
+                status = "SKIPPED" if cell.status == "skipped" else "FAILED"
+                out.write(f"{title:<{wl_w}}  {row.host:<{host_w}}  {status:>8}  {cell.reason or ''}\n")
                 continue
             vs = "" if cell.vs_median is None else f"{cell.vs_median * 100:+.1f}%"
             flag = f"  << FLAG: more than {FLAG_BELOW_MEDIAN:.0%} below the fleet median" if cell.flagged else ""
@@ -198,7 +199,7 @@ def render_table(rep: FleetReport) -> str:
         out.write("\nsmoke (capital of France):\n")
         for h in smoke_rows:
             verdict = "PASS" if h.smoke.get("passed") else "FAIL"
-            out.write(f"  {h.host:<{host_w}}  {verdict}  answer {str(h.smoke.get('answer', '')).strip()!r}\n")
+            out.write(f"  {h.host:<{host_w}}  {verdict}  answer {str(h.smoke.get('answer', ''))!r}\n")
     if rep.failed:
         out.write("\nfailed hosts:\n")
         for h in rep.failed:
@@ -271,49 +272,71 @@ def render_json(rep: FleetReport) -> dict:
     }
 
 
+def _spread(values: List[float], gap: float) -> List[float]:
+    """Label heights near ``values``, at least ``gap`` apart (so labels do not overlap)."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = list(values)
+    for prev, cur in zip(order, order[1:]):
+        out[cur] = max(out[cur], out[prev] + gap)
+    return out
+
+
 def render_png(rep: FleetReport, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # no display on a controller or in CI
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     workloads = rep.workloads or ["(no results)"]
     hosts = rep.hosts
     n = max(len(hosts), 1)
     width = 0.8 / n
-    fig, ax = plt.subplots(figsize=(max(8.0, 1.6 * len(workloads) + 0.4 * len(hosts)), 5.2))
+    fig, ax = plt.subplots(figsize=(max(9.0, 1.2 * len(workloads) * max(1.0, n / 3) + 3.0), 5.4))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    top = max([r["tok_s"] for r in REFERENCES] + [c.tok_s for h in hosts for c in h.cells.values() if c.tok_s])
+    values = [c.tok_s for h in hosts for c in h.cells.values() if c.tok_s]
+    top = max([r["tok_s"] for r in REFERENCES] + values) * 1.3
+    handles: list = []
     for i, row in enumerate(hosts):
         xs, ys, edge = [], [], []
         for gi, w in enumerate(workloads):
             cell = row.cells.get(w)
             x = gi - 0.4 + width * (i + 0.5)
             if cell is None or cell.tok_s is None:
-                if row.status != "ok" or (cell is not None):
-                    ax.text(x, top * 0.02, "failed", rotation=90, ha="center", va="bottom",
+                if row.status != "ok" or cell is not None:
+                    ax.text(x, top * 0.01, "failed", rotation=90, ha="center", va="bottom",
                             fontsize=7, color="#b00020")
                 continue
             xs.append(x)
             ys.append(cell.tok_s)
             edge.append("#b00020" if cell.flagged else "none")
-            label = f"{cell.tok_s:.1f}" + (f"\nacc {cell.acceptance:.1f}" if cell.acceptance else "")
-            ax.text(x, cell.tok_s, label + ("\n!" if cell.flagged else ""), ha="center", va="bottom", fontsize=6)
-        label = row.host + ("" if row.status == "ok" else " (failed)")
-        ax.bar(xs, ys, width=width * 0.95, color=colors[i % len(colors)], edgecolor=edge, linewidth=2, label=label)
-    for ref in REFERENCES:
+            label = f"{cell.tok_s:.1f}" + (f"  acc {cell.acceptance:.1f}" if cell.acceptance else "")
+            ax.text(x, cell.tok_s + top * 0.01, ("! " if cell.flagged else "") + label, rotation=90,
+                    ha="center", va="bottom", fontsize=6, color="#b00020" if cell.flagged else "black")
+        failed = row.status != "ok"
+        color = "#bbbbbb" if failed else colors[i % len(colors)]
+        ax.bar(xs, ys, width=width * 0.95, color=color, edgecolor=edge, linewidth=2,
+               hatch="//" if failed else None)
+        # Explicit legend entries: a failed host often has no bar to take a colour from.
+        handles.append(Patch(facecolor=color, hatch="//" if failed else None,
+                             label=row.host + (" (failed)" if failed else "")))
+    # Reference lines over the workloads they compare with; labels in the right margin.
+    right = len(workloads) - 0.5
+    label_y = _spread([r["tok_s"] for r in REFERENCES], top * 0.035)
+    for ref, y_label in zip(REFERENCES, label_y):
         groups = [gi for gi, w in enumerate(workloads) if w.startswith(ref["workloads"])]
-        lo, hi = (min(groups) - 0.45, max(groups) + 0.45) if groups else (-0.5, len(workloads) - 0.5)
-        ax.hlines(ref["tok_s"], lo, hi, colors="#555555", linestyles="dashed", linewidth=1)
-        ax.text(hi, ref["tok_s"], " " + ref["label"], va="center", ha="left", fontsize=7, color="#333333")
+        lo, hi = (min(groups) - 0.45, max(groups) + 0.45) if groups else (-0.5, right)
+        ax.hlines(ref["tok_s"], lo, hi, colors="#444444", linestyles="dashed", linewidth=1.2)
+        ax.plot([hi, right + 0.1], [ref["tok_s"], y_label], color="#999999", linestyle=":", linewidth=0.8)
+        ax.text(right + 0.12, y_label, ref["label"], va="center", ha="left", fontsize=7, color="#333333")
     ax.set_xticks(range(len(workloads)))
     ax.set_xticklabels([_WORKLOAD_TITLES.get(w, w) for w in workloads], fontsize=8)
-    ax.set_xlim(-0.6, len(workloads) - 0.4 + 1.4)  # room for the reference labels
-    ax.set_ylim(0, top * 1.25)
+    ax.set_xlim(-0.6, right + 1.35)  # room for the reference labels
+    ax.set_ylim(0, top)
     ax.set_ylabel("tok/s (decode-only; e2e: albond end-to-end)")
-    failed = f" · failed: {', '.join(h.host for h in rep.failed)}" if rep.failed else ""
-    ax.set_title(f"sparkfleet run {rep.run_id}: {len(hosts)} host(s){failed}", fontsize=10)
-    ax.legend(fontsize=7, loc="upper left")
+    failed_names = f" · failed: {', '.join(h.host for h in rep.failed)}" if rep.failed else ""
+    ax.set_title(f"sparkfleet run {rep.run_id}: {len(hosts)} host(s){failed_names}", fontsize=10)
+    ax.legend(handles=handles, fontsize=7, loc="upper left")
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
