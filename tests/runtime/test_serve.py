@@ -6,7 +6,6 @@ copy of the real 0.23 (or 0.33) files through ``SPARKFLEET_VLLM_ROOT``.
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import shutil
 import subprocess
