@@ -450,7 +450,11 @@ def build(int4_dir: Path, donor: Donor, out: Path) -> int:
     if out.exists():
         shutil.rmtree(partial, ignore_errors=True)
         raise BuildError(f"{out} appeared while building (concurrent build?)")
-    os.rename(partial, out)
+    try:
+        os.rename(partial, out)
+    except OSError as exc:  # lost a race with a concurrent build of the same OUT
+        shutil.rmtree(partial, ignore_errors=True)
+        raise BuildError(f"cannot publish {out}: {exc}") from exc
     fsync_dir(out.parent)
     log(f"done: {len(plan.swaps)} tensors swapped to FP8, {plan.n_mtp()} MTP tensors kept, "
         f"{len(weight_map)} tensors, {total / 2**30:.2f} GiB in {time.monotonic() - t0:.1f}s -> {out}")

@@ -125,6 +125,7 @@ _TUNED: dict[int, KernelConfig] = {
     32: KernelConfig(128, 128, 4, 3),
     64: KernelConfig(128, 128, 8, 3),
 }
+_SMALL = KernelConfig(64, 128, 4, 2)  # ~40 KB of shared memory at B tile 16
 _INTERPRET = KernelConfig(64, 64, 4, 1)
 
 _kernel = None
@@ -244,6 +245,37 @@ def pick_config(b: int) -> KernelConfig:
     return _TUNED[batch_tile(b)]
 
 
+def _fast_cvt_ok(x: "torch.Tensor") -> bool:
+    """The PTX decode uses sub.bf16x2 (sm_90+) and yields bf16."""
+    torch, _, _ = _imports()
+    if not x.is_cuda or x.dtype != torch.bfloat16 or getattr(torch.version, "hip", None):
+        return False
+    idx = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if idx not in _CAPABILITY:
+        _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
+    return _CAPABILITY[idx] >= (9, 0)
+
+
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
+def _launch(x: "torch.Tensor", q: "torch.Tensor", scales: "torch.Tensor", out: "torch.Tensor",
+            cfg: KernelConfig, bt: int) -> None:
+    _, triton, _ = _imports()
+    b, k = x.shape
+    v = q.shape[0]
+    grid = (triton.cdiv(v, cfg.block_v), triton.cdiv(b, bt))
+    _get_kernel()[grid](
+        x, q, scales, out,
+        b, v, k,
+        x.stride(0), q.stride(0), out.stride(0),
+        BLOCK_B=bt, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k,
+        EVEN_K=(k % cfg.block_k == 0), EVEN_V=(v % cfg.block_v == 0), DOT_F32=_interpreting(),
+        FAST_CVT=cfg.fast_cvt and _fast_cvt_ok(x),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
 def int8_logits(
     hidden: "torch.Tensor",
     q: "torch.Tensor",
@@ -256,7 +288,7 @@ def int8_logits(
     hidden: bf16 (or fp16) [B, K] or [K]; q: int8 [V, K] with unit stride along K;
     scales: fp32 [V].  One kernel launch for the whole batch.
     """
-    torch, triton, _ = _imports()
+    torch, _, _ = _imports()
     squeeze = hidden.dim() == 1
     x = hidden.unsqueeze(0) if squeeze else hidden
     if x.dim() != 2:
@@ -279,17 +311,16 @@ def int8_logits(
         return out[0] if squeeze else out
     cfg = config or pick_config(b)
     bt = batch_tile(b)
-    grid = (triton.cdiv(v, cfg.block_v), triton.cdiv(b, bt))
-    _get_kernel()[grid](
-        x, q, scales, out,
-        b, v, k,
-        x.stride(0), q.stride(0), out.stride(0),
-        BLOCK_B=bt, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k,
-        EVEN_K=(k % cfg.block_k == 0), EVEN_V=(v % cfg.block_v == 0), DOT_F32=_interpreting(),
-        # The PTX trick produces bf16; fp16 activations take the generic cast.
-        FAST_CVT=cfg.fast_cvt and x.dtype == torch.bfloat16 and x.is_cuda,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    try:
+        _launch(x, q, scales, out, cfg, bt)
+    except Exception as exc:
+        # The table is tuned on an H200 (228 KB of shared memory per SM); a part
+        # with less (GB10 / sm_121 has ~100 KB) may refuse the larger tiles.
+        # Fall back to small tiles once and remember it for this batch tile.
+        if config is not None or type(exc).__name__ != "OutOfResources":
+            raise
+        _TUNED[bt] = _SMALL
+        _launch(x, q, scales, out, _SMALL, bt)
     return out[0] if squeeze else out
 
 
@@ -335,6 +366,12 @@ class Int8LMHead:
 
     def quantized(self) -> tuple["torch.Tensor", "torch.Tensor"]:
         if self.q is None:
+            torch, _, _ = _imports()
+            if self.weight.is_cuda and torch.cuda.is_current_stream_capturing():
+                # Quantizing inside a CUDA graph capture would record the
+                # quantization into the graph and replay it every step.
+                raise RuntimeError("Int8LMHead: first use during CUDA graph capture; "
+                                   "call .quantized() (or run one eager forward) before capturing")
             with self._qlock:
                 if self.q is None:
                     q, s = quantize_rows(self.weight.detach())
