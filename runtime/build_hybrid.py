@@ -541,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.verify:
             return verify(int4_dir, donor, out)
         return build(int4_dir, donor, out)
-    except (BuildError, stio.SafetensorsError) as exc:
+    except (BuildError, stio.SafetensorsError, OSError) as exc:  # OSError: disk, hub download
         print(f"[build_hybrid] error: {exc}", file=sys.stderr, flush=True)
         return 2
 
