@@ -11,7 +11,7 @@ Public API (imported lazily, so `python -m sparkfleet.testbed.hub` stays light):
     with tb.switched("spark-2", gpu="NVIDIA H100 80GB HBM3"): ...
     restart_host(name), host_exec(name, cmd), stop_host(name), start_host(name)
 
-See docs/architecture.md ("The simulated fleet") and docs/testbed.md.
+See docs/architecture.md ("The simulated fleet") and sparkfleet/testbed/README.md.
 """
 
 from __future__ import annotations

@@ -103,6 +103,20 @@ def remove(dirs: list[str]) -> list[str]:
     return failed
 
 
+def pids_in(dirs: list[str]) -> list[int]:
+    """Every process in the cgroup trees *dirs* (as seen from our PID namespace)."""
+    pids: set[int] = set()
+    for d in dirs:
+        for root, _subdirs, files in os.walk(d):
+            if "cgroup.procs" in files:
+                try:
+                    with open(os.path.join(root, "cgroup.procs")) as f:
+                        pids.update(int(p) for p in f.read().split() if p.strip() not in ("", "0"))
+                except OSError:
+                    pass
+    return sorted(pids)
+
+
 def leftovers() -> list[str]:
     """Our parent directories anywhere near the top of each hierarchy."""
     found = []

@@ -8,6 +8,7 @@ while anything is still mounted below it.
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import time
@@ -77,7 +78,14 @@ def unmount_all() -> None:
 
 
 def remove_cgroups() -> None:
-    failed = cgroups.remove(cgroups.leftovers())
+    """Kill whatever still runs in our cgroups (a process that left the host's netns,
+    e.g. in a container of its own), then remove the cgroup directories."""
+    dirs = cgroups.leftovers()
+    for pid in cgroups.pids_in(dirs):
+        if pid != os.getpid():
+            log(f"killing leftover process {pid} in a testbed cgroup: {' '.join(cmdline(pid))[:120]}")
+            kill_wait(pid, sig=signal.SIGKILL, grace=5)
+    failed = cgroups.remove(dirs)
     if failed:
         log(f"warning: cgroups still in use, left: {', '.join(failed[:5])}")
 

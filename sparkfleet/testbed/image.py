@@ -52,9 +52,10 @@ IMAGE_ENV = [
     "LANG=C.UTF-8",
     "PYTHONUNBUFFERED=1",
 ]
-#: Like the vllm-openai images: the entrypoint is `vllm serve`; the deploy overrides it
-#: with `--entrypoint python3`.
-ENTRYPOINT = ["vllm", "serve"]
+#: The default command is `vllm serve` (like the vllm-openai images) but as CMD, not
+#: ENTRYPOINT, so both `docker run IMAGE true` and the deploy's
+#: `docker run --entrypoint python3 IMAGE /host/serve.py` do what they say.
+CMD = ["vllm", "serve"]
 
 #: Contents of these directories are not part of an image (docker mounts its own).
 BASE_EMPTY_DIRS = ("dev", "proc", "sys", "run", "tmp", "var/tmp")
@@ -243,7 +244,7 @@ def config_bytes(layers: list[Layer]) -> bytes:
         "created": CREATED,
         "config": {
             "Env": IMAGE_ENV,
-            "Entrypoint": ENTRYPOINT,
+            "Cmd": CMD,
             "WorkingDir": "/",
             "Labels": {"org.opencontainers.image.title": "sparkfleet simulated vLLM 0.23.0 serving image"},
         },

@@ -40,6 +40,9 @@ def ensure_bridge() -> None:
     if addr not in have:
         run(["ip", "addr", "add", addr, "dev", paths.BRIDGE], timeout=15)
     run(["ip", "link", "set", paths.BRIDGE, "up"], timeout=15)
+    # Never route the hosts' packets onward, even where the machine forwards between
+    # its other interfaces: IPv4 checks this flag on the interface a packet came in on.
+    Path(f"/proc/sys/net/ipv4/conf/{paths.BRIDGE}/forwarding").write_text("0\n")
 
 
 def create_host_net(name: str, address: str) -> None:

@@ -71,6 +71,7 @@ def test_docker_runs_the_registry_image_with_gpus(tb):
     assert pinned == f"{paths.IMAGE_REF}@{tb.image['digest']}"
     sh(tb, f"docker pull -q {pinned}", timeout=300)
     sh(tb, ": > /run/sparkfleet-sim/hook.log 2>/dev/null || true")
+    sh(tb, f"docker run --rm --gpus all {pinned} true")
     out = sh(tb, f"docker run --rm --gpus all --network host --ulimit memlock=-1:-1 --entrypoint python3 {pinned} "
                  "-c 'import huggingface_hub, requests, prometheus_client, shutil; print(shutil.which(\"vllm\"))'")
     assert out.strip() == "/usr/local/bin/vllm"

@@ -62,7 +62,7 @@ def test_manifest_and_config_are_canonical(tmp_path):
     assert c1 == image.config_bytes([layer])
     cfg = json.loads(c1)
     assert cfg["rootfs"]["diff_ids"] == ["sha256:" + "2" * 64]
-    assert cfg["config"]["Entrypoint"] == ["vllm", "serve"]
+    assert cfg["config"]["Cmd"] == ["vllm", "serve"] and "Entrypoint" not in cfg["config"]
     m = registry.manifest_bytes(c1, [(Path("x"), layer.digest, layer.size)])
     assert m == registry.manifest_bytes(c1, [(Path("y"), layer.digest, layer.size)])
     doc = json.loads(m)
