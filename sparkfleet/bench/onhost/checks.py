@@ -225,6 +225,7 @@ def run_agent(ctx: BenchContext) -> dict:
     for i in range(ctx.warmup):
         with ctx.progress.heartbeat(f"agent warm-up {i + 1}/{ctx.warmup}"):
             ctx.client.stream_chat(turns[0].messages, ctx.agent_max_tokens)
+        ctx.progress.log(f"agent warm-up {i + 1}/{ctx.warmup} done (discarded)")
     before = scrape(ctx)
     records: List[dict] = []
     for n, turn in enumerate(turns, 1):
