@@ -1,10 +1,14 @@
 """The simulated serving image `10.213.0.1:5000/sparkfleet/vllm-sim:0.23.0`.
 
-Built without a docker engine, as two deterministic layers:
+Built without a docker engine, as three deterministic layers:
 
 1. *base*: a Debian bookworm minbase root with python3 (rootfs.image_recipe), trimmed;
    cached per recipe;
-2. *app*: Python packages the serving image offers (huggingface_hub, requests,
+2. *vllm source*: the `vllm` Python package of the real vLLM 0.23.0 (the .py/.json files
+   of its PyPI sdist, plus the `_version.py` and dist-info a wheel install has), so that
+   the serve wrapper's patches find and edit the real code (runtime/patches locate it
+   with `find_spec`, never importing it: torch is not in the image);
+3. *app*: Python packages the serving image offers (huggingface_hub, requests,
    prometheus_client and their dependencies) installed offline from wheels the
    controller downloads once, plus the simulated engine (sparkfleet/testbed/engine.py)
    as /usr/local/bin/vllm; cached per input hash.
@@ -33,6 +37,10 @@ from .proc import TestbedError, log, run
 EPOCH = 1704067200
 CREATED = "2024-01-01T00:00:00Z"
 APP_LAYER_VERSION = 1
+VLLM_VERSION = "0.23.0"  # the serving image's vLLM (IMAGE_TAG)
+VLLM_LAYER_VERSION = 1
+PYPI_JSON = "https://pypi.org/pypi/vllm/{version}/json"
+PYPI_PROJECT_JSON = "https://pypi.org/pypi/vllm/json"
 
 PIP_PINS = ["huggingface_hub==2.4.0", "requests==2.34.2", "prometheus_client==0.26.0"]
 PIP_PLATFORMS = [
@@ -165,6 +173,86 @@ def base_layer() -> Layer:
     return layer
 
 
+def ensure_vllm_sdist(version: str = VLLM_VERSION) -> Path:
+    """The PyPI sdist of vLLM *version* (sha256-checked), downloaded once into the cache."""
+    import requests
+
+    dest = paths.CACHE_DIR / f"vllm-{version}.tar.gz"
+    if dest.exists():
+        return dest
+    log(f"downloading the vLLM {version} sdist from PyPI (once, ~37 MB)")
+    from urllib.parse import urljoin
+
+    def sdist_of(url: str, pick) -> dict | None:
+        r = requests.get(url, timeout=60)
+        if r.status_code == 404:
+            return None
+        r.raise_for_status()
+        f = next((f for f in pick(r.json()) if f.get("packagetype") == "sdist"), None)
+        return {**f, "url": urljoin(url, f["url"])} if f else None
+
+    try:
+        # The per-release JSON first; some mirrors only serve the project JSON.
+        sdist = (sdist_of(PYPI_JSON.format(version=version), lambda d: d.get("urls", []))
+                 or sdist_of(PYPI_PROJECT_JSON, lambda d: d.get("releases", {}).get(version, [])))
+        if not sdist:
+            raise TestbedError(f"vLLM {version} has no sdist on PyPI")
+        tmp = dest.with_name(dest.name + f".tmp-{os.getpid()}")
+        h = hashlib.sha256()
+        with requests.get(sdist["url"], stream=True, timeout=60) as r, open(tmp, "wb") as out:
+            r.raise_for_status()
+            for chunk in r.iter_content(1 << 20):
+                h.update(chunk)
+                out.write(chunk)
+    except (requests.RequestException, KeyError, ValueError) as exc:
+        raise TestbedError(f"cannot fetch the vLLM {version} sdist from PyPI: {exc}") from exc
+    if h.hexdigest() != sdist["digests"]["sha256"]:
+        tmp.unlink(missing_ok=True)
+        raise TestbedError(f"vLLM sdist sha256 mismatch: {h.hexdigest()} != {sdist['digests']['sha256']}")
+    os.replace(tmp, dest)
+    return dest
+
+
+def vllm_layer() -> Layer:
+    """Layer with dist-packages/vllm (real source) and its dist-info."""
+    sdist = ensure_vllm_sdist()
+    key = hashlib.sha256(json.dumps([VLLM_LAYER_VERSION, VLLM_VERSION, sdist.stat().st_size]).encode()).hexdigest()[:16]
+    meta = paths.CACHE_DIR / f"image-vllm-{key}.json"
+    layer = _cached_layer(meta)
+    if layer:
+        return layer
+    stage = paths.CACHE_DIR / f"image-vllm-stage.tmp-{os.getpid()}"
+    shutil.rmtree(stage, ignore_errors=True)
+    site = stage / f"usr/local/lib/python{IMAGE_PYTHON}/dist-packages"
+    prefix = f"vllm-{VLLM_VERSION}/vllm/"
+    try:
+        with tarfile.open(sdist) as tar:
+            for m in tar.getmembers():
+                if not m.isfile() or not m.name.startswith(prefix) or ".." in m.name.split("/"):
+                    continue
+                out = site / "vllm" / m.name[len(prefix):]
+                out.parent.mkdir(parents=True, exist_ok=True)
+                with tar.extractfile(m) as src:  # type: ignore[union-attr]
+                    out.write_bytes(src.read())
+        # What a wheel install adds: the generated version module and the dist-info.
+        (site / "vllm/_version.py").write_text(
+            f"__version__ = version = {VLLM_VERSION!r}\n__version_tuple__ = version_tuple = "
+            f"{tuple(int(x) for x in VLLM_VERSION.split('.'))!r}\n")
+        info = site / f"vllm-{VLLM_VERSION}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}\n"
+                                       "Summary: vLLM source only (sparkfleet testbed sim image)\n")
+        (info / "INSTALLER").write_text("sparkfleet-testbed\n")
+        (info / "top_level.txt").write_text("vllm\n")
+        for p in [stage, *stage.rglob("*")]:
+            p.chmod(0o755 if p.is_dir() else 0o644)
+        layer = write_layer(stage, paths.CACHE_DIR / f"image-vllm-{key}.tar.gz")
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    meta.write_text(json.dumps(asdict(layer), indent=2))
+    return layer
+
+
 def ensure_wheels() -> Path:
     """Wheels for PIP_PINS (+ deps) for the image's CPython/platform, downloaded once."""
     key = hashlib.sha256(json.dumps([PIP_PINS, PIP_PLATFORMS, IMAGE_PYTHON]).encode()).hexdigest()[:16]
@@ -251,6 +339,7 @@ def config_bytes(layers: list[Layer]) -> bytes:
         "rootfs": {"type": "layers", "diff_ids": [l.diff_id for l in layers]},
         "history": [
             {"created": CREATED, "created_by": "sparkfleet testbed: debian bookworm minbase + python3"},
+            {"created": CREATED, "created_by": f"sparkfleet testbed: vllm {VLLM_VERSION} python source"},
             {"created": CREATED, "created_by": "sparkfleet testbed: python packages + simulated vllm"},
         ],
     }
@@ -259,7 +348,8 @@ def config_bytes(layers: list[Layer]) -> bytes:
 
 def build() -> tuple[bytes, list[Layer]]:
     base = base_layer()
-    return config_bytes([base, app := app_layer(base)]), [base, app]
+    layers = [base, vllm_layer(), app_layer(base)]
+    return config_bytes(layers), layers
 
 
 def publish() -> dict:

@@ -73,8 +73,11 @@ def test_docker_runs_the_registry_image_with_gpus(tb):
     sh(tb, ": > /run/sparkfleet-sim/hook.log 2>/dev/null || true")
     sh(tb, f"docker run --rm --gpus all {pinned} true")
     out = sh(tb, f"docker run --rm --gpus all --network host --ulimit memlock=-1:-1 --entrypoint python3 {pinned} "
-                 "-c 'import huggingface_hub, requests, prometheus_client, shutil; print(shutil.which(\"vllm\"))'")
-    assert out.strip() == "/usr/local/bin/vllm"
+                 "-c 'import huggingface_hub, requests, prometheus_client, shutil, importlib.util as u, "
+                 "importlib.metadata as m; print(shutil.which(\"vllm\"), m.version(\"vllm\"), "
+                 "u.find_spec(\"vllm\").submodule_search_locations[0])'")
+    # the simulated engine as the CLI, the real vLLM 0.23.0 source for the patches
+    assert out.split() == ["/usr/local/bin/vllm", "0.23.0", "/usr/local/lib/python3.11/dist-packages/vllm"]
     assert "prestart" in sh(tb, "cat /run/sparkfleet-sim/hook.log"), "docker --gpus did not run the NVIDIA hook"
     digests = sh(tb, f"docker image inspect --format '{{{{json .RepoDigests}}}}' {pinned}")
     assert tb.image["digest"] in digests
