@@ -117,7 +117,8 @@ def bench_command(s: BenchSettings, names: Sequence[str], run_id: str, host_name
         f"{{ echo '{SERVE_CONTAINER} is not running: see systemctl status {SERVE_CONTAINER}' >&2; exit 3; }}",
         # The key reaches the bench as a read-only file, never through argv.
         f"if [ -f {q(SECRETS_ENV)} ]; then set -- -v {q(SECRETS_ENV + ':' + CONTAINER_SECRETS + ':ro')}; else set --; fi",
-        f"flock -n -E {LOCKED_EXIT} {q(p['lock'])} docker run --rm --network host --entrypoint python3"
+        # root in the container: it reads the 0600 secrets file, whatever USER the image sets
+        f"flock -n -E {LOCKED_EXIT} {q(p['lock'])} docker run --rm --network host --entrypoint python3 --user 0:0"
         f" -e PYTHONPATH={CONTAINER_CODE_ROOT} -e PYTHONUNBUFFERED=1"
         f" -v {q(p['code'] + ':' + CONTAINER_CODE_ROOT + '/' + REMOTE_PACKAGE + ':ro')}"
         f" -v {q(s.bench_dir + ':' + s.bench_dir)}"
