@@ -9,7 +9,6 @@ cached. The ASCII-armored public key is served at /gpgkey, as NVIDIA serves thei
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -250,6 +249,19 @@ class Testbed:
     @property
     def image(self) -> dict[str, Any]:
         return self.state.image
+
+    @property
+    def hub_url(self) -> str:
+        """The hub endpoint (HF_ENDPOINT); byte counters at /_testbed/stats."""
+        return paths.HUB_URL
+
+    @property
+    def registry(self) -> str:
+        return paths.REGISTRY
+
+    @property
+    def apt_url(self) -> str:
+        return paths.APT_URL
 
     @property
     def run_id(self) -> str:

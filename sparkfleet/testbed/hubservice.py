@@ -5,7 +5,6 @@ sparkfleet.testbed.checkpoints written under STATE_DIR/hub/repos."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from . import paths, services
 from .proc import log

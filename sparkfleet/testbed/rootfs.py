@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from . import paths
-from .proc import TestbedError, log, run
+from .proc import log, run
 
 SUITE = "bookworm"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
