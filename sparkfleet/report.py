@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import json
 import statistics
 import sys
 from dataclasses import dataclass, field
