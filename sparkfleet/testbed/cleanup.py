@@ -29,9 +29,10 @@ def _stray_nspawn_pids() -> list[int]:
     return out
 
 
-def stop_hosts(state: State | None, grace: float = 30) -> None:
-    """Power off every host container: SIGTERM to all at once (nspawn shuts the
-    container down in order), then wait; SIGKILL what is left."""
+def stop_hosts(state: State | None, grace: float = 3) -> None:
+    """Stop every host container: SIGTERM to all at once (nspawn starts an orderly
+    poweroff), a short *grace*, then SIGKILL: the hosts are being discarded, and an
+    orderly stop waits up to `docker stop -t 30` for a serving container."""
     pids = set(_stray_nspawn_pids())
     if state:
         pids |= {h.pid for h in state.hosts.values() if h.pid and pid_matches(h.pid, "systemd-nspawn")}
