@@ -5,14 +5,14 @@
 
 PYTHON ?= python3
 HOSTS ?= 3
-APT_PACKAGES = debootstrap systemd-container docker-registry iproute2 apt-utils gnupg dpkg-dev curl ca-certificates
+APT_PACKAGES = debootstrap systemd-container docker-registry iproute2 apt-utils gnupg dpkg-dev curl ca-certificates openssh-client
 STAMP = .sparkfleet/deps.stamp
 
 .PHONY: deps demo down status test test-unit report
 
 $(STAMP): pyproject.toml Makefile
 	@command -v debootstrap >/dev/null && command -v systemd-nspawn >/dev/null && command -v docker-registry >/dev/null \
-		&& command -v apt-ftparchive >/dev/null && command -v gpg >/dev/null \
+		&& command -v apt-ftparchive >/dev/null && command -v gpg >/dev/null && command -v ssh >/dev/null \
 		|| { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PACKAGES); }
 	$(PYTHON) -m pip install -q -e '.[test]'
 	$(PYTHON) -m pip install -q torch==2.13.0 triton

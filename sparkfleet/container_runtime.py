@@ -122,11 +122,12 @@ def docker_knows_nvidia():
 
 def configured(settings: Settings) -> None:
     """The toolkit installed, docker configured for it, docker restarted only if changed."""
-    toolkit_installed(name="NVIDIA container toolkit installed", settings=settings)
+    toolkit = toolkit_installed(name="NVIDIA container toolkit installed", settings=settings)
     daemon = docker_knows_nvidia(name="docker knows the nvidia runtime")
+    # dockerd looks for the GPU hook only when it starts: a new toolkit needs a restart too.
     systemd.service(
         name="restart docker for its new runtime",
         service="docker.service",
         restarted=True,
-        _if=daemon.did_change,
+        _if=lambda: toolkit.did_change() or daemon.did_change(),
     )

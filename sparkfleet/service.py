@@ -138,33 +138,33 @@ def compile_cache_matches(settings: Settings):
     yield StringCommand("echo", shlex.quote(settings.compile_signature), ">", shlex.quote(signature_file))
 
 
-def _wait_ready(state, target_host, settings: Settings) -> bool:
+def _wait_ready(state, host, settings: Settings) -> bool:  # pyinfra passes state and host by these names
     """Poll until the served model answers a real request; fail early if the engine dies."""
     started = time.monotonic()
     last_report = started
     address = local_address(settings)
-    restarts_before = target_host.get_fact(UnitState).get("NRestarts", "0")
+    restarts_before = host.get_fact(UnitState).get("NRestarts", "0")
     while True:
-        answer = target_host.get_fact(ServedAnswer, address=address, port=settings.port, model=settings.served_model_name)
+        answer = host.get_fact(ServedAnswer, address=address, port=settings.port, model=settings.served_model_name)
         elapsed = time.monotonic() - started
         if answer is not None:
-            target_host.log(f"READY in {elapsed:.0f} s — {_endpoint_hint(target_host, settings)}", logger.info)
+            host.log(f"READY in {elapsed:.0f} s — {_endpoint_hint(host, settings)}", logger.info)
             return True
-        unit = target_host.get_fact(UnitState)
+        unit = host.get_fact(UnitState)
         # A restart while we wait means the engine died: its log says why, waiting won't.
         if unit.get("ActiveState") in ("failed", "inactive") or unit.get("NRestarts", "0") != restarts_before:
             raise OperationError(
                 f"{UNIT} died while starting (state {unit.get('ActiveState')}); last log lines:\n"
-                + _journal_tail(target_host)
+                + _journal_tail(host)
             )
         if elapsed > settings.ready_timeout_s:
             raise OperationError(
                 f"not READY after {settings.ready_timeout_s} s (raise ready_timeout_s for slow first starts); "
-                "last log lines:\n" + _journal_tail(target_host)
+                "last log lines:\n" + _journal_tail(host)
             )
         if time.monotonic() - last_report >= 15:
             last_report = time.monotonic()
-            target_host.log(f"waiting for READY: {elapsed:.0f} s, unit {unit.get('ActiveState')}", logger.info)
+            host.log(f"waiting for READY: {elapsed:.0f} s, unit {unit.get('ActiveState')}", logger.info)
         gevent.sleep(2)
 
 
