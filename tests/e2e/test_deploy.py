@@ -168,3 +168,60 @@ def test_serving_false_stops_and_keeps_image_and_weights(testbed, run_pyinfra):
     result = run_pyinfra("deploy.py")
     assert result.returncode == 0
     assert "Paris" in completion(testbed, name)
+
+
+def test_host_without_nvidia_runtime_gets_the_toolkit_from_the_signed_repo(testbed, run_pyinfra):
+    name = testbed.names[1]
+    with testbed.switched(name, no_nvidia_runtime=True):
+        assert testbed.exec(name, "command -v nvidia-container-runtime-hook || echo missing").stdout.strip() == "missing"
+        result = run_pyinfra("deploy.py")
+        out = result.stdout + result.stderr
+        assert result.returncode == 0, out[-4000:]
+        assert testbed.exec(name, "dpkg -s nvidia-container-toolkit | grep -c 'Status: install ok'").stdout.strip() == "1"
+        assert "nvidia" in testbed.exec(name, "docker info --format '{{json .Runtimes}}'").stdout
+        assert "Paris" in wait_for_answer(testbed, name)
+        # Only that host installed anything; the results table counts 3 hosts, 1 change.
+        assert re.search(r"NVIDIA container toolkit installed\s+3\s+1\s+-\s+2", out), out[-3000:]
+
+
+@pytest.mark.parametrize("switch,message", [
+    ({"arch": "x86_64"}, "processor is x86_64"),
+    ({"disk_full": True}, "GiB free"),
+])
+def test_preflight_stops_a_wrong_host_before_any_change(testbed, run_pyinfra, switch, message):
+    name = testbed.names[2]
+    with testbed.switched(name, **switch):
+        before = testbed.exec(name, f"md5sum {SERVE_ENV}").stdout
+        result = run_pyinfra("deploy.py", "--data", "max_num_seqs=2")
+        out = result.stdout + result.stderr
+        assert result.returncode != 0
+        assert message in out and "nothing was changed on this host" in out
+        assert testbed.exec(name, f"md5sum {SERVE_ENV}").stdout == before
+        assert "SF_MAX_NUM_SEQS=2" in testbed.exec(testbed.names[0], f"cat {SERVE_ENV}").stdout
+    assert run_pyinfra("deploy.py").returncode == 0
+
+
+def test_hybrid_build_on_the_host_is_served_as_the_dense_checkpoint(testbed, run_pyinfra):
+    result = run_pyinfra("deploy.py", "--data", "build_hybrid=true")
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    for name in testbed.names:
+        info = testbed.exec(name, "cat /var/lib/sparkfleet/hybrid-int4-fp8/config.json").stdout
+        assert "sparkfleet_hybrid" in json.loads(info)
+        assert "SF_MODEL=/model" in testbed.exec(name, f"cat {SERVE_ENV}").stdout
+        assert "Paris" in completion(testbed, name)
+    # A second run builds nothing again.
+    again = run_pyinfra("deploy.py", "--data", "build_hybrid=true")
+    assert again.returncode == 0 and changed_hosts(again.stdout + again.stderr) == set()
+    assert run_pyinfra("deploy.py").returncode == 0
+
+
+@pytest.mark.parametrize("profile", ["base", "mtp"])
+def test_every_profile_reaches_ready(testbed, run_pyinfra, profile):
+    result = run_pyinfra("deploy.py", "--data", f"profile={profile}")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    for name in testbed.names:
+        assert f"SF_PROFILE={profile}" in testbed.exec(name, f"cat {SERVE_ENV}").stdout
+        assert "Paris" in completion(testbed, name)
+        # The drafter is fetched only for DFlash profiles: base/mtp brought no new repo.
+    assert run_pyinfra("deploy.py").returncode == 0
