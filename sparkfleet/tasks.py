@@ -47,7 +47,8 @@ def run_detached(
         # A task still running from an interrupted run is waited on, not started twice.
         f"if [ -f {q(base + '.pid')} ] && kill -0 \"$(cat {q(base + '.pid')})\" 2>/dev/null; then echo attached; "
         f"else rm -f {q(base + '.rc')}; "
-        f"setsid sh -c {q(command + f' > {base}.log 2>&1; echo $? > {base}.rc.tmp && mv {base}.rc.tmp {base}.rc')} "
+        # A subshell, so that an `exit` in the command still records its status.
+        f"setsid sh -c {q(f'( {command} ) > {base}.log 2>&1; echo $? > {base}.rc.tmp && mv {base}.rc.tmp {base}.rc')} "
         f"< /dev/null > /dev/null 2>&1 & echo $! > {q(base + '.pid')}; echo started; fi"
     )
     ok, lines = _sh(host, start)
