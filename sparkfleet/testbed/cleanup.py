@@ -111,6 +111,8 @@ def teardown(state: State | None = None, *, remove_hosts_json: bool = True) -> N
         shutil.rmtree(paths.STATE_DIR)
     if remove_hosts_json:
         paths.HOSTS_JSON.unlink(missing_ok=True)
+        if paths.INSTANCE:
+            paths.INVENTORY.unlink(missing_ok=True)
     dt = time.monotonic() - t0
     if dt > 5:
         log(f"teardown took {dt:.1f}s")

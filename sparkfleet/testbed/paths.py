@@ -7,35 +7,51 @@ from these constants, which is also how cleanup finds leftovers of an earlier ru
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 #: Repository root (sparkfleet/testbed/paths.py -> two levels up).
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
+#: A second, independent fleet on the same machine (e.g. two people developing at once):
+#: SPARKFLEET_TESTBED_INSTANCE=N (1..9) gives it its own bridge sfbrN, subnet 10.(213+N).0.0/24,
+#: state directory, lock, cgroups, netns/veth names and `.testbed/instance-N/` files, so
+#: neither `up` nor `down` touches the other. 0 (the default) is the fleet described above.
+INSTANCE = int(os.environ.get("SPARKFLEET_TESTBED_INSTANCE", "0") or 0)
+if not 0 <= INSTANCE <= 9:
+    raise ValueError(f"SPARKFLEET_TESTBED_INSTANCE must be 0..9, not {INSTANCE}")
+_SUFFIX = f"-{INSTANCE}" if INSTANCE else ""
+
 #: Git-ignored per-checkout output: controller SSH key and hosts.json.
 DOT_TESTBED = REPO_ROOT / ".testbed"
-HOSTS_JSON = DOT_TESTBED / "hosts.json"
 SSH_KEY = DOT_TESTBED / "id_ed25519"
-INVENTORY = REPO_ROOT / "inventory" / "testbed.py"
+if INSTANCE:
+    #: Its own hosts.json and a generated inventory reading it (inventory/testbed.py
+    #: reads the default fleet's).
+    HOSTS_JSON = DOT_TESTBED / f"instance-{INSTANCE}" / "hosts.json"
+    INVENTORY = HOSTS_JSON.with_name("inventory.py")
+else:
+    HOSTS_JSON = DOT_TESTBED / "hosts.json"
+    INVENTORY = REPO_ROOT / "inventory" / "testbed.py"
 
-#: Built once, kept by `down` (rootfs, image base layer, wheels, signing key).
+#: Built once, kept by `down` (rootfs, image base layer, wheels, signing key); shared.
 CACHE_DIR = Path("/var/cache/sparkfleet-testbed")
 #: Runtime state of one fleet; wiped by `up` and `down`.
-STATE_DIR = Path("/var/lib/sparkfleet-testbed")
+STATE_DIR = Path("/var/lib/sparkfleet-testbed" + _SUFFIX)
 STATE_FILE = STATE_DIR / "state.json"
 HOSTS_DIR = STATE_DIR / "hosts"
 LOG_DIR = STATE_DIR / "logs"
 #: Outside STATE_DIR on purpose: it must survive the wipe of STATE_DIR it guards.
-LOCK_FILE = Path("/run/sparkfleet-testbed.lock")
+LOCK_FILE = Path(f"/run/sparkfleet-testbed{_SUFFIX}.lock")
 
 # --- network ------------------------------------------------------------------------
-BRIDGE = "sfbr0"
-SUBNET_PREFIX = "10.213.0."
-CONTROLLER_IP = "10.213.0.1"
+BRIDGE = f"sfbr{INSTANCE}"
+SUBNET_PREFIX = f"10.{213 + INSTANCE}.0."
+CONTROLLER_IP = f"{SUBNET_PREFIX}1"
 NETMASK_BITS = 24
-NETNS_PREFIX = "sf-spark-"
+NETNS_PREFIX = f"sf{INSTANCE or ''}-spark-"
 #: Host-side veth names: "sfv-spark-<i>" (IFNAMSIZ is 16, so at most 15 characters).
-VETH_PREFIX = "sfv-spark-"
+VETH_PREFIX = f"sfv{INSTANCE or ''}-spark-"
 HOST_PREFIX = "spark-"
 
 # --- services on the bridge address --------------------------------------------------
@@ -52,7 +68,7 @@ APT_KEY_URL = f"http://{CONTROLLER_IP}:{APT_PORT}/gpgkey"
 
 #: cgroup directory (in the name=systemd and unified hierarchies) holding one
 #: sub-cgroup per host, so that the systemd of each host manages its own subtree.
-CGROUP_PARENT = "sparkfleet-testbed"
+CGROUP_PARENT = "sparkfleet-testbed" + _SUFFIX
 
 #: Where the simulated hardware reads its switches inside a host.
 SIM_DIR_IN_HOST = "/etc/sparkfleet-sim"

@@ -123,3 +123,35 @@ def write_hosts_json(state: State, ssh_key: Path = paths.SSH_KEY, path: Path = p
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
+    if paths.INSTANCE and path == paths.HOSTS_JSON:
+        paths.INVENTORY.write_text(_INSTANCE_INVENTORY.format(instance=paths.INSTANCE))
+
+
+#: The inventory of a second fleet (SPARKFLEET_TESTBED_INSTANCE=N): inventory/testbed.py's
+#: host entries, read from the hosts.json beside it. Run pyinfra from the repository root
+#: so group_data/ is found.
+_INSTANCE_INVENTORY = '''"""pyinfra inventory of testbed instance {instance} (written by `sparkfleet testbed up`)."""
+
+import json
+from pathlib import Path
+
+_doc = json.loads((Path(__file__).resolve().parent / "hosts.json").read_text())
+
+sparks = (
+    [
+        (
+            _h["name"],
+            {{
+                "ssh_hostname": _h["address"],
+                "ssh_user": "root",
+                "ssh_key": _h["ssh_key"],
+                "ssh_strict_host_key_checking": "no",
+                "ssh_known_hosts_file": "/dev/null",
+                **_doc.get("data", {{}}),
+            }},
+        )
+        for _h in _doc["hosts"]
+    ],
+    {{}},
+)
+'''

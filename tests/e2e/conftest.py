@@ -11,6 +11,7 @@ Needs root and the testbed's system tools: without them the tests FAIL, with the
 Environment knobs for development:
   SPARKFLEET_TESTBED_REUSE=1  reuse a fleet that is already up (>= 3 healthy hosts)
   SPARKFLEET_KEEP_TESTBED=1   leave the fleet up after the session
+  SPARKFLEET_TESTBED_INSTANCE=N  use a second, independent fleet (sparkfleet/testbed/paths.py)
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ from pathlib import Path
 
 import pytest
 
+from sparkfleet.testbed import paths as _paths
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
-INVENTORY = "inventory/testbed.py"
+# inventory/testbed.py, or the generated one of SPARKFLEET_TESTBED_INSTANCE=N.
+INVENTORY = str(_paths.INVENTORY.relative_to(REPO_ROOT))
 N_HOSTS = 3
 
 
