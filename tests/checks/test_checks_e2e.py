@@ -1,0 +1,73 @@
+"""On the simulated fleet: one command deploys 3 hosts, checks them, writes the report.
+
+    pyinfra -y inventory/testbed.py deploy.py --data checks='["smoke","decode","e2e"]'
+
+Uses a fleet that is already up and healthy (left as it was found), else boots one for
+this module and removes it afterwards. Marked e2e: needs root and the testbed's tools.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+N_HOSTS = 3
+# The dense profile's simulated engine decodes at the seeds' DFlash agent rate.
+SIM_DENSE_DECODE_TOK_S = 81.0
+
+
+@pytest.fixture(scope="module")
+def fleet_up():
+    if os.geteuid() != 0:
+        pytest.fail("the checks' e2e test needs root (it runs on the simulated fleet)", pytrace=False)
+    from sparkfleet.testbed import fleet
+
+    status = fleet.status()
+    healthy = bool(status) and len(status["hosts"]) >= N_HOSTS and all(
+        h["pid"] and h["ssh"] for h in status["hosts"]
+    )
+    if not healthy:
+        fleet.up(N_HOSTS)
+    try:
+        yield
+    finally:
+        if not healthy and os.environ.get("SPARKFLEET_KEEP_TESTBED") != "1":
+            fleet.down()
+
+
+def test_one_command_deploys_checks_and_reports_three_hosts(fleet_up, tmp_path):
+    run_id = f"e2e-checks-{int(time.time())}"
+    proc = subprocess.run(
+        ["pyinfra", "-y", "inventory/testbed.py", "deploy.py",
+         "--data", 'checks=["smoke","decode","e2e"]', "--data", f"run_id={run_id}",
+         "--data", f"results_dir={tmp_path}", "--data", "bench_runs=2", "--data", "bench_max_tokens=64"],
+        cwd=REPO, capture_output=True, text=True, timeout=1800, stdin=subprocess.DEVNULL,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    run_dir = tmp_path / run_id
+    hosts = sorted(p.stem for p in run_dir.glob("spark-*.json"))
+    assert hosts == [f"spark-{i}" for i in range(1, N_HOSTS + 1)]
+    for name in hosts:
+        r = json.loads((run_dir / f"{name}.json").read_text())
+        assert r["status"] == "ok", r.get("reason")
+        assert r["runner"] == "docker"  # inside the serving image, over SSH
+        assert "Paris" in r["checks"]["smoke"]["answer"]
+        for w in r["checks"]["decode"]["workloads"].values():
+            assert w["decode_tok_s"]["median"] == pytest.approx(SIM_DENSE_DECODE_TOK_S, rel=0.1)
+            assert w["acceptance"]["mean_length"] > 1.0
+        assert r["checks"]["e2e"]["tok_s"] > 0
+    for ext in ("txt", "csv", "json", "png"):
+        assert (run_dir / f"fleet-report.{ext}").exists()
+    report = json.loads((run_dir / "fleet-report.json").read_text())
+    assert sorted(report["hosts"]) == hosts and report["failed"] == []
+    assert "sparkfleet fleet report" in out
+    assert "[spark-2] [bench" in out  # progress streamed per host
