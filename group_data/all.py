@@ -103,6 +103,14 @@ bench_max_tokens = 256
 agent_state_db = None
 agent_sessions = 10
 agent_max_context_tokens = 16384
+agent_max_tokens = 200
+# Your own prompt, added to the decode bank as workload "user".
+bench_prompt = None
+bench_timeout_s = 600
+# docker: run the benches with the serving image's Python (the host needs only docker);
+# host: the host's python3, which then needs prometheus_client.
+bench_runner = "docker"
+bench_dir = "/var/lib/sparkfleet/bench"
 # Results land in results_dir/<run_id>/<host>.json; None: a timestamp per run.
 run_id = None
 results_dir = "results"

@@ -18,7 +18,7 @@ import os
 import re
 import secrets
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal
 
 from pydantic import (
     BaseModel,
@@ -131,6 +131,11 @@ class Settings(BaseModel):
     agent_state_db: str | None
     agent_sessions: int = Field(ge=1, le=1000)
     agent_max_context_tokens: int = Field(ge=256, le=MAX_CONTEXT)
+    agent_max_tokens: int = Field(ge=1, le=32768)
+    bench_prompt: str | None
+    bench_timeout_s: int = Field(ge=10, le=7200)
+    bench_runner: Literal["docker", "host"]
+    bench_dir: str
     run_id: str | None
     results_dir: str
 
@@ -160,7 +165,7 @@ class Settings(BaseModel):
                 raise ValueError(f"revision {rev!r} of {repo} is not a branch, tag or commit")
         return value
 
-    @field_validator("model_dir", "hybrid_dir", "hf_home")
+    @field_validator("model_dir", "hybrid_dir", "hf_home", "bench_dir")
     @classmethod
     def _host_path(cls, value: str | None) -> str | None:
         if value is not None and (not _SAFE_PATH.match(value) or "/../" in value + "/"):
@@ -219,6 +224,14 @@ class Settings(BaseModel):
         raw = value.get_secret_value()
         if raw not in ("auto", "none") and (len(raw) < 16 or not re.match(r"^[A-Za-z0-9._~+-]+$", raw)):
             raise ValueError("must be 'auto', 'none' or 16+ characters of letters, digits and ._~+-")
+        return value
+
+    @field_validator("checks", "bench", mode="before")
+    @classmethod
+    def _comma_list(cls, value: Any) -> Any:
+        # `--data checks=smoke,decode` arrives as one string.
+        if isinstance(value, str):
+            return [name.strip() for name in value.split(",") if name.strip()]
         return value
 
     @field_validator("checks", "bench")
