@@ -13,9 +13,7 @@ results/<run-id>/<host>.json; the report (txt, csv, json, png) beside them.
 Rebuild it later with `sparkfleet report results/<run-id>`.
 """
 
-from pyinfra import host
-
 from sparkfleet.bench.deploy import run_checks
-from sparkfleet.bench.settings import bench_settings
+from sparkfleet.config import fleet_settings
 
-run_checks(bench_settings(host.data).bench)
+run_checks(fleet_settings().bench)

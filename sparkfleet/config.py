@@ -30,7 +30,7 @@ from pydantic import (
     model_validator,
 )
 
-from sparkfleet.profiles import FP8_DONOR, INTEL_INT4, PROFILES, Profile
+from sparkfleet.profiles import INTEL_INT4, PROFILES, Profile
 
 try:  # pyinfra is the runtime, but the model is also used by plain unit tests
     from pyinfra.api.exceptions import PyinfraError as _BaseError
@@ -70,7 +70,7 @@ _FIXES: dict[str, str] = {
 }
 
 
-class ConfigError(_BaseError):
+class ConfigError(_BaseError, ValueError):
     """Invalid configuration; raised before any operation runs on any host."""
 
 
@@ -136,7 +136,7 @@ class Settings(BaseModel):
     bench_timeout_s: int = Field(ge=10, le=7200)
     bench_runner: Literal["docker", "host"]
     bench_dir: str
-    run_id: str | None
+    run_id: str | None = Field(coerce_numbers_to_str=True)
     results_dir: str
 
     # --- field checks -------------------------------------------------------------
@@ -226,6 +226,13 @@ class Settings(BaseModel):
             raise ValueError("must be 'auto', 'none' or 16+ characters of letters, digits and ._~+-")
         return value
 
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$", str(value)):
+            raise ValueError("names a results directory: use letters, digits and ._-")
+        return value
+
     @field_validator("checks", "bench", mode="before")
     @classmethod
     def _comma_list(cls, value: Any) -> Any:
@@ -249,6 +256,11 @@ class Settings(BaseModel):
             raise ValueError("build_hybrid=true only makes sense with profile=dense")
         if self.build_hybrid and self.model_dir:
             raise ValueError("set either model_dir or build_hybrid, not both")
+        if "agent" in self.checks + self.bench and not self.agent_state_db:
+            raise ValueError(
+                "the agent bench replays a Hermes state.db: set agent_state_db "
+                "(e.g. --data agent_state_db=~/.hermes/state.db)"
+            )
         if self.num_speculative_tokens and not self.profile_spec.speculative_method:
             raise ValueError(
                 f"profile {self.profile} has no speculative decoder; "
@@ -453,6 +465,14 @@ def fleet_settings() -> Settings:
     if key not in _FLEET_CACHE:
         _FLEET_CACHE[key] = validate_fleet(state.inventory)
     return _FLEET_CACHE[key][host.name]
+
+
+def project_defaults() -> dict[str, Any]:
+    """group_data/all.py of this project, for code that runs outside a pyinfra run."""
+    import runpy
+
+    path = Path(__file__).resolve().parents[1] / "group_data" / "all.py"
+    return {k: v for k, v in runpy.run_path(str(path)).items() if not k.startswith("__")}
 
 
 # --- secrets (controller side) --------------------------------------------------------

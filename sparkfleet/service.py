@@ -17,7 +17,13 @@ from pathlib import Path
 
 import gevent
 from pyinfra import host, logger
-from pyinfra.api import FactBase, FileUploadCommand, FunctionCommand, StringCommand, operation
+from pyinfra.api import (
+    FactBase,
+    FileUploadCommand,
+    FunctionCommand,
+    StringCommand,
+    operation,
+)
 from pyinfra.api.exceptions import OperationError
 from pyinfra.facts.files import Sha256File
 from pyinfra.operations import files, systemd

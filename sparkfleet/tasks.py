@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import shlex
 import time
-
-import gevent
 from typing import Callable
 
+import gevent
 from pyinfra import logger
 from pyinfra.api import FunctionCommand, StringCommand
 from pyinfra.api.exceptions import OperationError

@@ -35,6 +35,8 @@ from pyinfra.api.state import BaseStateCallback
 from pyinfra.operations import files, python
 
 from .results import failed_result, now_iso, result_path, run_dir, write_json
+from sparkfleet.config import fleet_settings
+
 from .settings import BenchSettings, bench_settings, parse_check_names, run_id_for
 
 ONHOST_SRC = Path(__file__).resolve().parent / "onhost"
@@ -301,7 +303,7 @@ def run_checks(names: Union[Sequence[str], str, None] = None) -> None:
 
         run_checks(["smoke", "decode"])
     """
-    settings = bench_settings(host.data)
+    settings = bench_settings(fleet_settings())
     wanted = parse_check_names(settings.checks if names is None else names)
     if not wanted:
         return

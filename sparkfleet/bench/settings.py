@@ -1,10 +1,4 @@
-"""The one place the checks read host data.
-
-Key names and defaults match ``group_data/all.py`` / ``sparkfleet.config.Settings``
-where those define them; the defaults here only matter when a deploy file runs without
-the project's group data (tests, a foreign inventory). The keys marked *(checks only)*
-are not in ``Settings`` yet.
-"""
+"""The checks' view of the validated settings (sparkfleet.config.Settings)."""
 
 from __future__ import annotations
 
@@ -12,39 +6,11 @@ import ipaddress
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, List, Mapping, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Union
 
 CHECK_NAMES = ("smoke", "decode", "e2e", "agent")
 RUNNERS = ("docker", "host")
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
-
-DEFAULTS: Mapping[str, Any] = {
-    "port": 8000,
-    "served_model_name": "qwen",
-    "bind_address": "0.0.0.0",
-    "checks": [],  # what deploy.py runs after a deploy
-    "bench": ["smoke", "decode", "e2e"],  # what checks/bench.py runs
-    "bench_runs": 3,
-    "bench_warmup": 1,
-    "bench_max_tokens": 256,
-    "agent_state_db": None,
-    "agent_sessions": 10,
-    "agent_max_context_tokens": 16384,
-    "run_id": None,
-    "results_dir": "results",
-    # (checks only) a user prompt added to the decode bank as workload "user"
-    "bench_prompt": None,
-    # (checks only) tokens per regenerated agent turn (the seeds' hermes_bench: 200)
-    "agent_max_tokens": 200,
-    # (checks only) per-request timeout of the on-host bench, seconds
-    "bench_timeout_s": 600,
-    # (checks only) "docker": run in the serving image (python3 + prometheus_client);
-    # "host": the host's own python3 (needs prometheus_client), for hosts without the image
-    "bench_runner": "docker",
-    # (checks only) host directory for the bench program, the state.db snapshot and results
-    "bench_dir": "/var/lib/sparkfleet/bench",
-}
-
 
 def parse_check_names(value: Union[str, Sequence[str], None]) -> List[str]:
     """``"smoke,decode"`` (what ``--data checks=...`` gives) or a list; validated, in order."""
@@ -96,22 +62,16 @@ class BenchSettings:
 
 
 def bench_settings(data: Any) -> BenchSettings:
-    """Read the checks' settings from ``host.data`` (anything with ``.get``)."""
-    values = {key: data.get(key, default) for key, default in DEFAULTS.items()}
-    values["checks"] = parse_check_names(values["checks"])
-    values["bench"] = parse_check_names(values["bench"])
-    for key in ("port", "bench_runs", "bench_warmup", "bench_max_tokens", "agent_sessions",
-                "agent_max_context_tokens", "agent_max_tokens", "bench_timeout_s"):
-        values[key] = int(values[key])
-    if values["bench_runner"] not in RUNNERS:
-        raise ValueError(f"bench_runner={values['bench_runner']!r}; use one of {', '.join(RUNNERS)}")
-    if values["run_id"] is not None:
-        values["run_id"] = str(values["run_id"])
-        if not _RUN_ID.match(values["run_id"]):
-            raise ValueError(f"run_id={values['run_id']!r}: use letters, digits and ._- (it names a directory)")
-    if not str(values["bench_dir"]).startswith("/"):
-        raise ValueError(f"bench_dir={values['bench_dir']!r} must be an absolute path on the host")
-    return BenchSettings(**values)
+    """The checks' view of a host's validated settings.
+
+    ``data`` is a validated ``Settings`` (what deploy files pass, from ``fleet_settings()``)
+    or a plain mapping, validated here over the project defaults of group_data/all.py.
+    """
+    from sparkfleet.config import Settings, project_defaults, validate_host_data
+
+    if not isinstance(data, Settings):
+        data = validate_host_data("checks", {**project_defaults(), **dict(data)})
+    return BenchSettings(**{name: getattr(data, name) for name in BenchSettings.__dataclass_fields__})
 
 
 _PROCESS_RUN_ID: Optional[str] = None
