@@ -181,13 +181,16 @@ def code_uses(text: str, qualname: str, ident: str) -> bool:
     return False
 
 
-def find_defining_file(vllm: Vllm, relpaths: Sequence[str], qualname: str) -> Path | None:
-    """First of ``relpaths`` that defines ``qualname`` (functions move between files)."""
+def find_defining_file(vllm: Vllm, relpaths: Sequence[str], qualname: str) -> Path:
+    """First of ``relpaths`` that defines ``qualname`` (functions move between files).
+
+    Raises PatchFailed naming the files, the vLLM version and the missing anchor.
+    """
     for rel in relpaths:
         p = vllm.path(rel)
         if p.is_file() and def_span(p.read_text(encoding="utf-8"), qualname) is not None:
             return p
-    return None
+    raise PatchFailed(f"none of {', '.join(relpaths)} (vLLM {vllm.version}) defines anchor {qualname}()")
 
 
 # --- editing -----------------------------------------------------------------------

@@ -78,10 +78,6 @@ def gdn_prefill_off_fla(vllm: pl.Vllm) -> str | None:
 
 def apply(vllm: pl.Vllm) -> tuple[str, str]:
     path = pl.find_defining_file(vllm, CANDIDATES, FUNC)
-    if path is None:
-        raise pl.PatchFailed(
-            f"none of {', '.join(CANDIDATES)} (vLLM {vllm.version}) defines anchor {FUNC}()"
-        )
     edit = pl.Edit("shared-memory bar", ANCHOR, REPLACEMENT, scope=FUNC)
     return pl.patch_file(
         vllm, NAME, path, [edit], append=HELPER, gate=lambda _text: gdn_prefill_off_fla(vllm)

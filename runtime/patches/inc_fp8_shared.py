@@ -182,10 +182,6 @@ def upstream_detects(text: str) -> str | None:
 
 def apply(vllm: pl.Vllm) -> tuple[str, str]:
     path = pl.find_defining_file(vllm, CANDIDATES, SCOPE)
-    if path is None:
-        raise pl.PatchFailed(
-            f"none of {', '.join(CANDIDATES)} (vLLM {vllm.version}) defines anchor {SCOPE}()"
-        )
     edit = pl.Edit("INC layer dispatch", ANCHOR, REPLACEMENT, scope=SCOPE)
     return pl.patch_file(vllm, NAME, path, [edit], append=HELPERS, gate=upstream_detects)
 

@@ -58,10 +58,6 @@ def upstream_aligned(text: str) -> str | None:
 
 def apply(vllm: pl.Vllm) -> tuple[str, str]:
     path = pl.find_defining_file(vllm, CANDIDATES, FUNC)
-    if path is None:
-        raise pl.PatchFailed(
-            f"none of {', '.join(CANDIDATES)} (vLLM {vllm.version}) defines anchor {FUNC}()"
-        )
     edit = pl.Edit("mamba back-off to scheduler block size", ANCHOR, REPLACEMENT, scope=FUNC)
     return pl.patch_file(vllm, NAME, path, [edit], gate=upstream_aligned)
 
