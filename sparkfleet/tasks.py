@@ -9,6 +9,7 @@ A failure shows the last lines of the task's log.
 
 from __future__ import annotations
 
+import hashlib
 import shlex
 import time
 from typing import Callable
@@ -16,6 +17,7 @@ from typing import Callable
 import gevent
 from pyinfra import logger
 from pyinfra.api import FunctionCommand, StringCommand
+from pyinfra.api.arguments import CONNECTOR_ARGUMENT_KEYS, pop_global_arguments
 from pyinfra.api.exceptions import OperationError
 
 TASK_DIR = "/var/lib/sparkfleet/tasks"
@@ -23,9 +25,18 @@ PROGRESS_EVERY_S = 15.0
 POLL_EVERY_S = 2.0
 
 
-def _sh(host, command: str, timeout: int = 60) -> tuple[bool, list[str]]:
-    ok, output = host.run_shell_command(StringCommand(command), _timeout=timeout, print_output=False)
+def connector_arguments(host) -> dict:
+    """The host's _sudo/_su_user/... settings, which raw shell calls must honour like facts do."""
+    arguments, _ = pop_global_arguments(host.state, host, {})
+    return {key: value for key, value in arguments.items() if key in CONNECTOR_ARGUMENT_KEYS}
+
+
+def shell(host, command: str, timeout: int = 60) -> tuple[bool, list[str]]:
+    """Run ``command`` on ``host`` as the deploy does (sudo included); (ok, stdout lines)."""
+    arguments = {**connector_arguments(host), "_timeout": timeout}
+    ok, output = host.run_shell_command(StringCommand(command), print_output=False, **arguments)
     return ok, output.stdout_lines
+
 
 
 def run_detached(
@@ -39,24 +50,29 @@ def run_detached(
 
     ``command`` is a shell command whose every variable part the caller has quoted.
     """
-    base = f"{TASK_DIR}/{name}"
+    # The task is named by what it runs: a changed revision or image is a new task, never
+    # mistaken for a finished old one.
+    base = f"{TASK_DIR}/{name}-{hashlib.sha256(command.encode()).hexdigest()[:12]}"
     q = shlex.quote
+    boot_id = "$(cat /proc/sys/kernel/random/boot_id)"
     start = (
         f"mkdir -p {TASK_DIR} && "
-        # A task still running from an interrupted run is waited on, not started twice.
-        f"if [ -f {q(base + '.pid')} ] && kill -0 \"$(cat {q(base + '.pid')})\" 2>/dev/null; then echo attached; "
+        # A task still running from an interrupted run is waited on, not started twice;
+        # its pid counts only within the same boot (pids are reused after a reboot).
+        f"if [ -f {q(base + '.pid')} ] && [ \"$(cut -d' ' -f2 {q(base + '.pid')})\" = \"{boot_id}\" ] "
+        f"&& kill -0 \"$(cut -d' ' -f1 {q(base + '.pid')})\" 2>/dev/null; then echo attached; "
         f"else rm -f {q(base + '.rc')}; "
         # A subshell, so that an `exit` in the command still records its status.
-        f"setsid sh -c {q(f'( {command} ) > {base}.log 2>&1; echo $? > {base}.rc.tmp && mv {base}.rc.tmp {base}.rc')} "
-        f"< /dev/null > /dev/null 2>&1 & echo $! > {q(base + '.pid')}; echo started; fi"
+        f"setsid sh -c {q(f'( {command} ) > {base}.log 2>&1; echo $? > {base}.rc.tmp && mv {base}.rc.tmp {base}.rc; rm -f {base}.pid')} "
+        f"< /dev/null > /dev/null 2>&1 & echo \"$! {boot_id}\" > {q(base + '.pid')}; echo started; fi"
     )
-    ok, lines = _sh(host, start)
+    ok, lines = shell(host, start)
     if not ok:
         raise OperationError(f"could not start {name}: {' '.join(lines)}")
     started = time.monotonic()
     last_report = started
     while True:
-        ok, lines = _sh(host, f"cat {q(base + '.rc')} 2>/dev/null || echo running")
+        ok, lines = shell(host, f"cat {q(base + '.rc')} 2>/dev/null || echo running")
         state = lines[-1].strip() if lines else "running"
         if state != "running":
             break
@@ -69,7 +85,7 @@ def run_detached(
             logger.info(f"{host.print_prefix}{name}: running for {now - started:.0f} s — {detail}")
         gevent.sleep(POLL_EVERY_S)  # yields to the other hosts' greenlets
     if state != "0":
-        _, tail = _sh(host, f"tail -n 20 {q(base + '.log')} 2>/dev/null")
+        _, tail = shell(host, f"tail -n 20 {q(base + '.log')} 2>/dev/null")
         raise OperationError(
             f"{name} failed (exit {state}); last lines of {base}.log:\n    " + "\n    ".join(tail)
         )
@@ -78,7 +94,7 @@ def run_detached(
 
 def _last_log_line(host, base: str) -> str:
     # Progress bars redraw with \r: keep the last redraw of the last line.
-    _, lines = _sh(host, f"tail -c 400 {shlex.quote(base + '.log')} 2>/dev/null | tr '\\r' '\\n' | grep -v '^$' | tail -n 1")
+    _, lines = shell(host, f"tail -c 400 {shlex.quote(base + '.log')} 2>/dev/null | tr '\\r' '\\n' | grep -v '^$' | tail -n 1")
     return lines[-1].strip()[:160] if lines else "no output yet"
 
 

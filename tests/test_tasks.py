@@ -19,7 +19,7 @@ class LocalHost:
     name = "local"
     print_prefix = "[local] "
 
-    def run_shell_command(self, command, **_kwargs):
+    def run_shell_command(self, command, print_output=False, _timeout=60):
         text = command.get_raw_value() if hasattr(command, "get_raw_value") else str(command)
         proc = subprocess.run(["sh", "-c", text], capture_output=True, text=True, timeout=60)
         return proc.returncode == 0, SimpleNamespace(stdout_lines=proc.stdout.splitlines())
@@ -30,6 +30,7 @@ def fast(monkeypatch, tmp_path):
     monkeypatch.setattr(tasks, "TASK_DIR", str(tmp_path / "tasks"))
     monkeypatch.setattr(tasks, "POLL_EVERY_S", 0.05)
     monkeypatch.setattr(tasks, "PROGRESS_EVERY_S", 0.2)
+    monkeypatch.setattr(tasks, "connector_arguments", lambda host: {})
 
 
 def test_progress_is_reported_while_the_task_runs(caplog):
@@ -57,3 +58,22 @@ def test_a_task_still_running_from_an_interrupted_run_is_attached_not_restarted(
     tasks.run_detached(LocalHost(), "once", command)  # a second run while the first goes on
     first.join()
     assert marker.read_text().count("x") == 1
+
+
+def test_a_changed_command_is_a_new_task_not_the_finished_old_one(tmp_path):
+    out = tmp_path / "out"
+    tasks.run_detached(LocalHost(), "fetch", f"echo rev-a > {out}")
+    tasks.run_detached(LocalHost(), "fetch", f"echo rev-b > {out}")
+    assert out.read_text().strip() == "rev-b"
+
+
+def test_a_pid_from_another_boot_is_not_attached_to(tmp_path):
+    marker = tmp_path / "ran"
+    command = f"echo yes > {marker}"
+    base = f"{tasks.TASK_DIR}/stale-" + __import__("hashlib").sha256(command.encode()).hexdigest()[:12]
+    (tmp_path / "tasks").mkdir(exist_ok=True)
+    # A live pid (ours) recorded in a different boot, and an old success code.
+    open(base + ".pid", "w").write(f"{__import__('os').getpid()} some-other-boot\n")
+    open(base + ".rc", "w").write("0\n")
+    tasks.run_detached(LocalHost(), "stale", command)
+    assert marker.read_text().strip() == "yes"
