@@ -32,6 +32,31 @@ hf_endpoint = None
 # Read from the controller's HF_TOKEN when None. Reaches hosts only in a 0600 file.
 hf_token = None
 
+# --- Fleet distribution: the image and the weights cross the WAN once ----------------------
+# One host of the inventory is the fleet's source: it runs an HF mirror (olah) that fetches
+# each file from the hub once, and a registry holding a byte-exact copy of the image; the
+# other hosts download from it over the LAN, in parallel. "auto": the first host of the
+# inventory group `mirror` if there is one, else the first host of the inventory; a host
+# name picks that host; None turns it off (every host downloads from upstream itself).
+fleet_mirror = "auto"
+# How the other hosts reach the mirror; None: its ssh_hostname, else its inventory name.
+mirror_address = None
+# The HF mirror (olah) and the image registry (Debian/Ubuntu `docker-registry`) on the mirror.
+mirror_hf_port = 8090
+mirror_registry_port = 5000
+# On the mirror host: olah's cache and the registry's storage (each ~ the artifacts' size).
+mirror_dir = "/var/lib/sparkfleet/mirror"
+# Installed on the mirror from wheels the controller downloads from PyPI for the host's Python.
+mirror_olah = "olah==0.5.4"
+# Where the mirror gets `docker-registry`; None: the host's own archives (Ubuntu universe).
+mirror_apt_repo = None
+mirror_apt_key_url = None
+# The registry's TLS certificate, made once per mirror address on the controller (hosts
+# trust it in /etc/docker/certs.d, so docker needs no insecure-registries and no restart).
+mirror_tls_dir = ".sparkfleet/mirror-tls"
+# How the mirror reaches the image's registry; None: https://<the registry in `image`>.
+image_registry_url = None
+
 # --- Serving settings: the seeds' validated stack -----------------------------------------
 served_model_name = "qwen"
 # Where the API listens. 127.0.0.1 keeps it on the host; 0.0.0.0 serves the network.

@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import secrets
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Literal
 
@@ -57,6 +58,11 @@ _IMAGE_REF = re.compile(
 )
 _WORD = re.compile(r"^[A-Za-z0-9_.-]*$")
 _URL = re.compile(r"^https?://[A-Za-z0-9.:\[\]_-]+(?:/[A-Za-z0-9._~/$()%+-]*)?$")
+_HOSTNAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252}[A-Za-z0-9])?$")
+# A pip requirement without spaces, markers or shell characters, e.g. olah==0.5.4.
+_REQUIREMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(?:\[[A-Za-z0-9,._-]+\])?(?:(?:==|>=|<=|~=|!=|>|<)[A-Za-z0-9.*+!_-]+)?$")
+#: fleet_mirror values that turn the fleet source off.
+MIRROR_OFF = (None, "", "none", "off", "false")
 
 _FIXES: dict[str, str] = {
     "profile": "pick one of the profiles, e.g. --data profile=dense",
@@ -67,6 +73,8 @@ _FIXES: dict[str, str] = {
     "image": "use a reference like registry/name:tag or registry/name@sha256:<64 hex>",
     "model": "use a Hugging Face repo id like org/name",
     "api_key": "use 'auto' (generated per fleet), 'none' (trusted network only) or a key of 16+ characters",
+    "fleet_mirror": "use 'auto' (the first host of group `mirror`, else of the inventory), a host of the inventory, or none",
+    "mirror_olah": "use a pip requirement like olah==0.5.4",
 }
 
 
@@ -91,6 +99,17 @@ class Settings(BaseModel):
     hf_home: str
     hf_endpoint: str | None
     hf_token: SecretStr | None
+    # Fleet distribution: one host serves the others (sparkfleet/distribution.py)
+    fleet_mirror: str | None
+    mirror_address: str | None
+    mirror_hf_port: int = Field(ge=1, le=65535)
+    mirror_registry_port: int = Field(ge=1, le=65535)
+    mirror_dir: str
+    mirror_olah: str
+    mirror_apt_repo: str | None
+    mirror_apt_key_url: str | None
+    mirror_tls_dir: str
+    image_registry_url: str | None
     # Serving settings (the seeds' validated stack)
     served_model_name: str
     bind_address: str
@@ -179,7 +198,8 @@ class Settings(BaseModel):
             raise ValueError("not an image reference")
         return value
 
-    @field_validator("hf_endpoint", "nvidia_apt_repo", "nvidia_apt_key_url")
+    @field_validator("hf_endpoint", "nvidia_apt_repo", "nvidia_apt_key_url", "mirror_apt_repo",
+                     "mirror_apt_key_url", "image_registry_url")
     @classmethod
     def _url(cls, value: str | None) -> str | None:
         if value is not None and not _URL.match(value):
@@ -261,6 +281,8 @@ class Settings(BaseModel):
                 "the agent bench replays a Hermes state.db: set agent_state_db "
                 "(e.g. --data agent_state_db=~/.hermes/state.db)"
             )
+        if (self.mirror_apt_repo is None) != (self.mirror_apt_key_url is None):
+            raise ValueError("set both mirror_apt_repo and mirror_apt_key_url, or neither")
         if self.num_speculative_tokens and not self.profile_spec.speculative_method:
             raise ValueError(
                 f"profile {self.profile} has no speculative decoder; "
@@ -433,6 +455,7 @@ def _show(key: str, value: Any) -> str:
 
 def validate_fleet(hosts: Iterable[Any]) -> dict[str, Settings]:
     """Validate every host; one error lists all problems of all hosts."""
+    hosts = list(hosts)
     settings: dict[str, Settings] = {}
     problems: list[str] = []
     for host in hosts:
@@ -440,6 +463,8 @@ def validate_fleet(hosts: Iterable[Any]) -> dict[str, Settings]:
             settings[host.name] = validate_host_data(host.name, host.data.dict())
         except ConfigError as exc:
             problems.extend(str(exc).split("\n  ")[1:])
+    if not problems:
+        problems = _mirror_problems(hosts, settings)
     if problems:
         raise ConfigError(
             "\n  ".join(["invalid configuration, nothing was changed on any host:", *problems])
@@ -455,6 +480,7 @@ def validate_fleet(hosts: Iterable[Any]) -> dict[str, Settings]:
 
 
 _FLEET_CACHE: dict[int, dict[str, Settings]] = {}
+_SOURCE_CACHE: dict[int, dict[str, "FleetSource | None"]] = {}
 
 
 def fleet_settings() -> Settings:
@@ -464,7 +490,92 @@ def fleet_settings() -> Settings:
     key = id(state)
     if key not in _FLEET_CACHE:
         _FLEET_CACHE[key] = validate_fleet(state.inventory)
+        _SOURCE_CACHE[key] = fleet_sources(state.inventory, _FLEET_CACHE[key])
     return _FLEET_CACHE[key][host.name]
+
+
+def fleet_source() -> "FleetSource | None":
+    """Where the current host gets model files and the image from (None: upstream)."""
+    from pyinfra import host, state
+
+    fleet_settings()
+    return _SOURCE_CACHE[id(state)][host.name]
+
+
+# --- the fleet source (fleet_mirror) ---------------------------------------------------------
+
+#: An inventory group of this name picks the mirror for fleet_mirror="auto".
+MIRROR_GROUP = "mirror"
+
+
+@dataclass(frozen=True)
+class FleetSource:
+    """The host that serves the fleet's model files (an HF mirror) and image (a registry)."""
+
+    host: str  # its inventory name
+    address: str  # how the other hosts reach it
+    hf_port: int
+    registry_port: int
+    is_self: bool  # the current host is the mirror
+
+    @property
+    def hf_endpoint(self) -> str:
+        return f"http://{self.address}:{self.hf_port}"
+
+    @property
+    def registry(self) -> str:
+        return f"{self.address}:{self.registry_port}"
+
+
+def _chosen_mirrors(hosts: list[Any], settings: dict[str, Settings]) -> tuple[dict[str, str | None], list[str]]:
+    names = [h.name for h in hosts]
+    grouped = [h.name for h in hosts if MIRROR_GROUP in (getattr(h, "groups", None) or ())]
+    auto = (grouped or names or [None])[0]
+    chosen: dict[str, str | None] = {}
+    problems: list[str] = []
+    for name in names:
+        want = settings[name].fleet_mirror
+        if want is None or want in names:
+            chosen[name] = want
+        elif want == "auto":
+            chosen[name] = auto
+        else:
+            problems.append(
+                f"{name}: `fleet_mirror` = {want!r} is not a host of the inventory ({', '.join(names)}). "
+                f"Fix: {_FIXES['fleet_mirror']}"
+            )
+    for mirror in sorted({m for m in chosen.values() if m}):
+        if chosen.get(mirror) != mirror:
+            users = ", ".join(n for n, m in chosen.items() if m == mirror)
+            problems.append(
+                f"{mirror}: serves the fleet source for {users}, so it must use it too, but its own "
+                f"`fleet_mirror` = {settings[mirror].fleet_mirror!r}. Fix: give every host the same fleet_mirror"
+            )
+    return chosen, problems
+
+
+def _mirror_problems(hosts: list[Any], settings: dict[str, Settings]) -> list[str]:
+    return _chosen_mirrors(hosts, settings)[1]
+
+
+def fleet_sources(hosts: Iterable[Any], settings: dict[str, Settings]) -> dict[str, FleetSource | None]:
+    """Each host's fleet source, from fleet_mirror: ``"auto"`` is the first host of the
+    inventory group ``mirror`` if there is one, else the first host of the inventory."""
+    hosts = list(hosts)
+    chosen, problems = _chosen_mirrors(hosts, settings)
+    if problems:
+        raise ConfigError("\n  ".join(["invalid configuration, nothing was changed on any host:", *problems]))
+    data = {h.name: h.data for h in hosts}
+    sources: dict[str, FleetSource | None] = {}
+    for name, mirror in chosen.items():
+        if mirror is None:
+            sources[name] = None
+            continue
+        ms = settings[mirror]
+        ssh_hostname = data[mirror].get("ssh_hostname") if hasattr(data[mirror], "get") else None
+        address = ms.mirror_address or ssh_hostname or mirror
+        sources[name] = FleetSource(mirror, str(address), ms.mirror_hf_port, ms.mirror_registry_port, name == mirror)
+    return sources
 
 
 def project_defaults() -> dict[str, Any]:

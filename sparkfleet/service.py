@@ -29,6 +29,7 @@ from pyinfra.facts.files import Sha256File
 from pyinfra.operations import files, systemd
 
 from sparkfleet.config import Settings, resolve_api_key, resolve_hf_token
+from sparkfleet.distribution import image_reference
 from sparkfleet.weights import RUNTIME_DIR, SECRETS_ENV
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -245,6 +246,7 @@ def running(settings: Settings, also_restart_for: tuple = ()) -> None:
         serve_env=SERVE_ENV,
         secrets_env=SECRETS_ENV,
         runtime_dir=RUNTIME_DIR,
+        image=image_reference(settings),
     )
     compile_cache = compile_cache_matches(name="torch.compile cache matches the profile", settings=settings)
     feeds = (*also_restart_for, env, unit, compile_cache)

@@ -1,7 +1,8 @@
 """Cached weights: the profile's checkpoint and, only when used, the drafter.
 
 Downloads run inside the serving image with its huggingface_hub (the host needs only
-docker), into the host's HF cache, resumably. A repository counts as cached when
+docker), into the host's HF cache, resumably; with a fleet source (fleet_mirror) through
+the fleet's HF mirror, every host at once. A repository counts as cached when
 ``runtime/fetch_weights.py`` wrote its completion marker and the snapshot it names exists.
 """
 
@@ -13,6 +14,7 @@ from pyinfra import host
 from pyinfra.api import FactBase, StringCommand, operation
 
 from sparkfleet.config import Settings
+from sparkfleet.distribution import hf_endpoint, image_reference
 from sparkfleet.tasks import detached
 
 RUNTIME_DIR = "/opt/sparkfleet/runtime"
@@ -56,15 +58,20 @@ class CheckpointDir(FactBase[bool]):
 
 
 def container_command(settings: Settings, name: str, args: str, extra_mounts: str = "") -> str:
-    """A one-shot run of the serving image's Python with the cache and runtime mounted."""
+    """A one-shot run of the serving image's Python with the cache and runtime mounted.
+
+    Downloads go to the fleet's HF mirror when there is a fleet source (fleet_mirror),
+    else to ``hf_endpoint``; the image is the reference the host pulled (never a new pull).
+    """
     q = shlex.quote
-    endpoint = f"-e HF_ENDPOINT={q(settings.hf_endpoint)} " if settings.hf_endpoint else ""
+    endpoint_url = hf_endpoint(settings)
+    endpoint = f"-e HF_ENDPOINT={q(endpoint_url)} " if endpoint_url else ""
     return (
         f"docker rm -f {name} >/dev/null 2>&1; "
-        f"docker run --rm --name {name} --network host --env-file {SECRETS_ENV} "
+        f"docker run --rm --pull never --name {name} --network host --env-file {SECRETS_ENV} "
         f"-e HF_HOME=/hf -e HF_HUB_DISABLE_TELEMETRY=1 {endpoint}"
         f"-v {q(settings.hf_home)}:/hf -v {RUNTIME_DIR}:/host:ro {extra_mounts}"
-        f"--entrypoint python3 {q(settings.image)} {args}"
+        f"--entrypoint python3 {q(image_reference(settings))} {args}"
     )
 
 
@@ -81,6 +88,11 @@ def _progress(repo_id: str, settings: Settings):
         return f"{repo_id}: {done:.2f} GiB{share}"
 
     return describe
+
+
+def repo_dirs(settings: Settings) -> list[str]:
+    """The cache directories of the repositories this host still has to fetch."""
+    return [repo_cache_dir(settings.hf_home, repo) for repo in missing_repos(settings)]
 
 
 def missing_repos(settings: Settings) -> list[str]:

@@ -1,10 +1,12 @@
 """The simulated NVIDIA container-toolkit apt repository at http://10.213.0.1:8091/.
 
-A flat repository (`deb [signed-by=...] http://10.213.0.1:8091/ /`) holding one package,
+A flat repository (`deb [signed-by=...] http://10.213.0.1:8091/ /`) holding
 `nvidia-container-toolkit` (Architecture: all, no dependencies, so it installs on the
-offline hosts), built with dpkg-deb from the stand-ins in simhw; indexed with
-apt-ftparchive and signed (InRelease, Release.gpg) with a testbed key generated once and
-cached. The ASCII-armored public key is served at /gpgkey, as NVIDIA serves theirs.
+offline hosts), built with dpkg-deb from the stand-ins in simhw, and Debian's real
+`docker-registry` (what a Spark's fleet source installs from Ubuntu's archive; downloaded
+once with `apt-get download` and cached; its dependencies are in the host root); indexed
+with apt-ftparchive and signed (InRelease, Release.gpg) with a testbed key generated once
+and cached. The ASCII-armored public key is served at /gpgkey, as NVIDIA serves theirs.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from .proc import TestbedError, log, run
 from .state import ServiceState
 
 GNUPGHOME = paths.CACHE_DIR / "gnupg"
+#: Real Debian packages the hosts may install from this repository (the fleet source's).
+ARCHIVE_PACKAGES = ("docker-registry",)
+ARCHIVE_DEBS = paths.CACHE_DIR / "debs-archive"
 KEY_UID = "sparkfleet testbed apt signing key <testbed@sparkfleet.invalid>"
 REPO_DIR = paths.STATE_DIR / "apt"
 BUILD_DIR = paths.STATE_DIR / "apt-build"
@@ -75,12 +80,37 @@ def build_deb(out_dir: Path) -> Path:
     return deb
 
 
+def archive_debs() -> list[Path]:
+    """The .debs of ARCHIVE_PACKAGES for this machine's Debian, downloaded once."""
+    ARCHIVE_DEBS.mkdir(parents=True, exist_ok=True)
+    found = []
+    for package in ARCHIVE_PACKAGES:
+        have = sorted(ARCHIVE_DEBS.glob(f"{package}_*.deb"))
+        if not have:
+            log(f"downloading the {package} .deb (once)")
+            tmp = ARCHIVE_DEBS / f".tmp-{package}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            tmp.chmod(0o777)  # apt's download user writes here
+            cp = run(["apt-get", "download", package], cwd=tmp, timeout=300, check=False)
+            debs = sorted(tmp.glob(f"{package}_*.deb"))
+            if cp.returncode != 0 or not debs:
+                raise TestbedError(f"apt-get download {package} failed: {cp.stderr.strip()[-300:]}")
+            debs[0].rename(ARCHIVE_DEBS / debs[0].name)
+            shutil.rmtree(tmp, ignore_errors=True)
+            have = sorted(ARCHIVE_DEBS.glob(f"{package}_*.deb"))
+        found.append(have[-1])
+    return found
+
+
 def build_repo() -> Path:
-    """(Re)build the signed repository in REPO_DIR; return the .deb path."""
+    """(Re)build the signed repository in REPO_DIR; return the toolkit .deb's path."""
     if REPO_DIR.exists():
         shutil.rmtree(REPO_DIR)
     REPO_DIR.mkdir(parents=True)
     deb = build_deb(REPO_DIR)
+    for extra in archive_debs():
+        shutil.copy2(extra, REPO_DIR / extra.name)
     packages = run(["apt-ftparchive", "packages", "."], cwd=REPO_DIR, timeout=60).stdout
     (REPO_DIR / "Packages").write_text(packages)
     run(["gzip", "-9nk", "Packages"], cwd=REPO_DIR, timeout=30)

@@ -181,6 +181,11 @@ def _up(state: State, names: list[str], host_switches: dict[str, dict[str, Any]]
         "image_size_gib": round(state.image["size_bytes"] / hubservice.GIB, 6),
         "artifact_sizes_gib": hubservice.repo_sizes_gib(revisions),
         "ready_timeout_s": READY_TIMEOUT_S,
+        # The fleet source (fleet_mirror) installs docker-registry from the testbed's apt
+        # repository (a Spark: from Ubuntu's archive) and copies the image over plain HTTP.
+        "mirror_apt_repo": paths.APT_URL,
+        "mirror_apt_key_url": paths.APT_KEY_URL,
+        "image_registry_url": f"http://{paths.REGISTRY}",
     }
 
 
@@ -258,6 +263,19 @@ class Testbed:
     @property
     def registry(self) -> str:
         return paths.REGISTRY
+
+    def registry_mark(self) -> int:
+        """A point in the registry's access log; registry_stats(mark) counts from there."""
+        from .registry import access_log_size
+
+        return access_log_size()
+
+    def registry_stats(self, mark: int = 0) -> dict[str, Any]:
+        """Blob bytes the registry served since *mark*: total, by_repo, by_client,
+        by_repo_client (from its access log, as the hub's /_testbed/stats counts files)."""
+        from .registry import blob_stats
+
+        return blob_stats(mark)
 
     @property
     def apt_url(self) -> str:

@@ -21,6 +21,9 @@ repo need ``Authorization: Bearer <token>`` (the ``--token`` value; any token wh
 configured), else 401 ``X-Error-Code: GatedRepo``. A bearer token that is not the
 configured one is refused on every endpoint (401 "Invalid credentials").
 
+``POST /api/models/{repo}/paths-info/{revision}`` answers like the Hub (mirrors such as
+olah ask it for a file's size and LFS oid before serving it).
+
 Testbed endpoints: ``GET /_testbed/stats`` (body bytes served, per repo and client IP),
 ``POST /_testbed/reset``, ``GET /_testbed/requests`` (recent request log) and
 ``POST /_testbed/fault`` (``{"repo", "path", "abort_after", "times"}``: the next GETs of
@@ -407,6 +410,9 @@ class _HubHandler(BaseHTTPRequestHandler):
                 spec = json.loads(body or b"{}")
                 self.server.faults.add_abort(spec["repo"], spec["path"], spec["abort_after"], spec.get("times", 1))
                 return self._send_json(200, {"ok": True})
+            if segs[:2] == ["api", "models"] and len(segs) == 6 and segs[4] == "paths-info":
+                form = parse_qs(body.decode("utf-8", "replace"))
+                return self._paths_info(f"{segs[2]}/{segs[3]}", segs[5], form.get("paths", []))
             raise HubError(404, None, "Not Found")
         except (KeyError, ValueError) as exc:
             self._send_error(HubError(400, None, f"bad request: {exc}"))
@@ -505,6 +511,27 @@ class _HubHandler(BaseHTTPRequestHandler):
             entries.append({"type": "directory", "oid": oid, "size": 0, "path": d})
         entries.sort(key=lambda e: (e["path"].count("/"), e["type"] != "directory", e["path"]))
         self._send_json(200, entries, head=head)
+
+    def _paths_info(self, repo_id: str, rev_name: str, paths: list[str]) -> None:
+        """``POST /api/models/{repo}/paths-info/{rev}`` (form ``paths=...``, repeatable): the
+        tree entries of those paths; missing paths are left out, like the Hub does."""
+        store = self.server.store
+        self._check_auth(repo_id, files=False)
+        rev = store.resolve(repo_id, rev_name)
+        files = store.files(rev.directory)
+        entries: list[dict[str, Any]] = []
+        for path in paths:
+            path = path.strip("/")
+            f = files.get(path)
+            if f is not None:
+                entry: dict[str, Any] = {"type": "file", "oid": f.blob_id, "size": f.size, "path": f.path}
+                if f.is_lfs:
+                    entry["lfs"] = {"oid": f.sha256, "size": f.size, "pointerSize": _LFS_POINTER_SIZE}
+                entries.append(entry)
+            elif path and any(p.startswith(path + "/") for p in files):
+                oid = hashlib.sha1(f"tree {rev.sha} {path}".encode()).hexdigest()
+                entries.append({"type": "directory", "oid": oid, "size": 0, "path": path})
+        self._send_json(200, entries)
 
     def _resolve(self, repo_id: str, rev_name: str, path: str, head: bool) -> None:
         store = self.server.store

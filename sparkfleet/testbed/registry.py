@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,37 @@ def start_server() -> ServiceState:
         url=f"http://{paths.REGISTRY}", marker=str(cfg), port=paths.REGISTRY_PORT,
         ready=client.ping,
     )
+
+
+_ACCESS = re.compile(r'^(\S+) - \S+ \[[^\]]*\] "GET /v2/(\S+)/blobs/sha256:[0-9a-f]+ [^"]*" \d+ (\d+)')
+
+
+def access_log_size() -> int:
+    log_file = paths.LOG_DIR / "registry.log"
+    return log_file.stat().st_size if log_file.exists() else 0
+
+
+def blob_stats(since: int = 0) -> dict[str, Any]:
+    """Blob bytes served (the access log's response sizes, cut-off transfers included as
+    far as they got), from byte offset *since* of the registry's log."""
+    stats: dict[str, Any] = {"total": 0, "by_repo": {}, "by_client": {}, "by_repo_client": {}}
+    log_file = paths.LOG_DIR / "registry.log"
+    if not log_file.exists():
+        return stats
+    with open(log_file, "rb") as f:
+        f.seek(since)
+        text = f.read().decode("utf-8", "replace")
+    for line in text.splitlines():
+        m = _ACCESS.match(line)
+        if not m:
+            continue
+        client, repo, n = m.group(1), m.group(2), int(m.group(3))
+        stats["total"] += n
+        stats["by_repo"][repo] = stats["by_repo"].get(repo, 0) + n
+        stats["by_client"][client] = stats["by_client"].get(client, 0) + n
+        stats["by_repo_client"].setdefault(repo, {})
+        stats["by_repo_client"][repo][client] = stats["by_repo_client"][repo].get(client, 0) + n
+    return stats
 
 
 def sha256_file(path: Path) -> str:

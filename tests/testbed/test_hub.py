@@ -233,6 +233,18 @@ def test_info_and_tree_endpoints(hub: HubServer, repos: dict[str, Any]) -> None:
     assert {e.path for e in api.list_repo_tree(REPO, path_in_repo="sub", revision=NEW)} == {"sub/notes.txt"}
 
 
+def test_paths_info_endpoint(hub: HubServer, repos: dict[str, Any]) -> None:
+    """What a mirror (olah) asks before serving a file: size and LFS oid, per path."""
+    api = huggingface_hub.HfApi(endpoint=hub.url)
+    infos = api.get_paths_info(REPO, ["model.safetensors", "config.json", "sub", "missing.bin"], revision=NEW)
+    by_path = {i.path: i for i in infos}
+    assert set(by_path) == {"model.safetensors", "config.json", "sub"}
+    assert by_path["model.safetensors"].size == len(repos[NEW]["model.safetensors"])
+    assert by_path["model.safetensors"].lfs.sha256 == hashlib.sha256(repos[NEW]["model.safetensors"]).hexdigest()
+    assert by_path["config.json"].lfs is None
+    assert isinstance(by_path["sub"], huggingface_hub.hf_api.RepoFolder)
+
+
 def test_ref_resolution_without_refs_file(tmp_path: Path) -> None:
     """main = a `main` symlink/dir if present, else the newest sha directory."""
     write_revision(tmp_path, "o/a", OLD, {"f.txt": b"old"})
