@@ -8,17 +8,24 @@ for the profile -> READY (-> post-deploy checks, with --data checks=...).
 Every host's data is validated first: a bad value stops the run before any host changes.
 """
 
-from sparkfleet import container_runtime, distribution, hybrid, image, preflight, service, weights
-from sparkfleet.bench.deploy import run_checks  # noqa: E402
+from sparkfleet import (
+    container_runtime,
+    distribution,
+    hybrid,
+    image,
+    preflight,
+    service,
+    weights,
+)
+from sparkfleet.bench.deploy import run_checks
 from sparkfleet.config import fleet_settings
-from sparkfleet.disk import still_needed
 
 settings = fleet_settings()
 
 if not settings.serving:
     service.stopped()
 else:
-    image_gib, path_needs = still_needed(settings)
+    image_gib, path_needs = preflight.still_needed(settings)
     path_needs = distribution.mirror_needs(settings, image_gib, path_needs)  # the mirror's caches
     findings = preflight.inspect(settings, image_gib, path_needs)
     preflight.passed(name="preflight: GB10, aarch64, driver, docker, disk, memory", findings=findings)

@@ -12,7 +12,10 @@ from dataclasses import dataclass, field
 from pyinfra import host, logger
 from pyinfra.api import FactBase, StringCommand, operation
 
+from sparkfleet import image, weights
 from sparkfleet.config import Settings
+from sparkfleet.hybrid import HybridBuilt
+from sparkfleet.profiles import FP8_DONOR
 
 GB10_NAME = "NVIDIA GB10"
 GB10_COMPUTE_CAPABILITY = "12.1"
@@ -128,11 +131,26 @@ class Findings:
     summary: str = ""
 
 
+def still_needed(settings: Settings) -> tuple[float, dict[str, float]]:
+    """(GiB for the image in docker's root, {host path: GiB}) for what is not there yet.
+
+    Only what this profile uses counts: no drafter for base/mtp, no download for a
+    model_dir, the donor and build output only for a hybrid build.
+    """
+    image_gib = 0.0 if image.is_present(settings.image) else settings.image_size_gib
+    cache_gib = sum(settings.artifact_size_gib(repo) for repo in weights.missing_repos(settings))
+    needs = {settings.hf_home: cache_gib}
+    if settings.build_hybrid and not host.get_fact(HybridBuilt, path=settings.hybrid_dir):
+        needs[settings.hf_home] += settings.artifact_size_gib(FP8_DONOR)
+        needs[settings.hybrid_dir] = settings.artifact_size_gib("hybrid-build")
+    return image_gib, needs
+
+
 def inspect(settings: Settings, image_gib: float, path_needs: dict[str, float]) -> Findings:
     """Read this host's facts and judge them.
 
     ``image_gib`` is what the image still needs in docker's data root, ``path_needs`` maps
-    host paths to the GiB still to land there.
+    host paths to the GiB still to land there (see ``still_needed``).
     """
     found = Findings()
     gate = found.warnings if settings.force else found.problems
@@ -182,6 +200,12 @@ def inspect(settings: Settings, image_gib: float, path_needs: dict[str, float]) 
                 f"{', '.join(paths)} (incl. {settings.disk_margin_gib:g} GiB margin): free space "
                 "or point hf_home / docker's data-root at a bigger disk"
             )
+
+    if settings.model_dir and not host.get_fact(weights.CheckpointDir, path=settings.model_dir):
+        found.problems.append(
+            f"model_dir {settings.model_dir} holds no checkpoint (no config.json): "
+            "point model_dir at a checkpoint directory on this host"
+        )
 
     # vLLM claims gpu_memory_utilization of the unified memory at start; once our own
     # server runs, that memory is ours, so only a host about to start is judged.

@@ -9,6 +9,7 @@ it changed — once per host, however many inputs changed.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import io
 import json
 import shlex
@@ -30,6 +31,7 @@ from pyinfra.operations import files, systemd
 
 from sparkfleet.config import Settings, resolve_api_key, resolve_hf_token
 from sparkfleet.distribution import image_reference
+from sparkfleet.tasks import shell
 from sparkfleet.weights import RUNTIME_DIR, SECRETS_ENV
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -43,10 +45,11 @@ READY_PROMPT = "What is the capital of France? Answer in one word."
 
 
 def local_address(settings: Settings) -> str:
-    """Where a client on the host itself reaches the API."""
-    if settings.bind_address in ("0.0.0.0", "::"):
-        return "127.0.0.1"
-    return settings.bind_address
+    """Where a client on the host itself reaches the API, ready for a URL."""
+    address = ipaddress.ip_address(settings.bind_address)
+    if address.is_unspecified or address.is_loopback:
+        return "127.0.0.1" if address.version == 4 or address.is_unspecified else "[::1]"
+    return f"[{address}]" if address.version == 6 else str(address)
 
 
 # --- facts --------------------------------------------------------------------------
@@ -82,6 +85,23 @@ class ServedAnswer(FactBase["str | None"]):
             return json.loads("\n".join(output))["choices"][0]["text"]
         except (ValueError, KeyError, IndexError, TypeError):
             return None
+
+
+class ServedModels(FactBase["list[str]"]):
+    """The model names the API lists (empty when it does not answer)."""
+
+    @staticmethod
+    def default():
+        return []
+
+    def command(self, address: str, port: int) -> str:
+        return f"curl -sS -m 5 -H @{AUTH_HEADER} http://{address}:{port}/v1/models 2>/dev/null || true"
+
+    def process(self, output):
+        try:
+            return [model["id"] for model in json.loads("\n".join(output))["data"]]
+        except (ValueError, KeyError, TypeError):
+            return []
 
 
 class FileText(FactBase["str | None"]):
@@ -186,11 +206,8 @@ def _endpoint_hint(target_host, settings: Settings) -> str:
 
 
 def _journal_tail(target_host, lines: int = 25) -> str:
-    _, output = target_host.run_shell_command(
-        StringCommand(f"journalctl -u {UNIT} -n {lines} --no-pager -o cat 2>&1 | tail -n {lines}"),
-        print_output=False,
-    )
-    return "    " + "\n    ".join(output.stdout_lines or ["(journal is empty)"])
+    _, tail = shell(target_host, f"journalctl -u {UNIT} -n {lines} --no-pager -o cat 2>&1 | tail -n {lines}")
+    return "    " + "\n    ".join(tail or ["(journal is empty)"])
 
 
 @operation(is_idempotent=False)
@@ -201,10 +218,10 @@ def ready(settings: Settings, restarting: bool):
     + settings: validated settings (``port``, ``served_model_name``, ``ready_timeout_s``)
     + restarting: whether this run (re)starts the service, so a current answer is stale
     """
-    answers = host.get_fact(
-        ServedAnswer, address=local_address(settings), port=settings.port, model=settings.served_model_name
-    )
-    if answers is not None and not restarting:
+    # Cheap while planning (and under --dry): the API lists the model. After a (re)start
+    # the wait below asks for a real completion.
+    served = host.get_fact(ServedModels, address=local_address(settings), port=settings.port)
+    if settings.served_model_name in served and not restarting:
         host.noop(f"READY — {_endpoint_hint(host, settings)}")
         return
     yield FunctionCommand(_wait_ready, (settings,), {})
@@ -220,7 +237,11 @@ def host_files(settings: Settings) -> tuple:
         src=str(PROJECT / "runtime"),
         dest=RUNTIME_DIR,
         delete=True,
-        exclude=["*.pyc", "__pycache__"],
+        exclude=["*.pyc"],
+        exclude_dir=["__pycache__", "*/__pycache__"],
+        # Fixed modes: the controller's umask must not make a converged host look changed.
+        mode="644",
+        dir_mode="755",
     )
     secrets = secrets_written(name="API key and HF token in 0600 files", settings=settings)
     return runtime, secrets

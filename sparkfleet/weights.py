@@ -11,11 +11,11 @@ from __future__ import annotations
 import shlex
 
 from pyinfra import host
-from pyinfra.api import FactBase, StringCommand, operation
+from pyinfra.api import FactBase, operation
 
 from sparkfleet.config import Settings
 from sparkfleet.distribution import hf_endpoint, image_reference
-from sparkfleet.tasks import detached
+from sparkfleet.tasks import detached, shell
 
 RUNTIME_DIR = "/opt/sparkfleet/runtime"
 SECRETS_ENV = "/etc/sparkfleet/secrets.env"
@@ -79,11 +79,8 @@ def _progress(repo_id: str, settings: Settings):
     expected = settings.artifact_size_gib(repo_id)
 
     def describe(target_host) -> str:
-        ok, output = target_host.run_shell_command(
-            StringCommand(f"du -sb {shlex.quote(repo_cache_dir(settings.hf_home, repo_id))} 2>/dev/null | cut -f1"),
-            print_output=False,
-        )
-        done = int(output.stdout_lines[0]) / GIB if ok and output.stdout_lines and output.stdout_lines[0].isdigit() else 0.0
+        ok, lines = shell(target_host, f"du -sb {shlex.quote(repo_cache_dir(settings.hf_home, repo_id))} 2>/dev/null | cut -f1")
+        done = int(lines[0]) / GIB if ok and lines and lines[0].isdigit() else 0.0
         share = f" of ~{expected:.2f} GiB ({100 * done / expected:.0f}%)" if expected else ""
         return f"{repo_id}: {done:.2f} GiB{share}"
 
@@ -109,12 +106,6 @@ def cached(settings: Settings):
 
     + settings: validated settings (profile, ``model_revisions``, ``hf_home``, ``hf_endpoint``)
     """
-    if settings.model_dir and not host.get_fact(CheckpointDir, path=settings.model_dir):
-        yield StringCommand(
-            "echo", shlex.quote(f"model_dir {settings.model_dir} has no config.json: point model_dir at a checkpoint directory"),
-            ">&2; exit 1",
-        )
-        return
     missing = missing_repos(settings)
     if not missing:
         host.noop(f"cached: {', '.join(settings.repos_to_fetch) or 'nothing to fetch'}")
