@@ -11,6 +11,7 @@ model has none of its own, so there is exactly one place to read them.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import ipaddress
 import json
 import logging
@@ -236,6 +237,11 @@ class Settings(BaseModel):
         for key, val in value.items():
             if not re.match(r"^[A-Z_][A-Z0-9_]*$", key) or "\n" in str(val):
                 raise ValueError(f"{key!r} is not a valid environment variable")
+            # serve.env is world-readable and its SF_*/HF_* entries are the deploy's own.
+            if key.startswith(("SF_", "HF_")) or key in ("VLLM_API_KEY", "VLLM_CACHE_ROOT"):
+                raise ValueError(f"{key} is set by sparkfleet itself; use the matching setting instead")
+            if re.search(r"TOKEN|SECRET|PASSWORD|_KEY$", key):
+                raise ValueError(f"{key} looks like a secret: serve.env is not private (use api_key/hf_token)")
         return value
 
     @field_validator("api_key")
@@ -288,6 +294,12 @@ class Settings(BaseModel):
                 f"profile {self.profile} has no speculative decoder; "
                 "use profile dflash, dense or mtp, or num_speculative_tokens=0"
             )
+        # The serving command is built here too, by the same code the container runs, so
+        # a flag it refuses (e.g. a secret in extra_serve_args) fails now, not after a restart.
+        try:
+            serve_args().build_serve_argv(self.serve_env())
+        except ValueError as exc:
+            raise ValueError(f"the serving command cannot be built: {exc}") from None
         return self
 
     # --- what the profile and the overrides add up to -----------------------------
@@ -361,8 +373,11 @@ class Settings(BaseModel):
 
     @property
     def compile_signature(self) -> str:
-        """What invalidates vLLM's torch.compile cache (the seeds' startup crash)."""
-        return f"profile={self.profile} model={self.model_repo} spec={self.speculative_method}:{self.speculative_tokens}"
+        """What invalidates vLLM's torch.compile cache (the seeds' startup crash): the
+        engine, the checkpoint served, the patches and the speculative decoder."""
+        env = self.serve_env()
+        parts = [self.image, env["SF_MODEL"], env["SF_REVISION"], env["SF_PATCHES"], env["SF_SPECULATIVE_CONFIG"]]
+        return f"profile={self.profile} " + hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
     def serve_env(self) -> dict[str, str]:
         """The non-secret environment of the serving container (docs/architecture.md)."""
@@ -402,6 +417,21 @@ class Settings(BaseModel):
 
     def artifact_size_gib(self, name: str) -> float:
         return self.artifact_sizes_gib.get(name, 0.0)
+
+
+def serve_args():
+    """runtime/serve_args.py: the one builder of the `vllm serve` argv (stdlib, also in the container)."""
+    import importlib.util
+    import sys
+
+    module = sys.modules.get("serve_args")
+    if module is None:
+        path = Path(__file__).resolve().parents[1] / "runtime" / "serve_args.py"
+        spec = importlib.util.spec_from_file_location("serve_args", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["serve_args"] = module
+        spec.loader.exec_module(module)
+    return module
 
 
 # --- fleet-wide validation ----------------------------------------------------------
@@ -601,6 +631,8 @@ def resolve_api_key(settings: Settings) -> str | None:
     if raw != "auto":
         return raw
     path = Path(settings.api_key_file).expanduser()
+    if not path.is_absolute():  # the project's key, wherever pyinfra is started from
+        path = Path(__file__).resolve().parents[1] / path
     if path.exists():
         return path.read_text().strip()
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -114,3 +114,20 @@ def test_auto_api_key_is_generated_once_and_private(tmp_path):
 
 def test_api_key_none_disables_auth():
     assert resolve_api_key(validate_host_data("s", {**defaults(), "api_key": "none"})) is None
+
+
+def test_a_serving_command_vllm_would_refuse_fails_validation():
+    assert "cannot be built" in error_for(extra_serve_args=["--api-key", "abc"])
+
+
+@pytest.mark.parametrize("key", ["HF_TOKEN", "SF_MODEL", "MY_SECRET", "OPENAI_API_KEY", "VLLM_API_KEY"])
+def test_vllm_env_keeps_secrets_and_our_own_keys_out(key):
+    assert f"`vllm_env`" in error_for(vllm_env={key: "x"})
+
+
+def test_compile_signature_follows_what_is_compiled():
+    base = validate_host_data("s", defaults())
+    assert base.compile_signature == validate_host_data("s", defaults()).compile_signature
+    for change in ({"profile": "dflash"}, {"num_speculative_tokens": 4}, {"build_hybrid": True},
+                   {"image": "registry.example/vllm@sha256:" + "a" * 64}):
+        assert validate_host_data("s", {**defaults(), **change}).compile_signature != base.compile_signature
