@@ -185,7 +185,37 @@ class Settings(BaseModel):
                 raise ValueError(f"revision {rev!r} of {repo} is not a branch, tag or commit")
         return value
 
-    @field_validator("model_dir", "hybrid_dir", "hf_home", "bench_dir")
+    @field_validator("fleet_mirror", mode="before")
+    @classmethod
+    def _mirror_name(cls, value: Any) -> Any:
+        if value is False or (isinstance(value, str) and value.strip().lower() in MIRROR_OFF):
+            return None
+        if value is not None and (not isinstance(value, str) or "\n" in value or not value.strip()):
+            raise ValueError("must be 'auto', a host name of the inventory, or none")
+        return value
+
+    @field_validator("mirror_address")
+    @classmethod
+    def _hostname(cls, value: str | None) -> str | None:
+        if value is not None and not _HOSTNAME.match(value):
+            raise ValueError("must be a host name or an IPv4 address")
+        return value
+
+    @field_validator("mirror_olah")
+    @classmethod
+    def _requirement(cls, value: str) -> str:
+        if not _REQUIREMENT.match(value):
+            raise ValueError("not a pip requirement (name, optionally ==version)")
+        return value
+
+    @field_validator("mirror_tls_dir")
+    @classmethod
+    def _controller_path(cls, value: str) -> str:
+        if not value or "\n" in value or "\x00" in value:
+            raise ValueError("must be a directory on the controller")
+        return value
+
+    @field_validator("model_dir", "hybrid_dir", "hf_home", "bench_dir", "mirror_dir")
     @classmethod
     def _host_path(cls, value: str | None) -> str | None:
         if value is not None and (not _SAFE_PATH.match(value) or "/../" in value + "/"):

@@ -28,7 +28,8 @@ Testbed endpoints: ``GET /_testbed/stats`` (body bytes served, per repo and clie
 ``POST /_testbed/reset``, ``GET /_testbed/requests`` (recent request log) and
 ``POST /_testbed/fault`` (``{"repo", "path", "abort_after", "times"}``: the next GETs of
 that file send their headers, then only ``abort_after`` body bytes, then drop the
-connection, to exercise resume).
+connection, to exercise resume; ``{"repo", "path", "delay_s", "times"}``: their body
+starts ``delay_s`` late; ``"times": 0`` withdraws a fault).
 
 Stdlib only: it runs on the controller next to the registry.
 """
@@ -265,10 +266,31 @@ class _Faults:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._aborts: dict[tuple[str, str], list[int]] = {}
+        self._delays: dict[tuple[str, str], list[float]] = {}
 
     def add_abort(self, repo_id: str, path: str, after_bytes: int, times: int = 1) -> None:
         with self._lock:
-            self._aborts[(repo_id, path)] = [int(after_bytes), int(times)]
+            if int(times) <= 0:  # times=0 withdraws the fault
+                self._aborts.pop((repo_id, path), None)
+            else:
+                self._aborts[(repo_id, path)] = [int(after_bytes), int(times)]
+
+    def add_delay(self, repo_id: str, path: str, seconds: float, times: int = 1) -> None:
+        with self._lock:
+            if int(times) <= 0:
+                self._delays.pop((repo_id, path), None)
+            else:
+                self._delays[(repo_id, path)] = [float(seconds), int(times)]
+
+    def take_delay(self, repo_id: str, path: str) -> float:
+        with self._lock:
+            fault = self._delays.get((repo_id, path))
+            if not fault:
+                return 0.0
+            fault[1] -= 1
+            if fault[1] <= 0:
+                del self._delays[(repo_id, path)]
+            return fault[0]
 
     def take_abort(self, repo_id: str, path: str) -> int | None:
         with self._lock:
@@ -283,6 +305,7 @@ class _Faults:
     def clear(self) -> None:
         with self._lock:
             self._aborts.clear()
+            self._delays.clear()
 
 
 def _iso(ts: float) -> str:
@@ -408,7 +431,10 @@ class _HubHandler(BaseHTTPRequestHandler):
                 return self._send_json(200, {"ok": True})
             if segs == ["_testbed", "fault"]:
                 spec = json.loads(body or b"{}")
-                self.server.faults.add_abort(spec["repo"], spec["path"], spec["abort_after"], spec.get("times", 1))
+                if "delay_s" in spec:
+                    self.server.faults.add_delay(spec["repo"], spec["path"], spec["delay_s"], spec.get("times", 1))
+                else:
+                    self.server.faults.add_abort(spec["repo"], spec["path"], spec["abort_after"], spec.get("times", 1))
                 return self._send_json(200, {"ok": True})
             if segs[:2] == ["api", "models"] and len(segs) == 6 and segs[4] == "paths-info":
                 form = parse_qs(body.decode("utf-8", "replace"))
@@ -567,6 +593,9 @@ class _HubHandler(BaseHTTPRequestHandler):
         if head:
             self.server.counter.log(entry)
             return
+        delay = self.server.faults.take_delay(repo_id, path)
+        if delay:  # a slow upstream: the body starts late
+            time.sleep(delay)
         abort_after = self.server.faults.take_abort(repo_id, path)
         budget = length if abort_after is None else min(length, abort_after)
         sent = 0
@@ -644,6 +673,10 @@ class HubServer:
     def inject_abort(self, repo_id: str, path: str, after_bytes: int, times: int = 1) -> None:
         """Make the next ``times`` GETs of ``path`` stop after ``after_bytes`` body bytes."""
         self.httpd.faults.add_abort(repo_id, path, after_bytes, times)
+
+    def inject_delay(self, repo_id: str, path: str, seconds: float, times: int = 1) -> None:
+        """Make the next ``times`` GETs of ``path`` start their body ``seconds`` late."""
+        self.httpd.faults.add_delay(repo_id, path, seconds, times)
 
 
 def serve(root: str | os.PathLike[str], host: str, port: int, token: str | None = None,

@@ -97,3 +97,27 @@ def run_pyinfra(*args: str, timeout: float = 1200, env: dict[str, str] | None = 
 def run_pyinfra_fixture(testbed):
     """The run_pyinfra helper, with the fleet guaranteed up."""
     return run_pyinfra
+
+
+@pytest.fixture(scope="module")
+def fleet4():
+    """A fresh fleet of 4 hosts for one module (nothing cached anywhere): it replaces the
+    session's fleet, which the session's teardown then removes. Removed at the module's
+    end unless SPARKFLEET_KEEP_TESTBED=1."""
+    problem = _environment_problem()
+    if problem:
+        pytest.fail(problem, pytrace=False)
+    from sparkfleet.testbed import fleet
+
+    tb = fleet.up(4)
+    try:
+        yield tb
+    finally:
+        if os.environ.get("SPARKFLEET_KEEP_TESTBED") != "1":
+            fleet.down()
+
+
+@pytest.fixture(name="deploy_run")
+def deploy_run_fixture():
+    """run_pyinfra, for tests that bring their own fleet (fleet4)."""
+    return run_pyinfra

@@ -1,0 +1,227 @@
+"""The fleet source on four simulated Sparks: the image and the weights cross the "WAN"
+(the testbed's hub and registry) once, every host ends with the same bytes, an interrupted
+host resumes, and fleet_mirror=none goes back to direct downloads.
+
+The tests run in file order on a fresh fleet of their own (fixture fleet4), building on
+each other's state as a user would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from sparkfleet.testbed import paths
+
+pytestmark = pytest.mark.e2e
+
+HYBRID = "bleysg/Qwen3.5-122B-A10B-int4-fp8-hybrid"
+DFLASH = "z-lab/Qwen3.5-122B-A10B-DFlash"
+INTEL = "Intel/Qwen3.5-122B-A10B-int4-AutoRound"
+IMAGE_REPO = "sparkfleet/vllm-sim"
+HF = "/var/lib/sparkfleet/hf/hub"
+CHANGED = re.compile(r"\[(spark-\d+)\] (Success|Error)")
+REPO_ROOT = paths.REPO_ROOT
+INVENTORY = str(paths.INVENTORY.relative_to(REPO_ROOT))
+
+
+def hub(tb, method: str, path: str, body: dict | None = None):
+    session = requests.Session()
+    session.trust_env = False
+    response = session.request(method, f"{tb.hub_url}/_testbed/{path}", json=body, timeout=10)
+    response.raise_for_status()
+    return response.json()
+
+
+def repo_files(tb, repo: str) -> dict[str, str]:
+    """The hub's files of the pinned revision: {path: sha256}."""
+    from sparkfleet.testbed.hubservice import REPOS_DIR
+
+    root = REPOS_DIR / repo / tb.data["model_revisions"][repo]
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def repo_size(tb, repo: str) -> int:
+    from sparkfleet.testbed.hubservice import REPOS_DIR
+
+    root = REPOS_DIR / repo / tb.data["model_revisions"][repo]
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def snapshot(tb, name: str, repo: str) -> dict[str, str]:
+    """{path: sha256} of the host's cached snapshot of the pinned revision."""
+    rev = tb.data["model_revisions"][repo]
+    base = f"{HF}/models--{repo.replace('/', '--')}/snapshots/{rev}"
+    out = tb.exec(name, f"cd {base} && find -L . -type f -exec sha256sum {{}} +").stdout
+    return {line.split(None, 1)[1].strip().removeprefix("./"): line.split()[0] for line in out.splitlines()}
+
+
+def image_on(tb, name: str, reference: str) -> tuple[str, list[str]]:
+    out = tb.exec(name, f"docker image inspect --format '{{{{.Id}}}} {{{{json .RepoDigests}}}}' {reference}").stdout
+    image_id, digests = out.strip().split(" ", 1)
+    return image_id, json.loads(digests)
+
+
+def blob_stats(tb, name: str, repo: str) -> dict[str, tuple[int, int]]:
+    """{blob: (inode, mtime_ns)} of the host's complete blobs of repo."""
+    out = tb.exec(name, f"cd {HF}/models--{repo.replace('/', '--')}/blobs 2>/dev/null && "
+                        "stat -c '%n %i %Y' $(ls | grep -v incomplete)").stdout
+    return {p[0]: (int(p[1]), int(p[2])) for p in (line.split() for line in out.splitlines()) if len(p) == 3}
+
+
+def mirror_gets(tb, since: float, client: str) -> list[str]:
+    """Files ``client`` GET from the HF mirror (olah's access log on the mirror host) since ``since``."""
+    out = tb.exec(tb.names[0], f"journalctl -u sparkfleet-hf-mirror --since @{int(since)} -o cat --no-pager").stdout
+    return re.findall(rf'{re.escape(client)}:\d+ - "GET /[^ ]+/resolve/[0-9a-f]+/([^ ]+) HTTP', out)
+
+
+def changed_hosts(output: str) -> set[str]:
+    return {m.group(1) for m in CHANGED.finditer(output)}
+
+
+def completion(tb, name: str) -> str:
+    body = json.dumps({"model": "qwen", "prompt": "What is the capital of France? Answer in one word.",
+                       "max_tokens": 8, "temperature": 0})
+    out = tb.exec(name, "curl -s -m 10 -H @/etc/sparkfleet/api-auth.header -H 'Content-Type: application/json' "
+                        f"-d '{body}' http://127.0.0.1:8000/v1/completions").stdout
+    try:
+        return json.loads(out)["choices"][0]["text"]
+    except (ValueError, KeyError, IndexError):
+        return ""
+
+
+def test_the_fleet_takes_each_artifact_from_upstream_once(fleet4, deploy_run):
+    tb = fleet4
+    mirror = tb.hosts[0]
+    hub(tb, "POST", "reset")
+    mark = tb.registry_mark()
+    result = deploy_run("deploy.py")
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+
+    # The hub: each file of the profile's repositories once, all of it to the mirror.
+    stats = hub(tb, "GET", "stats")
+    for repo in (HYBRID, DFLASH):
+        assert stats["by_repo"][repo] == pytest.approx(repo_size(tb, repo), rel=0.01), stats
+    assert stats["total"] == pytest.approx(repo_size(tb, HYBRID) + repo_size(tb, DFLASH), rel=0.01)
+    assert set(stats["by_client"]) == {mirror.address}
+
+    # The registry: the image's blobs once, to the mirror.
+    served = tb.registry_stats(mark)
+    assert served["by_repo"][IMAGE_REPO] == pytest.approx(tb.image["blob_bytes"], rel=0.01), served
+    assert set(served["by_client"]) == {mirror.address}
+
+    # Every host: the same image (digest and id), the same files as the hub's, READY.
+    local_ref = f"{mirror.address}:5000/{IMAGE_REPO}:0.23.0@{tb.image['digest']}"
+    images = {name: image_on(tb, name, local_ref) for name in tb.names}
+    assert len({image_id for image_id, _ in images.values()}) == 1
+    for name, (_, digests) in images.items():
+        assert digests == [f"{mirror.address}:5000/{IMAGE_REPO}@{tb.image['digest']}"], (name, digests)
+    for repo in (HYBRID, DFLASH):
+        expected = repo_files(tb, repo)
+        for name in tb.names:
+            assert snapshot(tb, name, repo) == expected, (name, repo)
+    for name in tb.names:
+        unit = tb.exec(name, "cat /etc/systemd/system/sparkfleet-serve.service").stdout
+        assert "--pull never" in unit and local_ref in unit
+        assert "Paris" in completion(tb, name)
+
+    # The report: per host and for the fleet, measured.
+    assert "--> Distribution (fleet source: spark-1" in out, out[-3000:]
+    for name in tb.names:
+        assert re.search(rf"\[{name}\] image [\d.]+ MiB from the fleet source, weights [\d.]+ MiB from the fleet source", out)
+    image_mib = tb.image["blob_bytes"] / 2**20
+    assert f"from upstream: image {image_mib:.1f} MiB (copied once into the fleet registry)" in out
+    assert re.search(r"distribution steps took [\d.]+ s", out)
+
+
+def test_a_converged_fleet_changes_nothing(fleet4, deploy_run):
+    result = deploy_run("deploy.py")
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    assert changed_hosts(out) == set(), out[-3000:]
+    assert "--> Distribution" not in out
+
+
+def test_a_host_interrupted_mid_download_resumes_without_refetching_complete_files(fleet4, deploy_run):
+    tb = fleet4
+    victim = tb.hosts[3]
+    slow = "model-00009-of-00014.safetensors"
+    hub(tb, "POST", "reset")
+    # The hub sends one file of the Intel checkpoint late (under olah's 15 s upstream
+    # timeout, so the mirror waits instead of asking again); the victim is cut off meanwhile.
+    hub(tb, "POST", "fault", {"repo": INTEL, "path": slow, "delay_s": 12, "times": 1})
+    files = repo_files(tb, INTEL)
+    cmd = ["pyinfra", "-y", INVENTORY, "deploy.py", "--data", "profile=base"]
+    with subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          stdin=subprocess.DEVNULL) as run:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            if len(blob_stats(tb, victim.name, INTEL)) >= len(set(files.values())) - 1:
+                break
+            time.sleep(0.5)
+        else:
+            run.kill()
+            pytest.fail("the victim never got the fast files")
+        killed = tb.exec(victim.name, "docker kill sparkfleet-fetch-intel--qwen3.5-122b-a10b-int4-autoround")
+        assert killed.returncode == 0, killed.stderr
+        first, _ = run.communicate(timeout=600)
+    assert run.returncode != 0
+    assert f"[{victim.name}] Error" in first
+    for name in tb.names[:3]:
+        assert f"[{name}] Error" not in first and "Paris" in completion(tb, name)
+
+    complete = blob_stats(tb, victim.name, INTEL)
+    assert 0 < len(complete) < len(files)
+    since = time.time()
+    time.sleep(1)
+    second = deploy_run("deploy.py", "--data", "profile=base")
+    out = second.stdout + second.stderr
+    assert second.returncode == 0, out[-4000:]
+    assert "Paris" in completion(tb, victim.name)
+    assert snapshot(tb, victim.name, INTEL) == files
+    # Complete files were kept as they were, and only the missing ones were asked for.
+    after = blob_stats(tb, victim.name, INTEL)
+    assert {blob: after[blob] for blob in complete} == complete
+    refetched = mirror_gets(tb, since, victim.address)
+    assert slow in refetched and len(refetched) == len(set(refetched)), refetched
+    assert len(refetched) <= len(files) - len(complete), refetched
+    # Upstream: the whole checkpoint once, for the fleet, over both runs.
+    stats = hub(tb, "GET", "stats")
+    assert stats["by_repo"][INTEL] == pytest.approx(repo_size(tb, INTEL), rel=0.01)
+    assert set(stats["by_client"]) == {tb.hosts[0].address}
+
+
+def test_turning_the_mirror_off_goes_direct(fleet4, deploy_run):
+    tb = fleet4
+    # A repository the hosts no longer have, to see where it comes from.
+    for name in tb.names:
+        tb.exec(name, f"rm -rf {HF}/models--{DFLASH.replace('/', '--')} "
+                      f"/var/lib/sparkfleet/hf/sparkfleet/complete/{DFLASH.replace('/', '--')}@*")
+    hub(tb, "POST", "reset")
+    mark = tb.registry_mark()
+    result = deploy_run("deploy.py", "--data", "fleet_mirror=none")
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    stats = hub(tb, "GET", "stats")
+    size = repo_size(tb, DFLASH)
+    assert stats["by_repo_client"][DFLASH] == {h.address: size for h in tb.hosts}, stats
+    upstream_ref = tb.data["image"]
+    for name in tb.names:
+        unit = tb.exec(name, "cat /etc/systemd/system/sparkfleet-serve.service").stdout
+        assert upstream_ref in unit
+        assert "Paris" in completion(tb, name)
+    # The image was already there: no blob came from the registry again. The former
+    # mirror's services are stopped.
+    assert tb.registry_stats(mark)["by_repo"].get(IMAGE_REPO, 0) < 0.01 * tb.image["blob_bytes"]
+    state = tb.exec(tb.names[0], "systemctl is-active sparkfleet-hf-mirror docker-registry").stdout.split()
+    assert state == ["inactive", "inactive"], state
+    assert re.search(r"\[spark-\d\] weights [\d.]+ MiB from upstream", out)
