@@ -32,7 +32,7 @@ from pyinfra.operations import files, systemd
 from sparkfleet.config import Settings, resolve_api_key, resolve_hf_token
 from sparkfleet.distribution import image_reference
 from sparkfleet.tasks import shell
-from sparkfleet.weights import RUNTIME_DIR, SECRETS_ENV
+from sparkfleet.weights import HF_ENV, RUNTIME_DIR, SECRETS_ENV
 
 PROJECT = Path(__file__).resolve().parents[1]
 TEMPLATES = PROJECT / "templates"
@@ -119,22 +119,35 @@ class FileText(FactBase["str | None"]):
 
 
 @operation()
-def secrets_written(settings: Settings):
+def api_key_written(settings: Settings):
     """
-    Write the API key and HF token into root-only files the container reads.
+    Write the API key into the root-only files the serving container and checks read.
 
-    + settings: validated settings (``api_key``, ``hf_token``)
+    + settings: validated settings (``api_key``)
 
     The content never appears in argv, output or diffs: only its hash is compared.
     """
     api_key = resolve_api_key(settings)
-    hf_token = resolve_hf_token(settings)
-    env = "".join(
-        f"{name}={value}\n" for name, value in (("VLLM_API_KEY", api_key), ("HF_TOKEN", hf_token)) if value
-    )
-    header = f"Authorization: Bearer {api_key}\n" if api_key else ""
-    yield from _private_file(SECRETS_ENV, env)
-    yield from _private_file(AUTH_HEADER, header)
+    yield from _private_file(SECRETS_ENV, f"VLLM_API_KEY={api_key}\n" if api_key else "")
+    yield from _private_file(AUTH_HEADER, f"Authorization: Bearer {api_key}\n" if api_key else "")
+
+
+@operation()
+def hf_token_written(settings: Settings):
+    """
+    Write the HF token into the root-only file that downloads and builds read.
+
+    + settings: validated settings (``hf_token``; else the controller's HF_TOKEN)
+
+    Serving never reads it (it starts offline), so it is no restart input; and a controller
+    without a token leaves the hosts' token alone (``--data hf_token=`` removes it).
+    """
+    token = resolve_hf_token(settings)
+    if token is None and settings.hf_token is None:
+        if host.get_fact(Sha256File, path=HF_ENV) is None:
+            yield from _private_file(HF_ENV, "")
+        return
+    yield from _private_file(HF_ENV, f"HF_TOKEN={token}\n" if token else "")
 
 
 def _private_file(path: str, content: str):
@@ -231,7 +244,10 @@ def ready(settings: Settings, restarting: bool):
 
 
 def host_files(settings: Settings) -> tuple:
-    """The runtime/ copy and the 0600 secrets, which downloads and builds need too."""
+    """The runtime/ copy and the 0600 secrets, which downloads and builds need too.
+
+    Returns the operations whose change the service restarts for.
+    """
     runtime = files.sync(
         name="runtime files on the host",
         src=str(PROJECT / "runtime"),
@@ -243,8 +259,9 @@ def host_files(settings: Settings) -> tuple:
         mode="644",
         dir_mode="755",
     )
-    secrets = secrets_written(name="API key and HF token in 0600 files", settings=settings)
-    return runtime, secrets
+    hf_token_written(name="HF token in a 0600 file", settings=settings)
+    api_key = api_key_written(name="API key in 0600 files", settings=settings)
+    return runtime, api_key
 
 
 def running(settings: Settings, also_restart_for: tuple = ()) -> None:

@@ -18,7 +18,8 @@ from sparkfleet.distribution import hf_endpoint, image_reference
 from sparkfleet.tasks import detached, shell
 
 RUNTIME_DIR = "/opt/sparkfleet/runtime"
-SECRETS_ENV = "/etc/sparkfleet/secrets.env"
+SECRETS_ENV = "/etc/sparkfleet/secrets.env"  # VLLM_API_KEY, for serving and checks
+HF_ENV = "/etc/sparkfleet/hf.env"  # HF_TOKEN, for downloads and builds only
 GIB = 1024**3
 
 
@@ -68,7 +69,7 @@ def container_command(settings: Settings, name: str, args: str, extra_mounts: st
     endpoint = f"-e HF_ENDPOINT={q(endpoint_url)} " if endpoint_url else ""
     return (
         f"docker rm -f {name} >/dev/null 2>&1; "
-        f"docker run --rm --pull never --name {name} --network host --env-file {SECRETS_ENV} "
+        f"docker run --rm --pull never --name {name} --network host --env-file {HF_ENV} "
         f"-e HF_HOME=/hf -e HF_HUB_DISABLE_TELEMETRY=1 {endpoint}"
         f"-v {q(settings.hf_home)}:/hf -v {RUNTIME_DIR}:/host:ro {extra_mounts}"
         f"--entrypoint python3 {q(image_reference(settings))} {args}"

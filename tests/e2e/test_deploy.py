@@ -84,14 +84,19 @@ def test_hf_token_reaches_hosts_only_in_the_private_file(testbed, run_pyinfra):
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-3000:]
     assert token not in out
+    assert changed_hosts(out) == set(testbed.names)  # written once, no restart: serving starts offline
     for name in testbed.names:
-        assert testbed.exec(name, "grep -c '^HF_TOKEN=' /etc/sparkfleet/secrets.env").stdout.strip() == "1"
+        assert testbed.exec(name, "stat -c %a /etc/sparkfleet/hf.env").stdout.strip() == "600"
+        assert testbed.exec(name, "grep -c '^HF_TOKEN=' /etc/sparkfleet/hf.env").stdout.strip() == "1"
         public = testbed.exec(name, "cat /etc/systemd/system/sparkfleet-serve.service /etc/sparkfleet/serve.env; "
                                     "journalctl -u sparkfleet-serve --no-pager -o cat | tail -n 200").stdout
         assert token not in public
-    # Without the token in the environment it is removed again.
-    assert run_pyinfra("deploy.py").returncode == 0
-    assert testbed.exec(testbed.names[0], "grep -c '^HF_TOKEN=' /etc/sparkfleet/secrets.env || true").stdout.strip() == "0"
+        assert testbed.exec(name, "grep -c HF_TOKEN /etc/sparkfleet/secrets.env || true").stdout.strip() == "0"
+    # A controller without the token leaves it; an explicit empty hf_token removes it.
+    again = run_pyinfra("deploy.py")
+    assert again.returncode == 0 and changed_hosts(again.stdout + again.stderr) == set()
+    assert run_pyinfra("deploy.py", "--data", "hf_token=").returncode == 0
+    assert testbed.exec(testbed.names[0], "grep -c '^HF_TOKEN=' /etc/sparkfleet/hf.env || true").stdout.strip() == "0"
 
 
 def test_second_run_changes_nothing_and_restarts_nothing(testbed, run_pyinfra):
