@@ -31,9 +31,9 @@ else:
     preflight.passed(name="preflight: GB10, aarch64, driver, docker, disk, memory", findings=findings)
     if not findings.problems:  # a failing host stops at preflight; the others go on
         container_runtime.configured(settings)
+        host_files = service.host_files(settings)  # runtime/ copy and 0600 secrets
         source_ops = distribution.fleet_source_ready(settings)  # fleet_mirror: served, trusted or off
         pulled = image.pulled(name="serving image present", settings=settings)
-        host_files = service.host_files(settings)  # runtime/ copy and 0600 secrets
         cached = weights.cached(name="weights in the HF cache", settings=settings)
         distribution.report(settings, source_ops, pulled, cached, weights.repo_dirs(settings))
         build = hybrid.built(name="hybrid INT4+FP8 checkpoint", settings=settings)

@@ -225,6 +225,20 @@ class HostPython(FactBase["dict | None"]):
         return {"major": int(parts[0]), "minor": int(parts[1]), "machine": parts[2], "glibc": parts[3]}
 
 
+class CPUCount(FactBase[int]):
+    """The host's CPU count (``nproc``)."""
+
+    @staticmethod
+    def default():
+        return 1
+
+    def command(self) -> str:
+        return "nproc 2>/dev/null || echo 1"
+
+    def process(self, output):
+        return int(output[0]) if output and output[0].strip().isdigit() else 1
+
+
 class FileFirstLine(FactBase["str | None"]):
     """The first line of a small file, or None."""
 
@@ -474,6 +488,8 @@ def serving_mirror(settings: Settings, source: FleetSource) -> list:
         name=f"fleet source: systemd unit {HF_UNIT}", src=str(TEMPLATES / "sparkfleet-hf-mirror.service.j2"),
         dest=HF_UNIT_PATH, mode="644", lib=OLAH_LIB, config=HF_CONFIG, data_dir=f"{settings.mirror_dir}/hf",
         requirement=settings.mirror_olah,
+        # olah spends ~tens of ms of CPU per request; one process per core, up to 4.
+        workers=max(1, min(4, host.get_fact(CPUCount))),
     )
     hf_data = files.directory(name="fleet source: HF mirror cache", path=f"{settings.mirror_dir}/hf/repos")
     systemd.daemon_reload(name="fleet source: systemd reload for the HF mirror unit", _if=hf_unit.did_change)
@@ -580,6 +596,9 @@ class DistributionReport(BaseStateCallback):
         self.hosts: dict[str, _HostRecord] = {}
         self.sources: dict[str, FleetSource | None] = {}
         self.tracked: set[str] = set()
+        self.steps: dict[str, str] = {}  # op hash -> step (fleet source, image, weights)
+        self.step_start: dict[str, float] = {}
+        self.step_seconds: dict[str, float] = {}
         self.ended: set[str] = set()
         self.started: float | None = None
         self.finished: float | None = None
@@ -588,19 +607,27 @@ class DistributionReport(BaseStateCallback):
         self.hf_cache_before: int | None = None
         self.mirror_dir: str | None = None
 
-    def track(self, *ops) -> None:
+    def track(self, step: str, *ops) -> None:
         for op in ops:
             if op is not None:
                 self.tracked.add(op._hash)
+                self.steps[op._hash] = step
 
     def operation_start(self, state, op_hash):  # noqa: D401 - pyinfra callback
-        if op_hash in self.tracked and self.started is None:
+        if op_hash not in self.tracked:
+            return
+        self.step_start[op_hash] = time.monotonic()
+        if self.started is None:
             self.started = time.monotonic()
             self.wall_start = time.time()
 
     def operation_end(self, state, op_hash):
         if op_hash not in self.tracked:
             return
+        step = self.steps[op_hash]
+        self.step_seconds[step] = self.step_seconds.get(step, 0.0) + time.monotonic() - self.step_start.get(
+            op_hash, time.monotonic()
+        )
         self.ended.add(op_hash)
         if self.ended >= self.tracked:
             self.finished = time.monotonic()
@@ -668,9 +695,12 @@ class DistributionReport(BaseStateCallback):
         where = ", ".join(sorted(f"{m} ({self.hosts[m].address or m})" for m in mirrors if m in self.hosts)) or "none"
         logger.info(
             "\n--> Distribution (fleet source: " + where + ")\n" + "\n".join(lines) + "\n"
-            f"    fleet: from upstream: {', '.join(upstream) or 'nothing'}; from the fleet source: "
-            f"image {_mib(totals['image_source'])}, weights {_mib(totals['weights_source'])}\n"
-            f"    distribution steps took {took:.1f} s\n"
+            f"    fleet: from upstream: {', '.join(upstream) or 'nothing'}"
+            + (f"; from the fleet source: image {_mib(totals['image_source'])}, weights {_mib(totals['weights_source'])}"
+               if mirrors else "") + "\n"
+            f"    distribution steps took {took:.1f} s: "
+            + ", ".join(f"{step} {self.step_seconds[step]:.1f} s" for step in ("fleet source", "image", "weights")
+                        if step in self.step_seconds) + "\n"
         )
 
 
@@ -736,7 +766,9 @@ def report(settings: Settings, ops: list, image_op, weights_op, repo_dirs: list[
     """Register this host's distribution operations with the run's report."""
     source = fleet_source()
     rep = _report(host.state)
-    rep.track(*ops, image_op, weights_op)
+    rep.track("fleet source", *ops)
+    rep.track("image", image_op)
+    rep.track("weights", weights_op)
     record = _HostRecord(source=source, image_op=image_op, weights_op=weights_op, repo_dirs=repo_dirs,
                          address=source.address if source and source.is_self else "")
     if repo_dirs and weights_op is not None and weights_op.will_change:

@@ -264,6 +264,15 @@ class Testbed:
     def registry(self) -> str:
         return paths.REGISTRY
 
+    def set_wan_rate(self, rate: str | None) -> None:
+        """Model the internet link: traffic from the controller's services (hub, registry,
+        apt) to the hosts is limited to *rate* (tc syntax, e.g. "100mbit"); host-to-host
+        traffic on the bridge (the fleet's LAN) is not. None removes the limit."""
+        run(["tc", "qdisc", "del", "dev", paths.BRIDGE, "root"], timeout=15, check=False)
+        if rate:
+            run(["tc", "qdisc", "add", "dev", paths.BRIDGE, "root", "tbf", "rate", rate,
+                 "burst", "256kb", "latency", "400ms"], timeout=15)
+
     def registry_mark(self) -> int:
         """A point in the registry's access log; registry_stats(mark) counts from there."""
         from .registry import access_log_size

@@ -49,6 +49,12 @@ def repo_files(tb, repo: str) -> dict[str, str]:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+def files_bytes(tb, repo: str, path: str) -> bytes:
+    from sparkfleet.testbed.hubservice import REPOS_DIR
+
+    return (REPOS_DIR / repo / tb.data["model_revisions"][repo] / path).read_bytes()
+
+
 def repo_size(tb, repo: str) -> int:
     from sparkfleet.testbed.hubservice import REPOS_DIR
 
@@ -194,9 +200,12 @@ def test_a_host_interrupted_mid_download_resumes_without_refetching_complete_fil
     refetched = mirror_gets(tb, since, victim.address)
     assert slow in refetched and len(refetched) == len(set(refetched)), refetched
     assert len(refetched) <= len(files) - len(complete), refetched
-    # Upstream: the whole checkpoint once, for the fleet, over both runs.
+    # Upstream, over both runs: every complete file once. The file in flight may come twice:
+    # olah 0.5.4 cancels a shared upstream download when the client that started it goes
+    # away (here, if the victim asked first), and the next waiting client starts it again.
     stats = hub(tb, "GET", "stats")
-    assert stats["by_repo"][INTEL] == pytest.approx(repo_size(tb, INTEL), rel=0.01)
+    in_flight = repo_size(tb, INTEL) + len(files_bytes(tb, INTEL, slow))
+    assert repo_size(tb, INTEL) * 0.99 <= stats["by_repo"][INTEL] <= in_flight * 1.01, stats
     assert set(stats["by_client"]) == {tb.hosts[0].address}
 
 
@@ -224,4 +233,4 @@ def test_turning_the_mirror_off_goes_direct(fleet4, deploy_run):
     assert tb.registry_stats(mark)["by_repo"].get(IMAGE_REPO, 0) < 0.01 * tb.image["blob_bytes"]
     state = tb.exec(tb.names[0], "systemctl is-active sparkfleet-hf-mirror docker-registry").stdout.split()
     assert state == ["inactive", "inactive"], state
-    assert re.search(r"\[spark-\d\] weights [\d.]+ MiB from upstream", out)
+    assert re.search(r"\[spark-\d\] image pulled from upstream, weights [\d.]+ MiB from upstream", out), out[-3000:]
