@@ -132,6 +132,20 @@ def hf_endpoint(settings: Settings, source: FleetSource | None = None) -> str | 
     return source.hf_endpoint if source else settings.hf_endpoint
 
 
+def source_answers(source: FleetSource, service: str) -> StringCommand:
+    """A command that fails this host, saying so, when the fleet source's ``service``
+    ("registry" or "hf") does not answer it."""
+    if service == "registry":
+        probe = f"curl -sf -m 10 --cacert {shlex.quote(host_ca_path(source))} https://{source.registry}/v2/ >/dev/null"
+        what = f"registry {source.registry}"
+    else:
+        probe = f"curl -s -m 10 -o /dev/null {source.hf_endpoint}/"
+        what = f"HF mirror {source.hf_endpoint}"
+    message = (f"the fleet source {source.host} does not answer ({what}): see its errors above, "
+               "or deploy with --data fleet_mirror=none to download from upstream")
+    return StringCommand(probe, "||", "{", "echo", shlex.quote(message), ">&2;", "exit", "1;", "}")
+
+
 def host_ca_path(source: FleetSource) -> str:
     """Where docker looks for the fleet registry's certificate (read per pull: no restart)."""
     return f"/etc/docker/certs.d/{source.registry}/ca.crt"

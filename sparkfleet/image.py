@@ -15,7 +15,7 @@ from pyinfra.api import FactBase, FunctionCommand, StringCommand, operation
 from pyinfra.api.exceptions import OperationError
 
 from sparkfleet.config import Settings, fleet_source
-from sparkfleet.distribution import MANIFEST_ACCEPT, ImageName, image_reference
+from sparkfleet.distribution import MANIFEST_ACCEPT, ImageName, image_reference, source_answers
 from sparkfleet.tasks import detached
 
 
@@ -103,5 +103,7 @@ def pulled(settings: Settings):
     if _present(ref):
         host.noop(f"image {ref} is present")
         return
+    if source:
+        yield source_answers(source, "registry")
     yield detached("image-pull", f"docker pull {shlex.quote(ref)}")
     yield FunctionCommand(_verify, (ref, pinned_digest(ref), ref if source and not pinned_digest(ref) else None), {})

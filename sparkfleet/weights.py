@@ -13,8 +13,8 @@ import shlex
 from pyinfra import host
 from pyinfra.api import FactBase, operation
 
-from sparkfleet.config import Settings
-from sparkfleet.distribution import hf_endpoint, image_reference
+from sparkfleet.config import Settings, fleet_source
+from sparkfleet.distribution import hf_endpoint, image_reference, source_answers
 from sparkfleet.tasks import detached, shell
 
 RUNTIME_DIR = "/opt/sparkfleet/runtime"
@@ -112,6 +112,9 @@ def cached(settings: Settings):
         host.noop(f"cached: {', '.join(settings.repos_to_fetch) or 'nothing to fetch'}")
         return
     yield f"mkdir -p {shlex.quote(settings.hf_home)}"
+    source = fleet_source()
+    if source:
+        yield source_answers(source, "hf")
     for repo in missing:
         task = "fetch-" + repo.replace("/", "--")
         args = f"/host/fetch_weights.py {shlex.quote(repo)} --revision {shlex.quote(settings.revision(repo))}"
