@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import io
 import ipaddress
 import json
 import re

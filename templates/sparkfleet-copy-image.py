@@ -20,7 +20,6 @@ bytes that were already there.
 from __future__ import annotations
 
 import argparse
-import base64
 import hashlib
 import json
 import os

@@ -13,7 +13,6 @@ import json
 import re
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 import requests
