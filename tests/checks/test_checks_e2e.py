@@ -31,9 +31,11 @@ def fleet_up():
     from sparkfleet.testbed import fleet
 
     status = fleet.status()
+    # A fleet counts only if this checkout's inventory describes it (another checkout's
+    # fleet shares the machine but not .testbed/hosts.json).
     healthy = bool(status) and len(status["hosts"]) >= N_HOSTS and all(
         h["pid"] and h["ssh"] for h in status["hosts"]
-    )
+    ) and (REPO / ".testbed" / "hosts.json").exists()
     if not healthy:
         fleet.up(N_HOSTS)
     try:
