@@ -8,7 +8,7 @@ source, and every host (the mirror too) downloads from it over the LAN, in paral
   requests for a block it does not have yet share one upstream download — and serves the
   fleet from its cache. Hosts download with their usual huggingface_hub and ``HF_ENDPOINT``
   pointing at it: same cache layout, revision pinning and resume; the token stays in
-  ``secrets.env`` and olah forwards it upstream per request (it never stores it).
+  ``hf.env`` and olah forwards it upstream per request (it never stores it).
 * the image through a registry on the mirror (Debian/Ubuntu ``docker-registry``, TLS with a
   certificate made on the controller and trusted in ``/etc/docker/certs.d``), holding a
   byte-exact copy of the image made by ``templates/sparkfleet-copy-image.py``: each blob is
