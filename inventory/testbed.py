@@ -9,8 +9,9 @@ deploys to the simulated Sparks over real SSH. The testbed's group-data override
 put in each host's data, so `--data key=value` still overrides them.
 """
 
-import json
 from pathlib import Path
+
+from sparkfleet.testbed.state import inventory_hosts
 
 _HOSTS_FILE = Path(__file__).resolve().parent.parent / ".testbed" / "hosts.json"
 
@@ -19,22 +20,4 @@ if not _HOSTS_FILE.is_file():
         f"inventory/testbed.py: {_HOSTS_FILE} is missing: run `sparkfleet testbed up` first"
     )
 
-_doc = json.loads(_HOSTS_FILE.read_text())
-
-sparks = (
-    [
-        (
-            _h["name"],
-            {
-                "ssh_hostname": _h["address"],
-                "ssh_user": "root",
-                "ssh_key": _h["ssh_key"],
-                "ssh_strict_host_key_checking": "no",
-                "ssh_known_hosts_file": "/dev/null",
-                **_doc.get("data", {}),
-            },
-        )
-        for _h in _doc["hosts"]
-    ],
-    {},
-)
+sparks = (inventory_hosts(_HOSTS_FILE), {})

@@ -127,31 +127,33 @@ def write_hosts_json(state: State, ssh_key: Path = paths.SSH_KEY, path: Path = p
         paths.INVENTORY.write_text(_INSTANCE_INVENTORY.format(instance=paths.INSTANCE))
 
 
-#: The inventory of a second fleet (SPARKFLEET_TESTBED_INSTANCE=N): inventory/testbed.py's
-#: host entries, read from the hosts.json beside it. Run pyinfra from the repository root
-#: so group_data/ is found.
-_INSTANCE_INVENTORY = '''"""pyinfra inventory of testbed instance {instance} (written by `sparkfleet testbed up`)."""
-
-import json
-from pathlib import Path
-
-_doc = json.loads((Path(__file__).resolve().parent / "hosts.json").read_text())
-
-sparks = (
-    [
+def inventory_hosts(hosts_json: Path) -> list[tuple[str, dict]]:
+    """pyinfra host entries for a testbed's hosts.json, its group-data overrides as host
+    data (so ``--data`` still wins). Used by inventory/testbed.py and instance inventories."""
+    doc = json.loads(hosts_json.read_text())
+    return [
         (
-            _h["name"],
-            {{
-                "ssh_hostname": _h["address"],
+            h["name"],
+            {
+                "ssh_hostname": h["address"],
                 "ssh_user": "root",
-                "ssh_key": _h["ssh_key"],
+                "ssh_key": h["ssh_key"],
                 "ssh_strict_host_key_checking": "no",
                 "ssh_known_hosts_file": "/dev/null",
-                **_doc.get("data", {{}}),
-            }},
+                **doc.get("data", {}),
+            },
         )
-        for _h in _doc["hosts"]
-    ],
-    {{}},
-)
+        for h in doc["hosts"]
+    ]
+
+
+#: The inventory of a second fleet (SPARKFLEET_TESTBED_INSTANCE=N), read from the
+#: hosts.json beside it. Run pyinfra from the repository root so group_data/ is found.
+_INSTANCE_INVENTORY = '''"""pyinfra inventory of testbed instance {instance} (written by `sparkfleet testbed up`)."""
+
+from pathlib import Path
+
+from sparkfleet.testbed.state import inventory_hosts
+
+sparks = (inventory_hosts(Path(__file__).resolve().parent / "hosts.json"), {{}})
 '''
