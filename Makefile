@@ -3,7 +3,11 @@
 #   make test   the whole suite, end-to-end tests on the simulated fleet included
 # Both run as root (the simulated fleet uses network namespaces and systemd-nspawn).
 
-PYTHON ?= python3
+# One virtual environment per checkout: two checkouts on one machine never share an
+# editable install. It sees the system's packages, so a torch already there is reused.
+VENV ?= .venv
+PYTHON = $(VENV)/bin/python
+export PATH := $(abspath $(VENV))/bin:$(PATH)
 HOSTS ?= 3
 APT_PACKAGES = debootstrap systemd-container docker-registry iproute2 apt-utils gnupg dpkg-dev curl ca-certificates openssh-client
 STAMP = .sparkfleet/deps.stamp
@@ -14,8 +18,9 @@ $(STAMP): pyproject.toml Makefile
 	@command -v debootstrap >/dev/null && command -v systemd-nspawn >/dev/null && command -v docker-registry >/dev/null \
 		&& command -v apt-ftparchive >/dev/null && command -v gpg >/dev/null && command -v ssh >/dev/null \
 		|| { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PACKAGES); }
+	test -x $(PYTHON) || python3 -m venv --system-site-packages $(VENV)
 	$(PYTHON) -m pip install -q -e '.[test]'
-	$(PYTHON) -m pip install -q torch==2.13.0 triton
+	$(PYTHON) -c 'import torch, triton' 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0 triton
 	@mkdir -p $(dir $(STAMP)) && touch $(STAMP)
 
 deps: $(STAMP)
