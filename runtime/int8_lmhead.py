@@ -17,12 +17,19 @@ Design notes (why, not what):
   against each other (the very comparison argmax makes), and rows with tiny
   norms (unused / padded vocab entries) give max|row|/127 below fp16's normal
   range, where precision collapses.  fp32 has neither problem.
-* One launch covers the whole batch: the grid tiles the vocab (rows of W);
-  each program streams its [BLOCK_V, K] int8 slab through shared memory once
-  and multiplies it against the whole (padded) batch with `tl.dot` on tensor
-  cores, fp32 accumulation.  The batch is the N side of the product (W tile is
-  the M side, "swap AB"), because wgmma needs M >= 64 while N can be as small
-  as 8..16; B <= 16 therefore costs the same as B = 1.  No per-row loops.
+* One launch covers the whole batch (B <= 64 per program row): the grid
+  tiles the vocab (rows of W); each program streams its [BLOCK_V, K] int8
+  slab once.  Decode is bandwidth-bound, so what matters is the work per
+  weight byte between DRAM and the multiply:
+  - B >= 2: tensor cores, fp32 accumulation, computed as out = x W^T with the
+    batch as the M side (one to four 16-row mma.sync tiles) and the weight as
+    the B operand.  Triton then loads the int8 tile from shared memory
+    straight into operand registers and decodes it there; bf16 weights never
+    go back to shared memory (the old W-as-A kernel wrote them back: 6 B of
+    shared traffic per weight byte instead of 2, 226 us instead of ~185 on
+    the H200).  M = 16 also means mma.sync on every target, no wgmma/TMA:
+    the H200 runs what a GB10 (sm_121) runs.
+  - B = 1: CUDA cores, one fp32 FMA per weight byte, no padding to 16 rows.
 * The per-row scale is applied once to the fp32 accumulator (exact for a
   per-row scale), then cast to bf16.
 * The bf16 weight is never freed or modified: the DFlash drafter shares the
