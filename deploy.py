@@ -2,7 +2,7 @@
 
     pyinfra inventory/sparks.py deploy.py [--data profile=dense]
 
-preflight -> NVIDIA container runtime -> fleet source (one host serves the image and the
+preflight -> NVIDIA container runtime -> mirror (one host serves the image and the
 weights to the others) -> serving image -> cached weights -> hybrid build -> systemd unit
 for the profile -> READY (-> post-deploy checks, with --data checks=...).
 Every host's data is validated first: a bad value stops the run before any host changes.
@@ -10,9 +10,9 @@ Every host's data is validated first: a bad value stops the run before any host 
 
 from sparkfleet import (
     container_runtime,
-    distribution,
     hybrid,
     image,
+    mirror,
     preflight,
     service,
     weights,
@@ -25,17 +25,15 @@ settings = fleet_settings()
 if not settings.serving:
     service.stopped()
 else:
-    image_gib, path_needs = preflight.still_needed(settings)
-    path_needs = distribution.mirror_needs(settings, image_gib, path_needs)  # the mirror's caches
-    findings = preflight.inspect(settings, image_gib, path_needs)
+    findings = preflight.inspect(settings)  # every step says what it still needs
     preflight.passed(name="preflight: GB10, aarch64, driver, docker, disk, memory", findings=findings)
     if not findings.problems:  # a failing host stops at preflight; the others go on
         container_runtime.configured(settings)
         host_files = service.host_files(settings)  # runtime/ copy and 0600 secrets
-        source_ops = distribution.fleet_source_ready(settings)  # fleet_mirror: served, trusted or off
+        mirror_ops = mirror.configured(settings)  # fleet_mirror: served, trusted or off
         pulled = image.pulled(name="serving image present", settings=settings)
         cached = weights.cached(name="weights in the HF cache", settings=settings)
-        distribution.report(settings, source_ops, pulled, cached, weights.repo_dirs(settings))
+        mirror.track(settings, mirror_ops, pulled, cached, weights.repo_dirs(settings))
         build = hybrid.built(name="hybrid INT4+FP8 checkpoint", settings=settings)
         service.running(settings, also_restart_for=(*host_files, build))
         if settings.checks:

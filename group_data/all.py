@@ -32,9 +32,9 @@ hf_endpoint = None
 # Read from the controller's HF_TOKEN when None. Reaches hosts only in a 0600 file.
 hf_token = None
 
-# --- Fleet distribution: the image and the weights cross the WAN once ----------------------
-# One host of the inventory is the fleet's source: it runs an HF mirror (olah) that fetches
-# each file from the hub once, and a registry holding a byte-exact copy of the image; the
+# --- The mirror: the image and the weights cross the WAN once -------------------------------
+# One host of the inventory is the mirror: it runs an HF mirror (olah) that fetches each
+# file from the hub once, and a registry holding a byte-exact copy of the image; the
 # other hosts download from it over the LAN, in parallel. "auto": the first host of the
 # inventory group `mirror` if there is one, else the first host of the inventory; a host
 # name picks that host; None turns it off (every host downloads from upstream itself).

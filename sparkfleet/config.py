@@ -15,9 +15,7 @@ import hashlib
 import ipaddress
 import json
 import logging
-import os
 import re
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Literal
@@ -52,7 +50,7 @@ _CONNECTOR_PREFIXES = ("ssh_", "_", "docker_", "chroot_", "local_", "winrm_", "v
 _SAFE_PATH = re.compile(r"^/[A-Za-z0-9._/+-]*$")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
-# registry[:port]/path[:tag][@sha256:digest] — lower-case path per the distribution spec.
+# registry[:port]/path[:tag][@sha256:digest] — lower-case path, as registries require.
 _IMAGE_REF = re.compile(
     r"^(?:[a-zA-Z0-9.-]+(?::[0-9]+)?/)?[a-z0-9]+(?:[._/-][a-z0-9]+)*"
     r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[0-9a-f]{64})?$"
@@ -62,7 +60,7 @@ _URL = re.compile(r"^https?://[A-Za-z0-9.:\[\]_-]+(?:/[A-Za-z0-9._~/$()%+-]*)?$"
 _HOSTNAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252}[A-Za-z0-9])?$")
 # A pip requirement without spaces, markers or shell characters, e.g. olah==0.5.4.
 _REQUIREMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(?:\[[A-Za-z0-9,._-]+\])?(?:(?:==|>=|<=|~=|!=|>|<)[A-Za-z0-9.*+!_-]+)?$")
-#: fleet_mirror values that turn the fleet source off.
+#: fleet_mirror values that turn the mirror off.
 MIRROR_OFF = (None, "", "none", "off", "false")
 
 _FIXES: dict[str, str] = {
@@ -100,7 +98,7 @@ class Settings(BaseModel):
     hf_home: str
     hf_endpoint: str | None
     hf_token: SecretStr | None
-    # Fleet distribution: one host serves the others (sparkfleet/distribution.py)
+    # The mirror: one host serves the others the image and the weights (sparkfleet/mirror/)
     fleet_mirror: str | None
     mirror_address: str | None
     mirror_hf_port: int = Field(ge=1, le=65535)
@@ -540,7 +538,7 @@ def validate_fleet(hosts: Iterable[Any]) -> dict[str, Settings]:
 
 
 _FLEET_CACHE: dict[int, dict[str, Settings]] = {}
-_SOURCE_CACHE: dict[int, dict[str, "FleetSource | None"]] = {}
+_MIRROR_CACHE: dict[int, dict[str, "Mirror | None"]] = {}
 
 
 def fleet_settings() -> Settings:
@@ -550,26 +548,26 @@ def fleet_settings() -> Settings:
     key = id(state)
     if key not in _FLEET_CACHE:
         _FLEET_CACHE[key] = validate_fleet(state.inventory)
-        _SOURCE_CACHE[key] = fleet_sources(state.inventory, _FLEET_CACHE[key])
+        _MIRROR_CACHE[key] = fleet_mirrors(state.inventory, _FLEET_CACHE[key])
     return _FLEET_CACHE[key][host.name]
 
 
-def fleet_source() -> "FleetSource | None":
-    """Where the current host gets model files and the image from (None: upstream)."""
+def host_mirror() -> "Mirror | None":
+    """The mirror the current host downloads the image and model files from (None: upstream)."""
     from pyinfra import host, state
 
     fleet_settings()
-    return _SOURCE_CACHE[id(state)][host.name]
+    return _MIRROR_CACHE[id(state)][host.name]
 
 
-# --- the fleet source (fleet_mirror) ---------------------------------------------------------
+# --- the mirror (fleet_mirror) ----------------------------------------------------------------
 
 #: An inventory group of this name picks the mirror for fleet_mirror="auto".
 MIRROR_GROUP = "mirror"
 
 
 @dataclass(frozen=True)
-class FleetSource:
+class Mirror:
     """The host that serves the fleet's model files (an HF mirror) and image (a registry)."""
 
     host: str  # its inventory name
@@ -608,7 +606,7 @@ def _chosen_mirrors(hosts: list[Any], settings: dict[str, Settings]) -> tuple[di
         if chosen.get(mirror) != mirror:
             users = ", ".join(n for n, m in chosen.items() if m == mirror)
             problems.append(
-                f"{mirror}: serves the fleet source for {users}, so it must use it too, but its own "
+                f"{mirror}: serves the mirror for {users}, so it must use it too, but its own "
                 f"`fleet_mirror` = {settings[mirror].fleet_mirror!r}. Fix: give every host the same fleet_mirror"
             )
     return chosen, problems
@@ -618,15 +616,15 @@ def _mirror_problems(hosts: list[Any], settings: dict[str, Settings]) -> list[st
     return _chosen_mirrors(hosts, settings)[1]
 
 
-def fleet_sources(hosts: Iterable[Any], settings: dict[str, Settings]) -> dict[str, FleetSource | None]:
-    """Each host's fleet source, from fleet_mirror: ``"auto"`` is the first host of the
+def fleet_mirrors(hosts: Iterable[Any], settings: dict[str, Settings]) -> dict[str, Mirror | None]:
+    """Each host's mirror, from fleet_mirror: ``"auto"`` is the first host of the
     inventory group ``mirror`` if there is one, else the first host of the inventory."""
     hosts = list(hosts)
     chosen, problems = _chosen_mirrors(hosts, settings)
     if problems:
         raise ConfigError("\n  ".join(["invalid configuration, nothing was changed on any host:", *problems]))
     data = {h.name: h.data for h in hosts}
-    sources: dict[str, FleetSource | None] = {}
+    sources: dict[str, Mirror | None] = {}
     for name, mirror in chosen.items():
         if mirror is None:
             sources[name] = None
@@ -634,7 +632,7 @@ def fleet_sources(hosts: Iterable[Any], settings: dict[str, Settings]) -> dict[s
         ms = settings[mirror]
         ssh_hostname = data[mirror].get("ssh_hostname") if hasattr(data[mirror], "get") else None
         address = ms.mirror_address or ssh_hostname or mirror
-        sources[name] = FleetSource(mirror, str(address), ms.mirror_hf_port, ms.mirror_registry_port, name == mirror)
+        sources[name] = Mirror(mirror, str(address), ms.mirror_hf_port, ms.mirror_registry_port, name == mirror)
     return sources
 
 
@@ -644,37 +642,3 @@ def project_defaults() -> dict[str, Any]:
 
     path = Path(__file__).resolve().parents[1] / "group_data" / "all.py"
     return {k: v for k, v in runpy.run_path(str(path)).items() if not k.startswith("__")}
-
-
-# --- secrets (controller side) --------------------------------------------------------
-
-
-def resolve_api_key(settings: Settings) -> str | None:
-    """The API key the fleet serves with, or None for api_key=none.
-
-    ``auto`` keeps one generated key per project in ``api_key_file`` (0600), so every
-    host of the fleet and every later run share it.
-    """
-    raw = settings.api_key.get_secret_value()
-    if raw == "none":
-        return None
-    if raw != "auto":
-        return raw
-    path = Path(settings.api_key_file).expanduser()
-    if not path.is_absolute():  # the project's key, wherever pyinfra is started from
-        path = Path(__file__).resolve().parents[1] / path
-    if path.exists():
-        return path.read_text().strip()
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    key = "sf-" + secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(key + "\n")
-    return key
-
-
-def resolve_hf_token(settings: Settings) -> str | None:
-    """HF token from data, else from the controller's environment."""
-    if settings.hf_token is not None:
-        return settings.hf_token.get_secret_value() or None
-    return os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN") or None

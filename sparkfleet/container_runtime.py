@@ -16,10 +16,7 @@ from pyinfra.api import FactBase, FileUploadCommand, StringCommand, operation
 from pyinfra.operations import systemd
 
 from sparkfleet.config import Settings
-
-DAEMON_JSON = "/etc/docker/daemon.json"
-KEYRING = "/usr/share/keyrings/nvidia-container-toolkit.asc"
-SOURCES = "/etc/apt/sources.list.d/nvidia-container-toolkit.list"
+from sparkfleet.hostpaths import DOCKER_DAEMON_JSON, NVIDIA_APT_KEYRING, NVIDIA_APT_SOURCES
 NVIDIA_RUNTIME = {"path": "nvidia-container-runtime", "runtimeArgs": []}
 
 
@@ -65,7 +62,7 @@ class DaemonConfig(FactBase["dict | None"]):
         return {}
 
     def command(self) -> str:
-        return f"cat {DAEMON_JSON} 2>/dev/null || echo '{{}}'"
+        return f"cat {DOCKER_DAEMON_JSON} 2>/dev/null || echo '{{}}'"
 
     def process(self, output):
         try:
@@ -86,13 +83,13 @@ def toolkit_installed(settings: Settings):
         host.noop("nvidia-container-toolkit is installed")
         return
     q = shlex.quote
-    yield f"curl -fsSL --retry 3 {q(settings.nvidia_apt_key_url)} -o {KEYRING}"
+    yield f"curl -fsSL --retry 3 {q(settings.nvidia_apt_key_url)} -o {NVIDIA_APT_KEYRING}"
     yield (
-        f"echo {q(f'deb [signed-by={KEYRING}] {settings.nvidia_apt_repo} /')} > {SOURCES}"
+        f"echo {q(f'deb [signed-by={NVIDIA_APT_KEYRING}] {settings.nvidia_apt_repo} /')} > {NVIDIA_APT_SOURCES}"
     )
     # Refresh only NVIDIA's list: the rest of the host's apt state is not ours to touch.
     yield (
-        f"apt-get update -o Dir::Etc::sourcelist={SOURCES} -o Dir::Etc::sourceparts=- "
+        f"apt-get update -o Dir::Etc::sourcelist={NVIDIA_APT_SOURCES} -o Dir::Etc::sourceparts=- "
         "-o APT::Get::List-Cleanup=0"
     )
     yield "DEBIAN_FRONTEND=noninteractive apt-get install -y nvidia-container-toolkit"
@@ -111,13 +108,13 @@ def docker_knows_nvidia():
     current = host.get_fact(DaemonConfig)
     if current is None:
         yield StringCommand(
-            "echo", shlex.quote(f"{DAEMON_JSON} is not valid JSON: fix or remove it, then re-run"),
+            "echo", shlex.quote(f"{DOCKER_DAEMON_JSON} is not valid JSON: fix or remove it, then re-run"),
             ">&2; exit 1",
         )
         return
     desired = {**current, "runtimes": {**current.get("runtimes", {}), "nvidia": NVIDIA_RUNTIME}}
     yield "mkdir -p /etc/docker"
-    yield FileUploadCommand(io.BytesIO((json.dumps(desired, indent=2) + "\n").encode()), DAEMON_JSON)
+    yield FileUploadCommand(io.BytesIO((json.dumps(desired, indent=2) + "\n").encode()), DOCKER_DAEMON_JSON)
 
 
 def configured(settings: Settings) -> None:

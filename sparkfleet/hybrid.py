@@ -15,9 +15,10 @@ from pyinfra import host
 from pyinfra.api import FactBase, operation
 
 from sparkfleet.config import Settings
+from sparkfleet.hostpaths import repo_cache_dir, snapshot_marker
+from sparkfleet.image import one_shot
 from sparkfleet.profiles import FP8_DONOR, INTEL_INT4
 from sparkfleet.tasks import detached
-from sparkfleet.weights import container_command, marker_path, repo_cache_dir
 
 
 class HybridBuilt(FactBase[bool]):
@@ -32,6 +33,15 @@ class HybridBuilt(FactBase[bool]):
 
     def process(self, output):
         return bool(output) and output[0].strip() == "yes"
+
+
+def disk_needs(settings: Settings) -> dict[str, float]:
+    """What a build still needs on this host (host path -> GiB): the FP8 donor's shards
+    in the HF cache and the output in ``hybrid_dir``; nothing without ``build_hybrid``."""
+    if not settings.build_hybrid or host.get_fact(HybridBuilt, path=settings.hybrid_dir):
+        return {}
+    return {settings.hf_home: settings.artifact_size_gib(FP8_DONOR),
+            settings.hybrid_dir: settings.artifact_size_gib("hybrid-build")}
 
 
 @operation()
@@ -51,7 +61,7 @@ def built(settings: Settings):
     parent, name = posixpath.split(settings.hybrid_dir.rstrip("/"))
     # The snapshot's commit is read on the host when the build starts (the fetch step
     # has just written it); the path is the same snapshot seen from inside the container.
-    marker = marker_path(settings.hf_home, INTEL_INT4, settings.revision(INTEL_INT4))
+    marker = snapshot_marker(settings.hf_home, INTEL_INT4, settings.revision(INTEL_INT4))
     int4_dir = repo_cache_dir("/hf", INTEL_INT4) + "/snapshots/$(cat " + q(marker) + ")"
     args = (
         f"/host/build_hybrid.py --int4 \"{int4_dir}\" --donor {q(FP8_DONOR)} "
@@ -60,5 +70,5 @@ def built(settings: Settings):
     yield f"mkdir -p {q(parent)}"
     yield detached(
         "hybrid-build",
-        container_command(settings, "sparkfleet-hybrid-build", args, extra_mounts=f"-v {q(parent)}:/out "),
+        one_shot(settings, "sparkfleet-hybrid-build", args, extra_mounts=f"-v {q(parent)}:/out "),
     )

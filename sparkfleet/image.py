@@ -1,8 +1,9 @@
 """The serving image: pulled when absent, pinnable by digest, nothing done when present.
 
-With a fleet source (``fleet_mirror``) every host pulls the fleet registry's byte-exact
-copy of ``image`` (same digest) and runs that reference; without, ``image`` itself. A
-pull is checked: the host must end with the fleet's digest, or it fails saying which.
+With a mirror (``fleet_mirror``) every host pulls the mirror registry's byte-exact copy
+of ``image`` (same digest) and runs that reference; without, ``image`` itself. A pull is
+checked: the host must end with the fleet's digest, or it fails saying which. One-shot
+runs of the image (downloads, builds) are made by :func:`one_shot`.
 """
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ import json
 import shlex
 
 from pyinfra import host
-from pyinfra.api import FactBase, FunctionCommand, StringCommand, operation
+from pyinfra.api import FactBase, FunctionCommand, operation
 from pyinfra.api.exceptions import OperationError
 
-from sparkfleet.config import Settings, fleet_source
-from sparkfleet.distribution import MANIFEST_ACCEPT, ImageName, image_reference, source_answers
+from sparkfleet import mirror, remote
+from sparkfleet.config import Settings, host_mirror
+from sparkfleet.facts import MANIFEST_ACCEPT, DockerRoot
+from sparkfleet.hostpaths import HF_ENV, RUNTIME_DIR, registry_ca_path
+from sparkfleet.mirror import ImageName, image_reference
 from sparkfleet.tasks import detached
 
 
@@ -48,36 +52,59 @@ def _present(ref: str) -> bool:
 
 
 def is_present(reference: str) -> bool:
-    """Whether ``reference`` (or, with a fleet source, its copy in the fleet registry) is here."""
+    """Whether ``reference`` (or, with a mirror, its copy in the mirror registry) is here."""
     if _present(reference):
         return True
-    source = fleet_source()
-    return bool(source) and _present(ImageName.parse(reference).at(source.registry))
+    used = host_mirror()
+    return bool(used) and _present(ImageName.parse(reference).at(used.registry))
+
+
+def disk_needs(settings: Settings) -> dict[str, float]:
+    """What the image still needs on this host: {docker's data root: GiB} (nothing when it
+    is there or docker does not answer, which the preflight reports on its own)."""
+    root = host.get_fact(DockerRoot)
+    if root is None or is_present(settings.image):
+        return {}
+    return {root: settings.image_size_gib}
+
+
+def one_shot(settings: Settings, name: str, args: str, extra_mounts: str = "") -> str:
+    """A one-shot run of the serving image's Python with the HF cache and runtime mounted.
+
+    Downloads go to the mirror's HF endpoint when there is a mirror (fleet_mirror), else
+    to ``hf_endpoint``; the image is the reference the host pulled (never a new pull).
+    """
+    q = shlex.quote
+    endpoint_url = mirror.hf_endpoint(settings)
+    endpoint = f"-e HF_ENDPOINT={q(endpoint_url)} " if endpoint_url else ""
+    return (
+        f"docker rm -f {name} >/dev/null 2>&1; "
+        f"docker run --rm --pull never --name {name} --network host --env-file {HF_ENV} "
+        f"-e HF_HOME=/hf -e HF_HUB_DISABLE_TELEMETRY=1 {endpoint}"
+        f"-v {q(settings.hf_home)}:/hf -v {RUNTIME_DIR}:/host:ro {extra_mounts}"
+        f"--entrypoint python3 {q(image_reference(settings))} {args}"
+    )
 
 
 def _verify(state, host, ref: str, expected: str | None, mirror_ref: str | None) -> bool:  # state, host: pyinfra's
-    """After a pull: the host must hold the fleet's digest (the pin, or the fleet registry's)."""
+    """After a pull: the host must hold the fleet's digest (the pin, or the mirror registry's)."""
     q = shlex.quote
-    _, out = host.run_shell_command(
-        StringCommand(f"docker image inspect --format '{{{{json .RepoDigests}}}}' {q(ref)}"), print_output=False
-    )
+    inspected = remote.run(host, f"docker image inspect --format '{{{{json .RepoDigests}}}}' {q(ref)}")
     try:
-        digests = json.loads("\n".join(out.stdout_lines) or "[]") or []
+        digests = json.loads("\n".join(inspected.stdout) or "[]") or []
     except ValueError:
         digests = []
     if expected is None and mirror_ref:
         name = ImageName.parse(mirror_ref)
         registry = name.registry
-        _, out = host.run_shell_command(
-            StringCommand(
-                f"curl -sfI -m 10 --cacert /etc/docker/certs.d/{registry}/ca.crt "
-                f"-H {q('Accept: ' + MANIFEST_ACCEPT)} "
-                f"{q(f'https://{registry}/v2/{name.path}/manifests/{name.tag}')} | tr -d '\\r' "
-                "| sed -n 's/^[Dd]ocker-[Cc]ontent-[Dd]igest: *//p'"
-            ),
-            print_output=False,
+        manifest = remote.run(
+            host,
+            f"curl -sfI -m 10 --cacert {q(registry_ca_path(registry))} "
+            f"-H {q('Accept: ' + MANIFEST_ACCEPT)} "
+            f"{q(f'https://{registry}/v2/{name.path}/manifests/{name.tag}')} | tr -d '\\r' "
+            "| sed -n 's/^[Dd]ocker-[Cc]ontent-[Dd]igest: *//p'",
         )
-        expected = (out.stdout_lines or [""])[0].strip() or None
+        expected = (manifest.stdout or [""])[0].strip() or None
     if expected and not any(d.endswith("@" + expected) for d in digests):
         raise OperationError(
             f"{ref} on this host has digest {', '.join(d.split('@')[-1] for d in digests) or 'none'}, "
@@ -95,15 +122,15 @@ def pulled(settings: Settings):
     + settings: validated settings (``image``; pin it as ``name@sha256:...`` for a fleet)
 
     A tag that moved upstream is not re-pulled: pin a digest to change what runs. With a
-    fleet source the pull comes from its registry, and a host left with another digest
-    than the fleet's fails with both digests named.
+    mirror the pull comes from its registry, and a host left with another digest than the
+    fleet's fails with both digests named.
     """
-    source = fleet_source()
-    ref = image_reference(settings, source)
+    used = host_mirror()
+    ref = image_reference(settings, used)
     if _present(ref):
         host.noop(f"image {ref} is present")
         return
-    if source:
-        yield source_answers(source, "registry")
+    if used:
+        yield mirror.answers(used, "registry")
     yield detached("image-pull", f"docker pull {shlex.quote(ref)}")
-    yield FunctionCommand(_verify, (ref, pinned_digest(ref), ref if source and not pinned_digest(ref) else None), {})
+    yield FunctionCommand(_verify, (ref, pinned_digest(ref), ref if used and not pinned_digest(ref) else None), {})

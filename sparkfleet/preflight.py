@@ -10,12 +10,12 @@ import shlex
 from dataclasses import dataclass, field
 
 from pyinfra import host, logger
-from pyinfra.api import FactBase, StringCommand, operation
+from pyinfra.api import FactBase, operation
+from pyinfra.facts.files import File
 
-from sparkfleet import image, weights
+from sparkfleet import hybrid, image, mirror, remote, service, weights
 from sparkfleet.config import Settings
-from sparkfleet.hybrid import HybridBuilt
-from sparkfleet.profiles import FP8_DONOR
+from sparkfleet.facts import DockerRoot
 
 GB10_NAME = "NVIDIA GB10"
 GB10_COMPUTE_CAPABILITY = "12.1"
@@ -57,17 +57,6 @@ class Gpu(FactBase["dict[str, str] | None"]):
         return None
 
 
-class DockerRoot(FactBase["str | None"]):
-    """Docker's data root if the daemon answers, else None."""
-
-    def command(self) -> str:
-        return "docker info --format '{{.DockerRootDir}}' 2>/dev/null || true"
-
-    def process(self, output):
-        root = output[0].strip() if output else ""
-        return root if root.startswith("/") else None
-
-
 class FreeSpace(FactBase["dict[str, object]"]):
     """Free bytes and mount point of the filesystem that holds (or will hold) ``path``."""
 
@@ -107,20 +96,6 @@ class Memory(FactBase["dict[str, int]"]):
         return values
 
 
-class ServiceActive(FactBase[bool]):
-    """Whether the sparkfleet serving unit is running now."""
-
-    @staticmethod
-    def default():
-        return False
-
-    def command(self) -> str:
-        return "systemctl is-active sparkfleet-serve.service 2>/dev/null || true"
-
-    def process(self, output):
-        return bool(output) and output[0].strip() == "active"
-
-
 # --- checks -------------------------------------------------------------------------
 
 
@@ -131,27 +106,32 @@ class Findings:
     summary: str = ""
 
 
-def still_needed(settings: Settings) -> tuple[float, dict[str, float]]:
-    """(GiB for the image in docker's root, {host path: GiB}) for what is not there yet.
+def _added(*needs: dict[str, float]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for need in needs:
+        for path, gib in need.items():
+            total[path] = total.get(path, 0.0) + gib
+    return total
+
+
+def still_needed(settings: Settings) -> dict[str, float]:
+    """{host path: GiB} still to land on this host, as each step reports it.
 
     Only what this profile uses counts: no drafter for base/mtp, no download for a
-    model_dir, the donor and build output only for a hybrid build.
+    model_dir, the donor and build output only for a hybrid build; on the mirror host,
+    its caches of what it fetches.
     """
-    image_gib = 0.0 if image.is_present(settings.image) else settings.image_size_gib
-    cache_gib = sum(settings.artifact_size_gib(repo) for repo in weights.missing_repos(settings))
-    needs = {settings.hf_home: cache_gib}
-    if settings.build_hybrid and not host.get_fact(HybridBuilt, path=settings.hybrid_dir):
-        needs[settings.hf_home] += settings.artifact_size_gib(FP8_DONOR)
-        needs[settings.hybrid_dir] = settings.artifact_size_gib("hybrid-build")
-    return image_gib, needs
+    image_needs = image.disk_needs(settings)
+    needs = _added(image_needs, weights.disk_needs(settings), hybrid.disk_needs(settings))
+    image_gib = sum(image_needs.values()) if image_needs else 0.0
+    return _added(needs, mirror.disk_needs(settings, image_gib, needs.get(settings.hf_home, 0.0)))
 
 
-def inspect(settings: Settings, image_gib: float, path_needs: dict[str, float]) -> Findings:
-    """Read this host's facts and judge them.
-
-    ``image_gib`` is what the image still needs in docker's data root, ``path_needs`` maps
-    host paths to the GiB still to land there (see ``still_needed``).
-    """
+def inspect(settings: Settings) -> Findings:
+    """Read this host's facts and judge them against what the steps say they still need:
+    disk (``still_needed``) and the memory the service claims when it starts."""
+    needs = still_needed(settings)
+    memory_share = service.memory_needed(settings)
     found = Findings()
     gate = found.warnings if settings.force else found.problems
     force_hint = " (or --data force=true to try anyway)"
@@ -180,9 +160,6 @@ def inspect(settings: Settings, image_gib: float, path_needs: dict[str, float]) 
             "docker is missing or its daemon does not answer: install docker and run "
             "`systemctl enable --now docker`"
         )
-    needs = dict(path_needs)
-    if docker_root and image_gib:
-        needs[docker_root] = needs.get(docker_root, 0.0) + image_gib
 
     # Sum what lands on each filesystem: the image, the cache and a hybrid build may share one.
     per_mount: dict[str, tuple[int, float, list[str]]] = {}
@@ -201,17 +178,15 @@ def inspect(settings: Settings, image_gib: float, path_needs: dict[str, float]) 
                 "or point hf_home / docker's data-root at a bigger disk"
             )
 
-    if settings.model_dir and not host.get_fact(weights.CheckpointDir, path=settings.model_dir):
+    if settings.model_dir and not host.get_fact(File, path=f"{settings.model_dir}/config.json"):
         found.problems.append(
             f"model_dir {settings.model_dir} holds no checkpoint (no config.json): "
             "point model_dir at a checkpoint directory on this host"
         )
 
-    # vLLM claims gpu_memory_utilization of the unified memory at start; once our own
-    # server runs, that memory is ours, so only a host about to start is judged.
     memory = host.get_fact(Memory)
-    if not host.get_fact(ServiceActive) and memory:
-        want = settings.gpu_memory_utilization * memory["MemTotal"]
+    if memory_share and memory:
+        want = memory_share * memory["MemTotal"]
         if memory["MemAvailable"] < want:
             found.problems.append(
                 f"{memory['MemAvailable'] / GIB:.1f} GiB memory available, vLLM will claim "
@@ -241,5 +216,4 @@ def passed(findings: Findings):
     message = "preflight failed, nothing was changed on this host:\n" + "\n".join(
         f"  - {p}" for p in findings.problems
     )
-    # A failing command (not an exception) fails this host only; the others go on.
-    yield StringCommand("echo", shlex.quote(message), ">&2;", "exit 1")
+    yield remote.fail(message)

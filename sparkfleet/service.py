@@ -29,19 +29,31 @@ from pyinfra.api.exceptions import OperationError
 from pyinfra.facts.files import Sha256File
 from pyinfra.operations import files, systemd
 
-from sparkfleet.config import Settings, resolve_api_key, resolve_hf_token
-from sparkfleet.distribution import image_reference
-from sparkfleet.tasks import shell
-from sparkfleet.weights import HF_ENV, RUNTIME_DIR, SECRETS_ENV
+from sparkfleet import remote, secrets
+from sparkfleet.config import Settings
+from sparkfleet.hostpaths import (
+    AUTH_HEADER,
+    COMPILE_SIGNATURE,
+    CONTAINER,
+    HF_ENV,
+    RUNTIME_DIR,
+    SECRETS_ENV,
+    SERVE_ENV,
+    UNIT,
+    UNIT_PATH,
+)
+from sparkfleet.mirror import image_reference
 
 PROJECT = Path(__file__).resolve().parents[1]
 TEMPLATES = PROJECT / "templates"
-UNIT = "sparkfleet-serve.service"
-UNIT_PATH = f"/etc/systemd/system/{UNIT}"
-SERVE_ENV = "/etc/sparkfleet/serve.env"
-AUTH_HEADER = "/etc/sparkfleet/api-auth.header"
-CONTAINER = "sparkfleet-serve"
 READY_PROMPT = "What is the capital of France? Answer in one word."
+
+
+def memory_needed(settings: Settings) -> float:
+    """The share of the host's memory the service will claim when it starts (vLLM takes
+    ``gpu_memory_utilization`` of the unified memory); 0 once our own server runs, as that
+    memory is already ours."""
+    return 0.0 if host.get_fact(UnitState).get("ActiveState") == "active" else settings.gpu_memory_utilization
 
 
 def local_address(settings: Settings) -> str:
@@ -127,7 +139,7 @@ def api_key_written(settings: Settings):
 
     The content never appears in argv, output or diffs: only its hash is compared.
     """
-    api_key = resolve_api_key(settings)
+    api_key = secrets.api_key(settings)
     yield from _private_file(SECRETS_ENV, f"VLLM_API_KEY={api_key}\n" if api_key else "")
     yield from _private_file(AUTH_HEADER, f"Authorization: Bearer {api_key}\n" if api_key else "")
 
@@ -142,7 +154,7 @@ def hf_token_written(settings: Settings):
     Serving never reads it (it starts offline), so it is no restart input; and a controller
     without a token leaves the hosts' token alone (``--data hf_token=`` removes it).
     """
-    token = resolve_hf_token(settings)
+    token = secrets.hf_token(settings)
     if token is None and settings.hf_token is None:
         if host.get_fact(Sha256File, path=HF_ENV) is None:
             yield from _private_file(HF_ENV, "")
@@ -170,7 +182,7 @@ def compile_cache_matches(settings: Settings):
     A cache compiled for another graph crashes the next start (seen in the seeds).
     """
     cache = f"{settings.hf_home}/.vllm_cache"
-    signature_file = f"{cache}/sparkfleet-compile-signature"
+    signature_file = f"{cache}/{COMPILE_SIGNATURE}"
     if host.get_fact(FileText, path=signature_file) == settings.compile_signature:
         return
     yield f"rm -rf {shlex.quote(cache + '/torch_compile_cache')}"
@@ -219,8 +231,8 @@ def _endpoint_hint(target_host, settings: Settings) -> str:
 
 
 def _journal_tail(target_host, lines: int = 25) -> str:
-    _, tail = shell(target_host, f"journalctl -u {UNIT} -n {lines} --no-pager -o cat 2>&1 | tail -n {lines}")
-    return "    " + "\n    ".join(tail or ["(journal is empty)"])
+    tail = remote.run(target_host, f"journalctl -u {UNIT} -n {lines} --no-pager -o cat 2>&1 | tail -n {lines}")
+    return "    " + "\n    ".join(tail.stdout or ["(journal is empty)"])
 
 
 @operation(is_idempotent=False)

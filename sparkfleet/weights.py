@@ -1,8 +1,8 @@
 """Cached weights: the profile's checkpoint and, only when used, the drafter.
 
 Downloads run inside the serving image with its huggingface_hub (the host needs only
-docker), into the host's HF cache, resumably; with a fleet source (fleet_mirror) through
-the fleet's HF mirror, every host at once. A repository counts as cached when
+docker), into the host's HF cache, resumably; with a mirror (fleet_mirror) through the
+mirror's HF endpoint, every host at once. A repository counts as cached when
 ``runtime/fetch_weights.py`` wrote its completion marker and the snapshot it names exists.
 """
 
@@ -13,30 +13,20 @@ import shlex
 from pyinfra import host
 from pyinfra.api import FactBase, operation
 
-from sparkfleet.config import Settings, fleet_source
-from sparkfleet.distribution import hf_endpoint, image_reference, source_answers
-from sparkfleet.tasks import detached, shell
+from sparkfleet import mirror, remote
+from sparkfleet.config import Settings, host_mirror
+from sparkfleet.hostpaths import repo_cache_dir, snapshot_marker
+from sparkfleet.image import one_shot
+from sparkfleet.tasks import detached
 
-RUNTIME_DIR = "/opt/sparkfleet/runtime"
-SECRETS_ENV = "/etc/sparkfleet/secrets.env"  # VLLM_API_KEY, for serving and checks
-HF_ENV = "/etc/sparkfleet/hf.env"  # HF_TOKEN, for downloads and builds only
 GIB = 1024**3
-
-
-def marker_path(hf_home: str, repo_id: str, revision: str) -> str:
-    """Where runtime/fetch_weights.py marks a complete snapshot (kept in step with it)."""
-    return f"{hf_home}/sparkfleet/complete/{repo_id.replace('/', '--')}@{revision.replace('/', '%2F')}"
-
-
-def repo_cache_dir(hf_home: str, repo_id: str) -> str:
-    return f"{hf_home}/hub/models--{repo_id.replace('/', '--')}"
 
 
 class CachedSnapshot(FactBase["str | None"]):
     """The commit of a complete cached snapshot of ``repo_id@revision``, or None."""
 
     def command(self, hf_home: str, repo_id: str, revision: str) -> str:
-        marker = shlex.quote(marker_path(hf_home, repo_id, revision))
+        marker = shlex.quote(snapshot_marker(hf_home, repo_id, revision))
         snapshots = shlex.quote(repo_cache_dir(hf_home, repo_id) + "/snapshots")
         return f'c=$(cat {marker} 2>/dev/null) && [ -n "$c" ] && [ -d {snapshots}/"$c" ] && echo "$c" || true'
 
@@ -44,48 +34,24 @@ class CachedSnapshot(FactBase["str | None"]):
         return output[0].strip() if output and output[0].strip() else None
 
 
-class CheckpointDir(FactBase[bool]):
-    """Whether ``path`` holds a checkpoint (a config.json)."""
-
-    @staticmethod
-    def default():
-        return False
-
-    def command(self, path: str) -> str:
-        return f"test -f {shlex.quote(path + '/config.json')} && echo yes || echo no"
-
-    def process(self, output):
-        return bool(output) and output[0].strip() == "yes"
-
-
-def container_command(settings: Settings, name: str, args: str, extra_mounts: str = "") -> str:
-    """A one-shot run of the serving image's Python with the cache and runtime mounted.
-
-    Downloads go to the fleet's HF mirror when there is a fleet source (fleet_mirror),
-    else to ``hf_endpoint``; the image is the reference the host pulled (never a new pull).
-    """
-    q = shlex.quote
-    endpoint_url = hf_endpoint(settings)
-    endpoint = f"-e HF_ENDPOINT={q(endpoint_url)} " if endpoint_url else ""
-    return (
-        f"docker rm -f {name} >/dev/null 2>&1; "
-        f"docker run --rm --pull never --name {name} --network host --env-file {HF_ENV} "
-        f"-e HF_HOME=/hf -e HF_HUB_DISABLE_TELEMETRY=1 {endpoint}"
-        f"-v {q(settings.hf_home)}:/hf -v {RUNTIME_DIR}:/host:ro {extra_mounts}"
-        f"--entrypoint python3 {q(image_reference(settings))} {args}"
-    )
-
-
 def _progress(repo_id: str, settings: Settings):
     expected = settings.artifact_size_gib(repo_id)
 
     def describe(target_host) -> str:
-        ok, lines = shell(target_host, f"du -sb {shlex.quote(repo_cache_dir(settings.hf_home, repo_id))} 2>/dev/null | cut -f1")
-        done = int(lines[0]) / GIB if ok and lines and lines[0].isdigit() else 0.0
-        share = f" of ~{expected:.2f} GiB ({100 * done / expected:.0f}%)" if expected else ""
-        return f"{repo_id}: {done:.2f} GiB{share}"
+        done = remote.run(target_host, f"du -sb {shlex.quote(repo_cache_dir(settings.hf_home, repo_id))} 2>/dev/null | cut -f1")
+        got = int(done.stdout[0]) / GIB if done.ok and done.stdout and done.stdout[0].isdigit() else 0.0
+        share = f" of ~{expected:.2f} GiB ({100 * got / expected:.0f}%)" if expected else ""
+        return f"{repo_id}: {got:.2f} GiB{share}"
 
     return describe
+
+
+def missing_repos(settings: Settings) -> list[str]:
+    """The repositories the profile needs that this host has no complete snapshot of."""
+    return [
+        repo for repo in settings.repos_to_fetch
+        if host.get_fact(CachedSnapshot, hf_home=settings.hf_home, repo_id=repo, revision=settings.revision(repo)) is None
+    ]
 
 
 def repo_dirs(settings: Settings) -> list[str]:
@@ -93,11 +59,9 @@ def repo_dirs(settings: Settings) -> list[str]:
     return [repo_cache_dir(settings.hf_home, repo) for repo in missing_repos(settings)]
 
 
-def missing_repos(settings: Settings) -> list[str]:
-    return [
-        repo for repo in settings.repos_to_fetch
-        if host.get_fact(CachedSnapshot, hf_home=settings.hf_home, repo_id=repo, revision=settings.revision(repo)) is None
-    ]
+def disk_needs(settings: Settings) -> dict[str, float]:
+    """What the downloads still need on this host: {hf_home: GiB}."""
+    return {settings.hf_home: sum(settings.artifact_size_gib(repo) for repo in missing_repos(settings))}
 
 
 @operation()
@@ -112,10 +76,10 @@ def cached(settings: Settings):
         host.noop(f"cached: {', '.join(settings.repos_to_fetch) or 'nothing to fetch'}")
         return
     yield f"mkdir -p {shlex.quote(settings.hf_home)}"
-    source = fleet_source()
-    if source:
-        yield source_answers(source, "hf")
+    used = host_mirror()
+    if used:
+        yield mirror.answers(used, "hf")
     for repo in missing:
         task = "fetch-" + repo.replace("/", "--")
         args = f"/host/fetch_weights.py {shlex.quote(repo)} --revision {shlex.quote(settings.revision(repo))}"
-        yield detached(task, container_command(settings, "sparkfleet-" + task.lower(), args), _progress(repo, settings))
+        yield detached(task, one_shot(settings, "sparkfleet-" + task.lower(), args), _progress(repo, settings))

@@ -7,7 +7,7 @@ Uploaded by sparkfleet to the mirror host and run there, as a step of the deploy
 
 Manifests and blobs are copied verbatim, so the copy has the digest of the original and
 ``docker pull DST/REPO@DIGEST`` on every host gets exactly the pinned image. Each blob is
-read from the source once: a blob the fleet registry already holds is not fetched again,
+read from the source once: a blob the mirror registry already holds is not fetched again,
 so a copy interrupted mid-way continues with the blobs still missing (a blob cut off
 half-way is fetched again from its start). An index (multi-platform image) is copied
 whole, children included, because the registry accepts an index only with every child.
@@ -53,7 +53,7 @@ class _NoAuthAcrossHosts(urllib.request.HTTPRedirectHandler):
 
 
 class Registry:
-    """Just enough of the distribution API: manifests, blobs, monolithic uploads, token auth."""
+    """Just enough of the registry HTTP API: manifests, blobs, monolithic uploads, token auth."""
 
     def __init__(self, base: str, cacert: str | None = None):
         self.base = base.rstrip("/")
@@ -182,9 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("src", help="source registry URL, e.g. https://ghcr.io")
     parser.add_argument("repo", help="repository path, e.g. org/image")
     parser.add_argument("ref", help="digest (sha256:...) or tag to copy")
-    parser.add_argument("dst", help="the fleet registry's URL")
+    parser.add_argument("dst", help="the mirror registry's URL")
     parser.add_argument("--tag", help="also tag the copy (the source's tag)")
-    parser.add_argument("--cacert", help="CA certificate of the fleet registry")
+    parser.add_argument("--cacert", help="CA certificate of the mirror registry")
     parser.add_argument("--result", help="also write the RESULT json here")
     args = parser.parse_args(argv)
     totals = {"upstream_bytes": 0, "present_bytes": 0}

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sparkfleet.config import ConfigError, Settings, resolve_api_key, validate_fleet, validate_host_data
+from sparkfleet.config import ConfigError, Settings, validate_fleet, validate_host_data
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,18 +102,6 @@ def test_build_hybrid_only_for_dense():
 
 def test_speculative_tokens_need_a_speculative_profile():
     assert "no speculative decoder" in error_for(profile="base", num_speculative_tokens=4)
-
-
-def test_auto_api_key_is_generated_once_and_private(tmp_path):
-    settings = validate_host_data("s", {**defaults(), "api_key_file": str(tmp_path / "k" / "api-key")})
-    first = resolve_api_key(settings)
-    assert first and len(first) > 20
-    assert resolve_api_key(settings) == first
-    assert (tmp_path / "k" / "api-key").stat().st_mode & 0o777 == 0o600
-
-
-def test_api_key_none_disables_auth():
-    assert resolve_api_key(validate_host_data("s", {**defaults(), "api_key": "none"})) is None
 
 
 def test_a_serving_command_vllm_would_refuse_fails_validation():

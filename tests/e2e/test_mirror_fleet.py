@@ -1,4 +1,4 @@
-"""The fleet source on four simulated Sparks: the image and the weights cross the "WAN"
+"""The mirror on four simulated Sparks: the image and the weights cross the "WAN"
 (the testbed's hub and registry) once, every host ends with the same bytes, an interrupted
 host resumes, and fleet_mirror=none goes back to direct downloads.
 
@@ -140,12 +140,12 @@ def test_the_fleet_takes_each_artifact_from_upstream_once(fleet4, deploy_run):
         assert "Paris" in completion(tb, name)
 
     # The report: per host and for the fleet, measured.
-    assert "--> Distribution (fleet source: spark-1" in out, out[-3000:]
+    assert "--> Downloads (mirror: spark-1" in out, out[-3000:]
     for name in tb.names:
-        assert re.search(rf"\[{name}\] image [\d.]+ MiB from the fleet source, weights [\d.]+ MiB from the fleet source", out)
+        assert re.search(rf"\[{name}\] image [\d.]+ MiB from the mirror, weights [\d.]+ MiB from the mirror", out)
     image_mib = tb.image["blob_bytes"] / 2**20
-    assert f"from upstream: image {image_mib:.1f} MiB (copied once into the fleet registry)" in out
-    assert re.search(r"distribution steps took [\d.]+ s", out)
+    assert f"from upstream: image {image_mib:.1f} MiB (copied once into the mirror registry)" in out
+    assert re.search(r"download steps took [\d.]+ s", out)
 
 
 def test_a_converged_fleet_changes_nothing(fleet4, deploy_run):
@@ -153,7 +153,7 @@ def test_a_converged_fleet_changes_nothing(fleet4, deploy_run):
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-3000:]
     assert changed_hosts(out) == set(), out[-3000:]
-    assert "--> Distribution" not in out
+    assert "--> Downloads" not in out
 
 
 def test_a_host_interrupted_mid_download_resumes_without_refetching_complete_files(fleet4, deploy_run):

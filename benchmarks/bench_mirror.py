@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Fleet distribution on the simulated fleet: what crosses the "WAN", and how long it takes.
+"""The mirror on the simulated fleet: what crosses the "WAN", and how long it takes.
 
-    python3 benchmarks/bench_distribution.py [--hosts 4] [--repeat 1]     # as root
+    python3 benchmarks/bench_mirror.py [--hosts 4] [--repeat 1]     # as root
 
 For each scenario it boots a fresh simulated fleet (nothing cached on any host), runs the
 real deploy (``pyinfra -y <testbed inventory> deploy.py``) and measures:
@@ -10,12 +10,12 @@ real deploy (``pyinfra -y <testbed inventory> deploy.py``) and measures:
   (the files of the repositories the default profile fetches, at their pinned revisions);
 * blob bytes the testbed's registry served for the serving image (its access log) / the
   image's blob size;
-* the wall time of the distribution steps, as the deploy's own report measures it (first
-  distribution operation started -> last one ended, all hosts: fleet-source setup and the
+* the wall time of the download steps, as the deploy's own report measures it (first
+  download operation started -> last one ended, all hosts: the mirror's setup and the
   image copy, the image pulls, the weight downloads), and of the whole deploy.
 
-Scenarios: N hosts with the fleet source (the default, fleet_mirror=auto), N hosts
-downloading directly (fleet_mirror=none), and 1 host with the fleet source. With
+Scenarios: N hosts with the mirror (the default, fleet_mirror=auto), N hosts
+downloading directly (fleet_mirror=none), and 1 host with the mirror. With
 ``--wan 100mbit`` the testbed's upstream (hub, registry) reaches the hosts through a
 limited link while the hosts' LAN stays fast, as for a real fleet; without it upstream is
 as fast as the LAN and the 2-core machine's CPU is what the hosts share. The fleet it
@@ -37,8 +37,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-GOAL = 1.5  # distribution steps, N hosts / 1 host
-STEP = re.compile(r"distribution steps took ([\d.]+) s: (.*)")
+GOAL = 1.5  # download steps, N hosts / 1 host
+STEP = re.compile(r"download steps took ([\d.]+) s: (.*)")
 
 
 def hub(tb, method: str, path: str) -> dict:
@@ -88,7 +88,7 @@ def scenario(hosts: int, mirror: bool, wan: str | None) -> dict:
     steps = STEP.search(out)
     if not steps:
         print(out[-3000:], file=sys.stderr)
-        raise SystemExit("the deploy printed no distribution report")
+        raise SystemExit("the deploy printed no download report")
     parts = dict((name.strip(), float(s)) for name, s in re.findall(r"([a-z ]+) ([\d.]+) s", steps.group(2)))
     registry = tb.registry_stats(mark)
     return {
@@ -96,13 +96,13 @@ def scenario(hosts: int, mirror: bool, wan: str | None) -> dict:
         "hub_bytes": hub(tb, "GET", "stats")["total"],
         "image_bytes": tb.image["blob_bytes"],
         "registry_bytes": registry["by_repo"].get("sparkfleet/vllm-sim", 0),
-        "distribution_s": float(steps.group(1)), "steps": parts, "deploy_s": wall,
+        "download_s": float(steps.group(1)), "steps": parts, "deploy_s": wall,
     }
 
 
 def median_run(runs: list[dict]) -> dict:
-    best = sorted(runs, key=lambda r: r["distribution_s"])[len(runs) // 2]
-    return {**best, "distribution_s": statistics.median(r["distribution_s"] for r in runs),
+    best = sorted(runs, key=lambda r: r["download_s"])[len(runs) // 2]
+    return {**best, "download_s": statistics.median(r["download_s"] for r in runs),
             "deploy_s": statistics.median(r["deploy_s"] for r in runs)}
 
 
@@ -121,31 +121,31 @@ def main() -> int:
     results: dict[tuple[int, bool], list[dict]] = {key: [] for key in plan}
     for _ in range(args.repeat):
         for key in plan:
-            print(f"... {key[0]} host(s), {'fleet source' if key[1] else 'direct'}", file=sys.stderr, flush=True)
+            print(f"... {key[0]} host(s), {'mirror' if key[1] else 'direct'}", file=sys.stderr, flush=True)
             results[key].append(scenario(*key, args.wan))
     rows = {key: median_run(runs) for key, runs in results.items()}
     first = rows[plan[0]]
-    print(f"sparkfleet fleet distribution, simulated fleet ({os.cpu_count()} CPU cores), "
+    print(f"sparkfleet mirror, simulated fleet ({os.cpu_count()} CPU cores), "
           f"medians of {args.repeat} run(s) per scenario; internet link: "
           + (f"{args.wan} (hub/registry -> hosts; LAN unlimited)" if args.wan else "unlimited (as fast as the LAN)"))
     print(f"artifacts of the default profile: {', '.join(first['repos'])} = {first['artifact_bytes']:,} B; "
           f"serving image: {first['image_bytes']:,} B of layers\n")
     print(f"{'scenario':<30} {'hosts':>5} {'hub B / artifacts':>18} {'registry B / image':>19} "
-          f"{'distribution s':>15} {'deploy s':>9}")
+          f"{'download s':>15} {'deploy s':>9}")
     for key in plan:
         r = rows[key]
-        label = "fleet source (fleet_mirror)" if r["mirror"] else "direct (fleet_mirror=none)"
+        label = "mirror (fleet_mirror)" if r["mirror"] else "direct (fleet_mirror=none)"
         print(f"{label:<30} {r['hosts']:>5} {r['hub_bytes'] / r['artifact_bytes']:>17.2f}x "
-              f"{r['registry_bytes'] / r['image_bytes']:>18.2f}x {r['distribution_s']:>15.1f} {r['deploy_s']:>9.1f}")
+              f"{r['registry_bytes'] / r['image_bytes']:>18.2f}x {r['download_s']:>15.1f} {r['deploy_s']:>9.1f}")
     many, one = rows[(n, True)], rows[(1, True)]
-    ratio = many["distribution_s"] / one["distribution_s"]
-    print(f"\ndistribution steps, {n} hosts / 1 host (fleet source): {ratio:.2f}x "
+    ratio = many["download_s"] / one["download_s"]
+    print(f"\ndownload steps, {n} hosts / 1 host (mirror): {ratio:.2f}x "
           f"(goal <= {GOAL}x: {'met' if ratio <= GOAL else 'NOT met'})")
-    for step in ("fleet source", "image", "weights"):
+    for step in ("mirror", "image", "weights"):
         a, b = many["steps"].get(step), one["steps"].get(step)
         if a is not None and b is not None:
             print(f"  {step:<13} {a:6.1f} s on {n} hosts, {b:6.1f} s on 1 host")
-    print(f"upstream hub bytes, {n} hosts: {rows[(n, True)]['hub_bytes']:,} B with the fleet source, "
+    print(f"upstream hub bytes, {n} hosts: {rows[(n, True)]['hub_bytes']:,} B with the mirror, "
           f"{rows[(n, False)]['hub_bytes']:,} B direct "
           f"({rows[(n, False)]['hub_bytes'] / max(1, rows[(n, True)]['hub_bytes']):.2f}x)")
     return 0

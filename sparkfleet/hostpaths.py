@@ -1,0 +1,69 @@
+"""Where sparkfleet keeps things on a host, and what it names them.
+
+Every step reads its host paths, unit names and container names from here, so no step
+takes them from another. docs/architecture.md ("On a host") lists the same files.
+"""
+
+from __future__ import annotations
+
+# --- serving (every host) --------------------------------------------------------------
+ETC_DIR = "/etc/sparkfleet"
+SERVE_ENV = f"{ETC_DIR}/serve.env"  # non-secret serving settings, 0644
+SECRETS_ENV = f"{ETC_DIR}/secrets.env"  # VLLM_API_KEY, for serving and checks, 0600
+HF_ENV = f"{ETC_DIR}/hf.env"  # HF_TOKEN, for downloads and builds only, 0600
+AUTH_HEADER = f"{ETC_DIR}/api-auth.header"  # Authorization header for on-host curl, 0600
+RUNTIME_DIR = "/opt/sparkfleet/runtime"  # copy of the repo's runtime/, mounted at /host:ro
+TASKS_DIR = "/var/lib/sparkfleet/tasks"  # logs and exit codes of long steps
+UNIT = "sparkfleet-serve.service"
+UNIT_PATH = f"/etc/systemd/system/{UNIT}"
+CONTAINER = "sparkfleet-serve"
+COMPILE_SIGNATURE = "sparkfleet-compile-signature"  # in hf_home/.vllm_cache
+
+# --- the NVIDIA container runtime (every host) -----------------------------------------
+DOCKER_DAEMON_JSON = "/etc/docker/daemon.json"
+NVIDIA_APT_KEYRING = "/usr/share/keyrings/nvidia-container-toolkit.asc"
+NVIDIA_APT_SOURCES = "/etc/apt/sources.list.d/nvidia-container-toolkit.list"
+
+# --- the HF cache layout (hf_home), shared with runtime/fetch_weights.py ---------------
+
+
+def repo_cache_dir(hf_home: str, repo_id: str) -> str:
+    """huggingface_hub's cache directory of ``repo_id`` under ``hf_home``."""
+    return f"{hf_home}/hub/models--{repo_id.replace('/', '--')}"
+
+
+def snapshot_marker(hf_home: str, repo_id: str, revision: str) -> str:
+    """Where runtime/fetch_weights.py marks a complete snapshot (kept in step with it)."""
+    return f"{hf_home}/sparkfleet/complete/{repo_id.replace('/', '--')}@{revision.replace('/', '%2F')}"
+
+
+# --- the mirror host (fleet_mirror) ----------------------------------------------------
+MIRROR_OPT = "/opt/sparkfleet/mirror"
+OLAH_DIR = f"{MIRROR_OPT}/olah"
+OLAH_LIB = f"{OLAH_DIR}/lib"
+OLAH_MARKER = f"{OLAH_DIR}/installed"
+COPY_TOOL = f"{MIRROR_OPT}/sparkfleet-copy-image.py"
+HF_MIRROR_UNIT = "sparkfleet-hf-mirror.service"
+HF_MIRROR_UNIT_PATH = f"/etc/systemd/system/{HF_MIRROR_UNIT}"
+HF_MIRROR_CONFIG = f"{ETC_DIR}/hf-mirror.toml"
+REGISTRY_UNIT = "docker-registry.service"
+REGISTRY_CONFIG = "/etc/docker/registry/config.yml"
+REGISTRY_CERT = "/etc/docker/registry/sparkfleet-mirror.crt"
+REGISTRY_KEY = "/etc/docker/registry/sparkfleet-mirror.key"
+REGISTRY_USER = "docker-registry"
+MIRROR_APT_KEYRING = "/usr/share/keyrings/sparkfleet-mirror.asc"
+MIRROR_APT_SOURCES = "/etc/apt/sources.list.d/sparkfleet-mirror.list"
+
+
+def mirror_hf_cache(mirror_dir: str) -> str:
+    """olah's cache on the mirror host."""
+    return f"{mirror_dir}/hf/repos"
+
+
+def mirror_registry_storage(mirror_dir: str) -> str:
+    return f"{mirror_dir}/registry"
+
+
+def registry_ca_path(registry: str) -> str:
+    """Where docker looks for a registry's certificate (read per pull: no restart)."""
+    return f"/etc/docker/certs.d/{registry}/ca.crt"

@@ -1,0 +1,49 @@
+"""The mirror: the serving image and the weights cross the WAN once per fleet.
+
+One host of the inventory (``fleet_mirror``, resolved in :func:`sparkfleet.config.host_mirror`)
+is the mirror, and every host (the mirror too) downloads from it over the LAN, in parallel:
+
+* model files through an HF mirror, olah (:mod:`sparkfleet.mirror.hf`);
+* the image through a registry holding a byte-exact copy of it
+  (:mod:`sparkfleet.mirror.registry`); hosts pull it by digest.
+
+The mirror host runs both (:mod:`sparkfleet.mirror.server`); every host trusts the
+registry's certificate and checks the mirror answers before it fetches
+(:mod:`sparkfleet.mirror.clients`); the deploy prints what came from where
+(:mod:`sparkfleet.mirror.report`). With ``fleet_mirror=none`` nothing here runs and
+every host downloads from upstream.
+"""
+
+from __future__ import annotations
+
+from sparkfleet.config import Settings, host_mirror
+from sparkfleet.mirror import clients, server
+from sparkfleet.mirror.clients import answers
+from sparkfleet.mirror.names import ImageName, hf_endpoint, image_reference
+from sparkfleet.mirror.report import track
+
+__all__ = ["ImageName", "answers", "configured", "disk_needs", "hf_endpoint", "image_reference", "track"]
+
+
+def configured(settings: Settings) -> list:
+    """The mirror for this host: served here (the mirror host), trusted (every host using
+    it), or stopped (a host that served it before). Returns the operations it declared."""
+    mirror = host_mirror()
+    ops: list = []
+    if mirror and mirror.is_self:
+        ops += server.served(settings, mirror)
+    else:
+        ops += clients.former_mirror_stopped()
+    if mirror:
+        ops.append(clients.trusted(settings, mirror))
+    return ops
+
+
+def disk_needs(settings: Settings, image_gib: float, hf_gib: float) -> dict[str, float]:
+    """Disk the mirror's caches still need on the mirror host (host path -> GiB): the image
+    copy and olah's copy of every file this host, the mirror, still has to fetch."""
+    mirror = host_mirror()
+    if not mirror or not mirror.is_self:
+        return {}
+    return {settings.mirror_dir: image_gib + hf_gib}
+

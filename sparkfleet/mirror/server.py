@@ -1,0 +1,110 @@
+"""The mirror host: the registry with the image copy and the HF mirror, each up and
+restarted only when its configuration changed, both answering before anyone fetches."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+from pyinfra import host
+from pyinfra.api import StringCommand, operation
+from pyinfra.operations import files, systemd
+
+from sparkfleet import secrets
+from sparkfleet.config import Mirror, Settings
+from sparkfleet.facts import CPUCount, MirrorAnswers
+from sparkfleet.hostpaths import (
+    COPY_TOOL,
+    HF_MIRROR_CONFIG,
+    HF_MIRROR_UNIT,
+    HF_MIRROR_UNIT_PATH,
+    OLAH_LIB,
+    REGISTRY_CERT,
+    REGISTRY_CONFIG,
+    REGISTRY_KEY,
+    REGISTRY_UNIT,
+    REGISTRY_USER,
+    mirror_hf_cache,
+    mirror_registry_storage,
+)
+from sparkfleet.mirror import hf, registry
+
+TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
+
+
+def served(settings: Settings, mirror: Mirror) -> list:
+    """The registry (image copy included) and the HF mirror on this host, the mirror.
+    Returns the operations it declared (for the report)."""
+    cert, key = secrets.mirror_tls(settings.mirror_tls_dir, mirror)
+    installed = registry.installed(name="mirror: docker-registry installed", settings=settings)
+    storage = files.directory(
+        name="mirror: registry storage", path=mirror_registry_storage(settings.mirror_dir),
+        user=REGISTRY_USER, group=REGISTRY_USER, mode="750",
+    )
+    tls = [
+        files.put(name="mirror: registry certificate", src=str(cert), dest=REGISTRY_CERT, mode="644"),
+        files.put(name="mirror: registry key", src=str(key), dest=REGISTRY_KEY,
+                  user="root", group=REGISTRY_USER, mode="640"),
+    ]
+    config = files.template(
+        name="mirror: registry configuration", src=str(TEMPLATES / "registry-mirror.yml.j2"),
+        dest=REGISTRY_CONFIG, mode="644", storage=mirror_registry_storage(settings.mirror_dir),
+        port=mirror.registry_port, cert=REGISTRY_CERT, key=REGISTRY_KEY,
+    )
+    registry_feeds = (installed, storage, *tls, config)
+    systemd.service(name=f"mirror: {REGISTRY_UNIT} running", service=REGISTRY_UNIT, running=True, enabled=True)
+    systemd.service(
+        name=f"mirror: {REGISTRY_UNIT} restarted for its new configuration", service=REGISTRY_UNIT,
+        restarted=True, _if=lambda: any(op.did_change() for op in registry_feeds),
+    )
+
+    olah = hf.installed(name=f"mirror: HF mirror ({settings.mirror_olah}) installed", settings=settings)
+    scheme, netloc, lfs_netloc = hf.upstream_hub(settings.hf_endpoint)
+    hf_config = files.template(
+        name="mirror: HF mirror configuration", src=str(TEMPLATES / "hf-mirror.toml.j2"),
+        dest=HF_MIRROR_CONFIG, mode="644", port=mirror.hf_port, repos=mirror_hf_cache(settings.mirror_dir),
+        scheme=scheme, netloc=netloc, lfs_netloc=lfs_netloc, address=mirror.address,
+    )
+    hf_unit = files.template(
+        name=f"mirror: systemd unit {HF_MIRROR_UNIT}", src=str(TEMPLATES / "sparkfleet-hf-mirror.service.j2"),
+        dest=HF_MIRROR_UNIT_PATH, mode="644", lib=OLAH_LIB, config=HF_MIRROR_CONFIG,
+        data_dir=f"{settings.mirror_dir}/hf", requirement=settings.mirror_olah,
+        # olah spends ~tens of ms of CPU per request; one process per core, up to 4.
+        workers=max(1, min(4, host.get_fact(CPUCount))),
+    )
+    hf_data = files.directory(name="mirror: HF mirror cache", path=mirror_hf_cache(settings.mirror_dir))
+    systemd.daemon_reload(name="mirror: systemd reload for the HF mirror unit", _if=hf_unit.did_change)
+    systemd.service(name=f"mirror: {HF_MIRROR_UNIT} running", service=HF_MIRROR_UNIT, running=True, enabled=True)
+    hf_feeds = (olah, hf_config, hf_unit, hf_data)
+    systemd.service(
+        name=f"mirror: {HF_MIRROR_UNIT} restarted for its new configuration", service=HF_MIRROR_UNIT,
+        restarted=True, _if=lambda: any(op.did_change() for op in hf_feeds),
+    )
+    # Both answer before anything is fetched from them.
+    ready = answering(name="mirror: registry and HF mirror answer", mirror=mirror)
+    tool = files.put(name="mirror: image copy tool", src=str(TEMPLATES / "sparkfleet-copy-image.py"),
+                     dest=COPY_TOOL, mode="755")
+    copy = registry.image_copied(name="mirror: serving image copied from upstream", settings=settings, mirror=mirror)
+    return [installed, olah, ready, tool, copy]
+
+
+@operation(is_idempotent=False)
+def answering(mirror: Mirror):
+    """
+    Wait (up to 60 s) until the mirror registry and the HF mirror answer.
+
+    + mirror: this host, the mirror
+    """
+    if host.get_fact(MirrorAnswers, registry=mirror.registry, hf_port=mirror.hf_port):
+        host.noop("the registry and the HF mirror answer")
+        return
+    yield StringCommand(
+        "sh", "-c",
+        shlex.quote(
+            "for i in $(seq 60); do "
+            f"curl -sf -m 5 --cacert {REGISTRY_CERT} https://{mirror.registry}/v2/ >/dev/null && "
+            f"curl -s -m 5 -o /dev/null http://127.0.0.1:{mirror.hf_port}/ && exit 0; sleep 1; done; "
+            f"echo 'the mirror does not answer: see journalctl -u {REGISTRY_UNIT} -u {HF_MIRROR_UNIT}' >&2; "
+            f"journalctl -u {REGISTRY_UNIT} -u {HF_MIRROR_UNIT} -n 20 --no-pager -o cat >&2; exit 1"
+        ),
+    )

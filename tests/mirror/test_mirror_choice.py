@@ -1,0 +1,55 @@
+"""Which host is the mirror, for whom, and how its settings are validated (no fleet)."""
+
+from __future__ import annotations
+
+import pytest
+from support.fleetdata import defaults, fleet
+
+from sparkfleet.config import ConfigError, Mirror, fleet_mirrors, validate_fleet, validate_host_data
+
+
+def mirrors(hosts) -> dict:
+    return fleet_mirrors(hosts, validate_fleet(hosts))
+
+
+def test_auto_is_the_first_host_and_everyone_uses_it():
+    hosts = fleet(("spark-1", {"ssh_hostname": "10.0.0.11"}), ("spark-2", {}), ("spark-3", {}))
+    got = mirrors(hosts)
+    assert got["spark-1"] == Mirror("spark-1", "10.0.0.11", 8090, 5000, True)
+    assert got["spark-2"] == Mirror("spark-1", "10.0.0.11", 8090, 5000, False)
+    assert got["spark-3"].hf_endpoint == "http://10.0.0.11:8090" and got["spark-3"].registry == "10.0.0.11:5000"
+
+
+def test_a_mirror_group_or_a_name_picks_the_host():
+    hosts = fleet(("spark-1", {}), ("spark-2", {}), ("spark-3", {"mirror_address": "fast.lan"}),
+                  groups={"mirror": ["spark-3"]})
+    assert {s.host for s in mirrors(hosts).values()} == {"spark-3"}
+    assert mirrors(hosts)["spark-1"].address == "fast.lan"
+    named = fleet(*[(n, {"fleet_mirror": "spark-2"}) for n in ("spark-1", "spark-2")])
+    assert mirrors(named)["spark-1"].host == "spark-2" and mirrors(named)["spark-2"].is_self
+
+
+def test_none_turns_it_off_for_every_host_or_one():
+    off = fleet(("spark-1", {"fleet_mirror": "none"}), ("spark-2", {"fleet_mirror": None}))
+    assert mirrors(off) == {"spark-1": None, "spark-2": None}
+    one = fleet(("spark-1", {}), ("spark-2", {"fleet_mirror": "off"}))
+    assert mirrors(one)["spark-2"] is None and mirrors(one)["spark-1"].is_self
+
+
+def test_an_unknown_mirror_or_a_mirror_that_does_not_use_itself_is_refused():
+    with pytest.raises(ConfigError, match=r"spark-2: `fleet_mirror` = 'spark-9' is not a host"):
+        validate_fleet(fleet(("spark-1", {}), ("spark-2", {"fleet_mirror": "spark-9"})))
+    with pytest.raises(ConfigError, match=r"spark-2: serves the mirror for spark-1, so it must use it too"):
+        validate_fleet(fleet(("spark-1", {"fleet_mirror": "spark-2"}), ("spark-2", {"fleet_mirror": None})))
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("mirror_olah", "olah==0.5.4; rm -rf /", "not a pip requirement"),
+    ("mirror_address", "spark 1", "host name or an IPv4 address"),
+    ("mirror_dir", "relative/dir", "absolute path"),
+    ("mirror_hf_port", 0, "greater than or equal to 1"),
+    ("mirror_apt_repo", "http://apt.lan/", "both mirror_apt_repo and mirror_apt_key_url"),
+])
+def test_mirror_settings_are_validated(key, value, needle):
+    with pytest.raises(ConfigError, match=needle):
+        validate_host_data("spark-1", {**defaults(), key: value})
