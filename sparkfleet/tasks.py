@@ -31,28 +31,16 @@ from typing import Callable
 
 import gevent
 from pyinfra import logger
-from pyinfra.api import FunctionCommand, StringCommand
-from pyinfra.api.arguments import CONNECTOR_ARGUMENT_KEYS, pop_global_arguments
+from pyinfra.api import FunctionCommand
 from pyinfra.api.exceptions import OperationError
 
-UNIT_PREFIX = "sparkfleet-task-"
+from sparkfleet import remote
+from sparkfleet.hostpaths import TASK_UNIT_PREFIX
+
 PROGRESS_EVERY_S = 15.0
 POLL_EVERY_S = 2.0
 TAIL_LINES = 20
 _PROPERTIES = "LoadState,ActiveState,SubState,Result,ExecMainStatus,ExecMainStartTimestamp"
-
-
-def connector_arguments(host) -> dict:
-    """The host's _sudo/_su_user/... settings, which raw shell calls must honour like facts do."""
-    arguments, _ = pop_global_arguments(host.state, host, {})
-    return {key: value for key, value in arguments.items() if key in CONNECTOR_ARGUMENT_KEYS}
-
-
-def shell(host, command: str, timeout: int = 60) -> tuple[bool, list[str]]:
-    """Run ``command`` on ``host`` as the deploy does (sudo included); (ok, stdout lines)."""
-    arguments = {**connector_arguments(host), "_timeout": timeout}
-    ok, output = host.run_shell_command(StringCommand(command), print_output=False, **arguments)
-    return ok, output.stdout_lines
 
 
 def unit_name(name: str, command: str) -> str:
@@ -62,7 +50,7 @@ def unit_name(name: str, command: str) -> str:
     a finished old one.
     """
     digest = hashlib.sha256(command.encode()).hexdigest()[:12]
-    return f"{UNIT_PREFIX}{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}-{digest}.service"
+    return f"{TASK_UNIT_PREFIX}{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}-{digest}.service"
 
 
 def run_detached(
@@ -87,9 +75,10 @@ def run_detached(
         f"systemd-run --quiet --unit={unit} --description={q('sparkfleet ' + name)} --remain-after-exit "
         f"{argv} 2>&1 && echo started; else echo found; fi"
     )
-    ok, lines = shell(host, start)
-    if not ok or not lines or lines[-1] not in ("started", "found"):
-        raise OperationError(f"could not start {name} as {unit}: {' '.join(lines)}")
+    done = remote.run(host, start)  # with the host's sudo: systemd-run needs root
+    lines = done.stdout
+    if not done.ok or not lines or lines[-1] not in ("started", "found"):
+        raise OperationError(f"could not start {name} as {unit}: {' '.join(lines + done.stderr)}")
     if lines[-1] == "found":
         logger.info(f"{host.print_prefix}{name}: found {unit} of an earlier run")
     started = time.monotonic()
@@ -111,19 +100,19 @@ def run_detached(
         gevent.sleep(POLL_EVERY_S)  # yields to the other hosts' greenlets
     if state["ActiveState"] == "failed":
         tail = _journal(host, unit, state, TAIL_LINES)
-        shell(host, f"systemctl reset-failed {unit}")
+        remote.run(host, f"systemctl reset-failed {unit}")
         raise OperationError(
             f"{name} failed ({_why(state)}); last lines of journalctl -u {unit}:\n    " + "\n    ".join(tail)
         )
-    shell(host, f"systemctl stop {unit}")
+    remote.run(host, f"systemctl stop {unit}")
     logger.info(f"{host.print_prefix}{name}: done in {time.monotonic() - started:.0f} s")
 
 
 def _unit_state(host, unit: str) -> dict[str, str]:
     # Timestamps in UTC with microseconds: journalctl --since reads them back exactly.
-    ok, lines = shell(host, f"systemctl show --timestamp=us+utc -p {_PROPERTIES} {unit}")
+    done = remote.run(host, f"systemctl show --timestamp=us+utc -p {_PROPERTIES} {unit}")
     # A failed poll (a dropped connection) reads as still running: the next one decides.
-    return dict(line.split("=", 1) for line in lines if "=" in line) if ok else {}
+    return dict(line.split("=", 1) for line in done.stdout if "=" in line) if done.ok else {}
 
 
 def _journal(host, unit: str, state: dict[str, str], lines: int) -> list[str]:
@@ -131,8 +120,7 @@ def _journal(host, unit: str, state: dict[str, str], lines: int) -> list[str]:
     failed step is run again: its start time tells the runs apart)."""
     since = state.get("ExecMainStartTimestamp", "")
     since_arg = f" --since={shlex.quote(since)}" if since else ""
-    _, output = shell(host, f"journalctl -q -a -o cat --no-pager _SYSTEMD_UNIT={unit}{since_arg} -n {lines}")
-    return output
+    return remote.run(host, f"journalctl -q -a -o cat --no-pager _SYSTEMD_UNIT={unit}{since_arg} -n {lines}").stdout
 
 
 def _last_log_line(host, unit: str, state: dict[str, str]) -> str:

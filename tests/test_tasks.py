@@ -12,13 +12,13 @@ from __future__ import annotations
 import os
 import threading
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from pyinfra.api.exceptions import OperationError
 
-from sparkfleet import tasks
+from sparkfleet import remote, tasks
+from sparkfleet.hostpaths import TASK_UNIT_PREFIX
 
 pytestmark = pytest.mark.e2e
 
@@ -57,17 +57,18 @@ class FleetHost:
     def run_shell_command(self, command, print_output=False, _timeout=60):
         text = command.get_raw_value() if hasattr(command, "get_raw_value") else str(command)
         proc = self.tb.exec(HOST, text, timeout=_timeout)
-        return proc.returncode == 0, SimpleNamespace(stdout_lines=proc.stdout.splitlines())
+        return proc.returncode == 0, SimpleNamespace(stdout_lines=proc.stdout.splitlines(),
+                                                     stderr_lines=proc.stderr.splitlines())
 
 
 @pytest.fixture
 def host(tb, monkeypatch):
     monkeypatch.setattr(tasks, "POLL_EVERY_S", 0.05)
     monkeypatch.setattr(tasks, "PROGRESS_EVERY_S", 0.5)
-    monkeypatch.setattr(tasks, "connector_arguments", lambda host: {})
+    monkeypatch.setattr(remote, "connector_arguments", lambda host: {})
     yield FleetHost(tb)
     # Whatever a test left (a unit it stopped watching) goes, so tests stay independent.
-    tb.exec(HOST, f"for u in $(systemctl list-units --all --plain --no-legend '{tasks.UNIT_PREFIX}*' "
+    tb.exec(HOST, f"for u in $(systemctl list-units --all --plain --no-legend '{TASK_UNIT_PREFIX}*' "
                   "| cut -d' ' -f1); do systemctl stop $u; systemctl reset-failed $u; done; rm -rf /tmp/tasks-test /var/tmp/tasks-test")
 
 
