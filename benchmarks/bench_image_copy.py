@@ -6,10 +6,12 @@ read each blob from upstream once?
 
 On spark-1 of the simulated fleet that is up (else one of 1 host is booted and left up),
 with ``docker-registry`` and ``skopeo`` installed from the testbed's apt repository as the
-deploy installs them on a mirror host, each scenario copies the testbed registry's serving
-image (pinned by digest) into an empty registry on that host:
+deploy installs them on a mirror host, each scenario runs the mirror's copy command
+(sparkfleet.mirror.registry.copy_command: ``skopeo copy --all --preserve-digests``) of the
+testbed registry's serving image (pinned by digest) into an empty registry on that host,
+over TLS with a mirror certificate:
 
-* cold: ``skopeo copy --all --preserve-digests`` into the empty registry;
+* cold: the copy into the empty registry;
 * again: the same copy once more, everything already there;
 * cut: the copy killed after ``--cut`` s while upstream is limited to ``--rate``, then run
   again to the end (what a re-run after a dropped connection does);
@@ -43,6 +45,7 @@ sys.path.insert(0, str(REPO))
 HOST = "spark-1"
 DEST = "127.0.0.1:5099"  # the empty registry of a scenario, on the host
 DEST_DIR = "/var/tmp/bench-image-copy"
+CERT_DIR = "/var/tmp/bench-image-copy-certs"  # its certificate, as docker's certs.d holds it
 MANIFEST_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
 ACCEPT = ("application/vnd.docker.distribution.manifest.v2+json,application/vnd.oci.image.manifest.v1+json,"
           f"{MANIFEST_LIST},application/vnd.oci.image.index.v1+json")
@@ -56,6 +59,9 @@ storage:
     rootdirectory: {DEST_DIR}/storage
 http:
   addr: {DEST}
+  tls:
+    certificate: {CERT_DIR}/ca.crt
+    key: {CERT_DIR}/key.pem
 """
 
 
@@ -77,12 +83,26 @@ def install(tb) -> str:
     return sh(tb, "skopeo --version").strip()
 
 
+def certificate(tb) -> None:
+    """A mirror certificate for DEST, made as the deploy makes one, on the host."""
+    import tempfile
+
+    from sparkfleet import secrets
+    from sparkfleet.config import Mirror
+
+    with tempfile.TemporaryDirectory() as tls_dir:
+        cert, key = secrets.mirror_tls(tls_dir, Mirror(HOST, DEST.split(":")[0], 1, int(DEST.split(":")[1]), True))
+        sh(tb, f"mkdir -p {CERT_DIR} && printf %s {shlex.quote(cert.read_text())} > {CERT_DIR}/ca.crt && "
+               f"(umask 077; printf %s {shlex.quote(key.read_text())} > {CERT_DIR}/key.pem)")
+
+
 def fresh_registry(tb) -> None:
     """An empty registry at DEST on the host (a transient unit, replaced per scenario)."""
     sh(tb, f"systemctl stop bench-image-copy-registry 2>/dev/null; rm -rf {DEST_DIR} && mkdir -p {DEST_DIR} && "
            f"printf %s {shlex.quote(REGISTRY_CONFIG)} > {DEST_DIR}/config.yml && "
            f"systemd-run --quiet --unit=bench-image-copy-registry --collect docker-registry serve {DEST_DIR}/config.yml && "
-           f"for i in $(seq 50); do curl -fs http://{DEST}/v2/ >/dev/null && exit 0; sleep 0.1; done; exit 1")
+           f"for i in $(seq 50); do curl -fs --cacert {CERT_DIR}/ca.crt https://{DEST}/v2/ >/dev/null && exit 0; "
+           "sleep 0.1; done; exit 1")
 
 
 def upstream_manifest(tb, repo: str, reference: str) -> tuple[bytes, str]:
@@ -133,11 +153,14 @@ def upstream_reads(tb, mark: int, client: str) -> dict[str, list[int]]:
 
 
 def copy(tb, source: str, digest: str, cut: float | None = None) -> tuple[float, int]:
-    """skopeo copy SOURCE@DIGEST into the host's empty registry, by digest; (s, rc)."""
-    repo = source.split("/", 1)[1]
-    kill = f"timeout -s KILL {cut} " if cut else ""
-    command = (f"{kill}skopeo copy --all --preserve-digests --retry-times 0 --src-tls-verify=false "
-               f"--dest-tls-verify=false docker://{source}@{digest} docker://{DEST}/{repo}@{digest}")
+    """The mirror's copy of SOURCE@DIGEST into the host's empty registry; (s, rc)."""
+    from sparkfleet.mirror.names import ImageName
+    from sparkfleet.mirror.registry import copy_command
+
+    registry, _ = source.split("/", 1)
+    command = copy_command(f"http://{registry}", ImageName.parse(f"{source}@{digest}"), DEST, CERT_DIR)
+    if cut:
+        command = f"timeout -s KILL {cut} {command}"
     started = time.monotonic()
     done = tb.exec(HOST, command, timeout=900)
     seconds = time.monotonic() - started
@@ -148,7 +171,7 @@ def copy(tb, source: str, digest: str, cut: float | None = None) -> tuple[float,
 
 def copied_digest(tb, repo: str, digest: str) -> tuple[str, str]:
     """(Docker-Content-Digest header, sha256 of the bytes) of the copy's manifest."""
-    out = sh(tb, f"curl -fs -D /dev/stderr -H 'Accept: {ACCEPT}' http://{DEST}/v2/{repo}/manifests/{digest} "
+    out = sh(tb, f"curl -fs --cacert {CERT_DIR}/ca.crt -D /dev/stderr -H 'Accept: {ACCEPT}' https://{DEST}/v2/{repo}/manifests/{digest} "
                  f"2>{DEST_DIR}/headers | sha256sum; grep -i '^docker-content-digest' {DEST_DIR}/headers")
     lines = out.splitlines()
     return lines[1].split(":", 1)[1].strip(), "sha256:" + lines[0].split()[0]
@@ -171,6 +194,7 @@ def main() -> int:
     source = source.rsplit(":", 1)[0]
     repo = source.split("/", 1)[1]
     version = install(tb)
+    certificate(tb)
     blobs = blobs_of(tb, repo, upstream_manifest(tb, repo, digest)[0])
     image_bytes = sum(blobs.values())
     index_digest = make_index(tb, repo, digest)
@@ -217,7 +241,7 @@ def main() -> int:
         finally:
             tb.set_wan_rate(None)
         held.update(d for d in layers if sh(tb, f"curl -s -o /dev/null -w '%{{http_code}}' -I "
-                                                f"http://{DEST}/v2/{repo}/blobs/{d}").strip() == "200")
+                                                f"--cacert {CERT_DIR}/ca.crt https://{DEST}/v2/{repo}/blobs/{d}").strip() == "200")
         return result
 
     def resumed(counts, reads):
@@ -233,7 +257,7 @@ def main() -> int:
 
     fresh_registry(tb)
     measure("index", index_digest, [lambda: copy(tb, source, index_digest)], once)
-    sh(tb, "systemctl stop bench-image-copy-registry; rm -rf " + DEST_DIR)
+    sh(tb, f"systemctl stop bench-image-copy-registry; rm -rf {DEST_DIR} {CERT_DIR}")
 
     print(f"image copy with {version} on {HOST} of the simulated fleet; image {source}@{digest[:19]}: "
           f"{len(blobs)} blobs, {image_bytes:,} B; cut copy: killed after {args.cut:g} s at {args.rate}\n")

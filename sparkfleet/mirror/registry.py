@@ -87,9 +87,11 @@ def image_copied(settings: Settings, mirror: Mirror):
     result = q(f"{settings.mirror_dir}/image-copy-bytes")
     copy = copy_command(upstream_registry_url(settings.image, settings.image_registry_url), name, mirror.registry,
                         posixpath.dirname(registry_ca_path(mirror.registry)))
-    # What came from upstream, measured: the registry stores blobs as fetched.
-    yield detached("image-copy", f"rm -f {result}; before=$(du -sb {storage} | cut -f1) && {copy} && "
-                                 f"echo $(( $(du -sb {storage} | cut -f1) - before )) > {result}")
+    # What came from upstream, measured: the registry stores blobs (and manifests) as fetched,
+    # each in a file named data.
+    stored = f"find {storage} -type f -name data -printf '%s\\n' | awk '{{s += $1}} END {{print s + 0}}'"
+    yield detached("image-copy", f"rm -f {result}; before=$({stored}) && {copy} && "
+                                 f"echo $(( $({stored}) - before )) > {result}")
     yield FunctionCommand(_record_copy, (result,), {})
 
 
