@@ -11,6 +11,7 @@ Every host's data is validated first: a bad value stops the run before any host 
 from sparkfleet import (
     container_runtime,
     distribution,
+    endpoint,
     hybrid,
     image,
     preflight,
@@ -38,5 +39,6 @@ else:
         distribution.report(settings, source_ops, pulled, cached, weights.repo_dirs(settings))
         build = hybrid.built(name="hybrid INT4+FP8 checkpoint", settings=settings)
         service.running(settings, also_restart_for=(*host_files, build))
+        endpoint.served(settings)  # fleet_endpoint: HAProxy over every serving host
         if settings.checks:
             run_checks(settings.checks)

@@ -57,6 +57,21 @@ mirror_tls_dir = ".sparkfleet/mirror-tls"
 # How the mirror reaches the image's registry; None: https://<the registry in `image`>.
 image_registry_url = None
 
+# --- The fleet endpoint: one OpenAI-compatible URL over every serving host -----------------
+# HAProxy (from the host's archives, or mirror_apt_repo) on one host of the inventory:
+# leastconn over the hosts that answer a real request with the fleet key, clients need the
+# same key. "auto": the first host of the inventory group `endpoint`, else none (a router
+# is a new port and a new way in on a host: the inventory opts in); a host name picks it.
+fleet_endpoint = "auto"
+# Where clients call it (port 8000 is the host's own engine); the HAProxy Prometheus
+# exporter answers on its own port, at /metrics, with the same key.
+endpoint_port = 8080
+endpoint_metrics_port = 8405
+# Idle time HAProxy allows either side: a request waits in vLLM's queue and prefills a
+# 262k-token prompt (minutes on a GB10) before its first byte, and a non-streaming answer
+# sends nothing until its last token. Streams reset it with every token.
+endpoint_timeout_s = 3600
+
 # --- Serving settings: the seeds' validated stack -----------------------------------------
 served_model_name = "qwen"
 # Where the API listens. 127.0.0.1 keeps it on the host; 0.0.0.0 serves the network.
