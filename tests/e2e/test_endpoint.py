@@ -348,3 +348,21 @@ def test_reloads_under_load_drop_no_connection(testbed, ep):
           f"{load.ok} requests, {len(load.failed)} failed {load.failed[:5]}")
     assert haproxy_pids(testbed)[0] == master
     assert load.failed == [] and load.ok > 50
+
+
+def test_fleet_endpoint_none_stops_it_and_then_changes_nothing(testbed, ep):
+    result = subprocess.run(["pyinfra", "-y", INVENTORY, "deploy.py", "--data", "fleet_endpoint=none"], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0 and changed_hosts(out) == {ROUTER}, out[-3000:]
+    assert "former fleet endpoint: haproxy stopped" in out
+    state = testbed.exec(ROUTER, "systemctl is-active haproxy; systemctl is-enabled haproxy").stdout.split()
+    assert state[:2] == ["inactive", "disabled"], state
+    with pytest.raises(requests.ConnectionError):
+        session().get(f"{ep.url}/v1/models", headers=ep.auth, timeout=5)
+    again = subprocess.run(["pyinfra", "-y", INVENTORY, "deploy.py", "--data", "fleet_endpoint=none"], cwd=REPO_ROOT,
+                           capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+    assert again.returncode == 0 and changed_hosts(again.stdout + again.stderr) == set()
+    table = subprocess.run(["sparkfleet", "status", INVENTORY], cwd=REPO_ROOT, capture_output=True, text=True,
+                           timeout=120).stdout
+    assert "fleet endpoint: none" in table, table
