@@ -67,10 +67,11 @@ fleet_endpoint = "auto"
 # exporter answers on its own port, at /metrics, with the same key.
 endpoint_port = 8080
 endpoint_metrics_port = 8405
-# Idle time HAProxy allows either side: a request waits in vLLM's queue and prefills a
-# 262k-token prompt (minutes on a GB10) before its first byte, and a non-streaming answer
-# sends nothing until its last token. Streams reset it with every token.
-endpoint_timeout_s = 3600
+# Idle time HAProxy allows either side (measured: a stream resets it with every token; a
+# silence longer than it is cut, 504 before the first byte). A stream is silent while it
+# waits in vLLM's queue and prefills up to 262k tokens (minutes on a GB10); a non-streaming
+# answer until its last token: 4 h covers one filling the 262k context at 18 tok/s.
+endpoint_timeout_s = 14400
 
 # --- Serving settings: the seeds' validated stack -----------------------------------------
 served_model_name = "qwen"

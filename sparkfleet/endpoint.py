@@ -393,7 +393,7 @@ def members_of(endpoint, stat: list[dict[str, str]] | None = None) -> dict[str, 
             name=row["svname"], address=row.get("addr", ""), state=row.get("status", ""),
             sessions=int(row.get("scur") or 0), requests=int(row.get("stot") or 0),
             errors=int(row.get("econ") or 0) + int(row.get("eresp") or 0),
-            check=row.get("check_status", ""),
+            check=row.get("check_status", "").lstrip("* "),  # "* " marks a check in progress
         )
     return found
 

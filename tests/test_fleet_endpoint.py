@@ -69,7 +69,7 @@ def test_the_config_asks_for_the_key_everywhere_and_checks_with_it():
     assert "http-check expect rstring '\"id\": ?\"qwen\\.v2\"'" in text
     assert "    server spark-01 10.0.0.11:8000\n" in text and "    server spark_02 [fd00::12]:8001\n" in text
     assert "balance leastconn" in text and "default-server check inter 1s fall 2 rise 2" in text
-    assert "timeout server 3600s" in text and "timeout client 3600s" in text
+    assert "timeout server 14400s" in text and "timeout client 14400s" in text and "hard-stop-after 14400s" in text
     assert endpoint.MARKER in text.splitlines()[0]
 
 
