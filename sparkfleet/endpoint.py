@@ -246,7 +246,7 @@ def reloaded():
     the old one finishes its requests (no connection is refused or cut). Admin states
     (drained members) are saved first and read back by the new worker.
     """
-    yield StringCommand("sh", "-c", shlex.quote(_runtime_shell("show servers state") + f" > {STATE_FILE} || true"))
+    yield StringCommand("sh", "-c", shlex.quote(save_state_command()))
     yield "systemctl reload haproxy"
 
 
@@ -362,6 +362,13 @@ def endpoint_host(state, settings: dict[str, Settings] | None = None):
     """The pyinfra Host that serves the fleet endpoint, or None."""
     name = endpoint_name(state, settings)
     return state.inventory.get_host(name) if name else None
+
+
+def save_state_command() -> str:
+    """Save the members' states where the next worker reads them (nothing when HAProxy
+    does not answer, e.g. before its first start)."""
+    return (_runtime_shell("show servers state") + f" > {STATE_FILE}.new && mv -f {STATE_FILE}.new {STATE_FILE} "
+            f"|| rm -f {STATE_FILE}.new")
 
 
 def _runtime_shell(command: str) -> str:

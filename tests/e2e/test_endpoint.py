@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from sparkfleet.endpoint import STATE_FILE, _runtime_shell
+from sparkfleet.endpoint import save_state_command
 from sparkfleet.testbed import paths
 
 pytestmark = pytest.mark.e2e
@@ -29,8 +29,6 @@ DATA = f"fleet_endpoint={ROUTER}"
 CHANGED = re.compile(r"\[(spark-\d+)\] (Success|Error)")
 REPO_ROOT = paths.REPO_ROOT
 INVENTORY = str(paths.INVENTORY.relative_to(REPO_ROOT))
-# What the deploy's reload does first: the admin states (drained members) saved for the new worker.
-RELOAD_SAVING_STATE = _runtime_shell("show servers state") + f" > {STATE_FILE}"
 STATUS = re.compile(r'^haproxy_server_status\{proxy="members",server="([^"]+)",state="([A-Z]+)"\} 1$', re.M)
 
 
@@ -269,7 +267,8 @@ def test_drain_waits_for_in_flight_requests_and_ready_puts_it_back(testbed, ep):
     assert result["in_flight_before"] >= 1  # it waited for a stream that was running
     assert ep.counter("haproxy_server_sessions_total", member) == drained_requests
     # A reload (membership change) keeps it drained.
-    testbed.exec(ROUTER, f"{RELOAD_SAVING_STATE} && systemctl reload haproxy")
+    # What the deploy's reload does: the admin states saved for the new worker first.
+    testbed.exec(ROUTER, f"{save_state_command()}; systemctl reload haproxy")
     time.sleep(2)
     assert ep.states()[member] == "DRAIN"
     assert api(f"endpoint.ready(ep, {member!r})\nprint(json.dumps({{}}))\n") == {}
@@ -305,6 +304,20 @@ def test_converged_rerun_changes_nothing_on_the_router_host(testbed, ep):
     assert result.returncode == 0 and changed_hosts(out) == set(), out[-3000:]
     assert haproxy_pids(testbed) == pids  # not restarted, not reloaded
     assert f"fleet endpoint {ep.url}/v1 serves `qwen` over 3 member(s)" in out
+
+
+def test_an_unreachable_member_keeps_its_place_and_the_others_serve(testbed, ep):
+    gone = testbed.names[2]
+    with testbed.unreachable(gone):
+        result = deploy()
+        out = result.stdout + result.stderr
+        ep.wait_state(gone, {"DOWN"}, timeout=10)
+        assert all(ep.chat() is None for _ in range(6))
+    assert result.returncode != 0  # the unreachable host fails, the others go on
+    assert not re.search(r"\[spark-1\] Success", out), out[-3000:]  # membership and config unchanged
+    # Still a member, at the address it had (not dropped, not its inventory name).
+    assert re.search(rf"over 3 member\(s\):.* {gone} {re.escape(testbed.host(gone).address)}:8000 ", out), out[-3000:]
+    ep.wait_state(gone, {"UP"}, timeout=15)
 
 
 def test_membership_changes_by_reload_and_drops_no_request(testbed, ep):
