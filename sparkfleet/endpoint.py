@@ -19,7 +19,7 @@ The runtime API, for a rollout (controller side, over SSH, sudo honoured)::
     ep = endpoint_host(state)           # the pyinfra Host serving the endpoint, or None
     members(ep)                         # {inventory name: Member(state, sessions, ...)}
     drain(ep, "spark-2", timeout_s=600) # no new requests; waits for in-flight ones
-    ready(ep, "spark-2")                # back in rotation (when its checks pass)
+    ready(ep, "spark-2", timeout_s=30)  # back in rotation; True once its checks pass
 """
 
 from __future__ import annotations
@@ -419,6 +419,15 @@ def drain(endpoint, name: str, timeout_s: float = 600, poll_s: float = 1.0) -> i
         gevent.sleep(poll_s)
 
 
-def ready(endpoint, name: str) -> None:
-    """Put member ``name`` back in rotation (it serves again once its checks pass)."""
+def ready(endpoint, name: str, timeout_s: float = 0, poll_s: float = 1.0) -> bool:
+    """Put member ``name`` back in rotation: it serves again once its checks pass. Waits
+    up to ``timeout_s`` for that; returns whether it is in rotation."""
     runtime(endpoint, f"set server {BACKEND}/{server_name(name)} state ready")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        member = members_of(endpoint).get(server_name(name))
+        if member is None:
+            raise OperationError(f"{endpoint.name}: {name} is not a member of the fleet endpoint")
+        if member.in_rotation or time.monotonic() >= deadline:
+            return member.in_rotation
+        gevent.sleep(poll_s)

@@ -8,7 +8,7 @@ mean acceptance length since the engine started; then the fleet endpoint's state
 
 It reads over SSH through pyinfra's API with the inventory's own connection data and
 group data (sudo users included: every read goes through facts or the hosts' connector
-arguments), in parallel, and changes nothing.
+arguments), in parallel, and changes nothing. Exit status 1 when a host cannot be reached.
 """
 
 from __future__ import annotations

@@ -271,8 +271,8 @@ def test_drain_waits_for_in_flight_requests_and_ready_puts_it_back(testbed, ep):
     testbed.exec(ROUTER, f"{save_state_command()}; systemctl reload haproxy")
     time.sleep(2)
     assert ep.states()[member] == "DRAIN"
-    assert api(f"endpoint.ready(ep, {member!r})\nprint(json.dumps({{}}))\n") == {}
-    ep.wait_state(member, {"UP"}, timeout=10)
+    back = api(f"print(json.dumps({{'up': endpoint.ready(ep, {member!r}, timeout_s=10)}}))\n")
+    assert back == {"up": True} and ep.states()[member] == "UP"
 
 
 def test_status_shows_every_host_and_the_endpoint(testbed, ep):
