@@ -297,6 +297,36 @@ def test_status_shows_every_host_and_the_endpoint(testbed, ep):
     assert ep.key not in out.stdout + table
 
 
+def test_status_and_a_converged_deploy_as_a_sudo_user(testbed, ep):
+    # As on a Spark: an ordinary login in group sudo, sudo asks for a password.
+    for name in (ROUTER, testbed.names[1]):
+        testbed.exec(name, "id spark >/dev/null 2>&1 || useradd -m -s /bin/bash -G sudo spark; "
+                           "echo 'spark:sudo-pw-0123' | chpasswd; install -d -o spark -g spark -m 700 ~spark/.ssh; "
+                           "install -o spark -g spark -m 600 /root/.ssh/authorized_keys ~spark/.ssh/authorized_keys",
+                     via="nsenter", check=True)
+    sudo = Path(paths.INVENTORY).with_name("inventory-sudo.py")
+    sudo.write_text(
+        "from pathlib import Path\n"
+        "from sparkfleet.testbed.state import inventory_hosts\n"
+        f"sparks = ([(n, {{**d, 'ssh_user': 'spark', '_sudo': True, '_sudo_password': 'sudo-pw-0123'}} "
+        f"if n in {(ROUTER, testbed.names[1])!r} else d) for n, d in inventory_hosts(Path({str(paths.HOSTS_JSON)!r}))], {{}})\n"
+    )
+    try:
+        inventory = str(sudo.relative_to(REPO_ROOT))
+        out = subprocess.run(["sparkfleet", "status", inventory, "--data", DATA, "--json"], cwd=REPO_ROOT,
+                             capture_output=True, text=True, timeout=120)
+        result = deploy(inventory)
+    finally:
+        sudo.unlink()
+    assert out.returncode == 0, out.stderr[-2000:]
+    doc = json.loads(out.stdout)
+    assert all(r["ready"] and r["image_digest"] and r["endpoint"] == "UP" for r in doc["hosts"]), doc["hosts"]
+    assert doc["endpoint"]["state"] == "running" and len(doc["endpoint"]["members"]) == 3
+    combined = result.stdout + result.stderr
+    assert result.returncode == 0 and changed_hosts(combined) == set(), combined[-3000:]
+    assert "sudo-pw-0123" not in combined + out.stdout
+
+
 def test_converged_rerun_changes_nothing_on_the_router_host(testbed, ep):
     pids = haproxy_pids(testbed)
     result = deploy()
