@@ -257,7 +257,7 @@ def announced(settings: Settings, members: list[Target], changed: bool):
 
     + settings: validated settings
     + members: the members of the configuration
-    + changed: whether this run (re)configured it: wait for the first checks of each member
+    + changed: whether this run (re)configures or starts it: wait for each member's first check
     """
     if not changed:
         # Printed on every run (a noop's text shows only with -v): the user's way in.
@@ -320,10 +320,12 @@ def served(settings: Settings) -> None:
     haproxy_installed(name="fleet endpoint: haproxy installed", settings=settings)
     config = config_written(name="fleet endpoint: haproxy configuration",
                             text=render(settings, members, resolve_api_key(settings)))
-    systemd.service(name="fleet endpoint: haproxy enabled and running", service=UNIT, running=True, enabled=True)
+    started = systemd.service(name="fleet endpoint: haproxy enabled and running", service=UNIT, running=True,
+                              enabled=True)
     # Membership and settings change by a reload, never a restart.
     reloaded(name="fleet endpoint: haproxy reloaded for its new configuration", _if=config.did_change)
-    announced(name="fleet endpoint", settings=settings, members=members, changed=config.will_change)
+    announced(name="fleet endpoint", settings=settings, members=members,
+              changed=config.will_change or started.will_change)
 
 
 # --- the runtime API (controller side) --------------------------------------------------------
