@@ -117,7 +117,7 @@ artifact_sizes_gib = {
 disk_margin_gib = 5.0
 
 # --- Post-deploy checks (checks/) ------------------------------------------------------------
-# Run after the deploy: any of smoke, decode, e2e, agent.
+# Run after the deploy: any of smoke, tools, decode, e2e, agent.
 checks = []
 # What checks/bench.py runs when used on its own.
 bench = ["smoke", "decode", "e2e"]
