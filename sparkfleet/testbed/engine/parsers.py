@@ -11,7 +11,9 @@
   values are converted by the tool's parameter schema. Streamed, the first delta of a
   call carries id, type, name and ``arguments: ""``; then ``{"P": ``, the value (a string
   value as it arrives, quoted; any other type whole, at ``</parameter>``), ``, "Q": `` ...
-  and ``}`` at ``</function>``. Text outside calls stays content.
+  and ``}`` at ``</function>``, each delta repeating id and type with ``name: null``;
+  the deltas of one accepted block are merged into one (arguments concatenated), as
+  vLLM's ``_merge_new_deltas_to_single_response`` does. Text outside calls stays content.
 
 Another tool parser cannot read Qwen3's XML: the call stays in the content, as it would
 with a mismatched parser on a real server.
@@ -153,8 +155,10 @@ class OutputParser:
         return ((self.tools.get(self._call.name) or {}).get(param) or {}).get("type", "string")
 
     def _emit(self, out: list[dict[str, Any]], index: int, arguments: str) -> None:
-        self.calls[index].arguments += arguments
-        out.append({"index": index, "function": {"arguments": arguments}})
+        # Like qwen3_xml's, every argument delta repeats the call's id and type (name null).
+        call = self.calls[index]
+        call.arguments += arguments
+        out.append({"index": index, "id": call.id, "type": "function", "function": {"name": None, "arguments": arguments}})
 
     def message(self) -> tuple[str | None, str | None, list[dict[str, Any]]]:
         """(reasoning, content, tool_calls) of the whole output, as the non-streaming answer has them."""
