@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
@@ -106,10 +107,12 @@ def tool_call_round_trip(client: Client, max_tokens: int = TOOLS_MAX_TOKENS) -> 
     try:
         data, t0, t1 = client.chat(messages, max_tokens, tools=[WEATHER_TOOL], tool_choice="auto")
     except BenchError as exc:
-        if "tool-call-parser" in str(exc) or "tool_call_parser" in str(exc):
-            return _failed(f"the server has no tool-call parser, so it cannot return tool calls "
-                           f"(vLLM refused tool_choice=auto: {str(exc)[-160:]}); {PARSER_FIX}")
-        raise
+        if "tool-call-parser" not in str(exc):
+            raise
+        said = re.search(r'"message": "((?:[^"\\]|\\.)*)"', str(exc))
+        detail = json.loads(f'"{said.group(1)}"') if said else str(exc)[-160:]
+        return _failed(f"the server has no tool-call parser, so it cannot return tool calls "
+                       f"(vLLM refused tool_choice=auto: {detail}); {PARSER_FIX}")
     choice = (data.get("choices") or [{}])[0]
     message = choice.get("message") or {}
     calls = message.get("tool_calls") or []
