@@ -333,8 +333,10 @@ def render_png(rep: FleetReport, path: Path) -> None:
                              label=row.host + (" (failed)" if failed else "")))
     # Reference lines over the workloads they compare with; labels in the right margin.
     right = len(workloads) - 0.5
-    label_y = _spread([r["tok_s"] for r in REFERENCES], top * 0.035)
-    for ref, y_label in zip(REFERENCES, label_y):
+    # Only the references of workloads this run measured: the others have nothing to compare.
+    shown = [r for r in REFERENCES if any(w.startswith(r["workloads"]) for w in workloads)] or REFERENCES
+    label_y = _spread([r["tok_s"] for r in shown], top * 0.035)
+    for ref, y_label in zip(shown, label_y):
         groups = [gi for gi, w in enumerate(workloads) if w.startswith(ref["workloads"])]
         lo, hi = (min(groups) - 0.45, max(groups) + 0.45) if groups else (-0.5, right)
         ax.hlines(ref["tok_s"], lo, hi, colors="#444444", linestyles="dashed", linewidth=1.2)

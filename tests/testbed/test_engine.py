@@ -517,7 +517,7 @@ def test_decode_rate_ttft_and_acceptance_match_the_settings(dflash: Server) -> N
     for t_send, events in runs:
         t_first, rate, n = decode_rate(events)
         assert n == 200
-        assert rate == pytest.approx(200, rel=0.02)
+        assert rate == pytest.approx(200, rel=0.05)  # a busy shared machine delays single deltas
         assert t_first - t_send == pytest.approx(0.05, abs=0.04)
         # Deltas carry blocks of accepted tokens (about 200 / 2.3 of them: prose), not single tokens.
         assert len([e for _, e in events if e != "[DONE]" and e["choices"]]) < 200 / 2
@@ -554,7 +554,7 @@ def test_rate_and_acceptance_per_profile(start: Any, spec: str | None, accept: f
     _, events = stream(server, "/v1/chat/completions", bench_body(200, chat=True))
     after = server.metrics()
     _, rate, n = decode_rate(events)
-    assert n == 200 and rate == pytest.approx(200, rel=0.02)
+    assert n == 200 and rate == pytest.approx(200, rel=0.05)  # a busy shared machine delays single deltas
     if spec is None:
         assert not any(k.startswith("vllm:spec_decode") for k in after)  # like vLLM without spec
         return
