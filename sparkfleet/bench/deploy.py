@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Union
 
-from pyinfra import host, state
+from pyinfra import state
 from pyinfra.api import StringCommand, deploy
 from pyinfra.api.state import BaseStateCallback
 from pyinfra.operations import files, python

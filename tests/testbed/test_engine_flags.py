@@ -16,7 +16,6 @@ from __future__ import annotations
 import ast
 import re
 from functools import lru_cache
-from pathlib import Path
 
 import pytest
 
