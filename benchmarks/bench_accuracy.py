@@ -128,9 +128,9 @@ def verdict(ok: bool) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rate", type=float, default=81.0, help="true decode tok/s (seeds: DFlash ~81)")
+    ap.add_argument("--rate", type=float, default=81.0, help="true decode tok/s (published: DFlash ~81)")
     ap.add_argument("--ttft", type=float, default=0.25, help="true TTFT, seconds")
-    ap.add_argument("--accept", type=float, default=8.3, help="true acceptance length (seeds: 8.3)")
+    ap.add_argument("--accept", type=float, default=8.3, help="true acceptance length (published: 8.3)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()

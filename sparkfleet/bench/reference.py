@@ -2,7 +2,7 @@
 ones the fleet report draws and ``benchmarks/bench_seeds_table.py`` compares with.
 
 Sources: its README's "DFlash vs MTP" and dense-bandwidth tables, its FINDINGS and its
-announcement (``/work/shared/seeds/``). decode/* and agent are decode-only tok/s; e2e is
+announcement. decode/* and agent are decode-only tok/s; e2e is
 albond's end-to-end method (completion tokens / wall time, prefill included).
 """
 

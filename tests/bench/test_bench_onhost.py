@@ -73,7 +73,7 @@ def test_program_measures_decode_and_acceptance(uploaded, tmp_path):
     workloads = r["checks"]["decode"]["workloads"]
     assert set(workloads) == {"prose", "code", "counting", "user"}
     for w in workloads.values():
-        assert w["decode_tok_s"]["median"] == pytest.approx(250.0, rel=0.1)
+        assert w["decode_tok_s"]["median"] == pytest.approx(250.0, rel=0.15)  # loose: a shared machine
         assert w["ttft_ms"]["median"] == pytest.approx(80.0, abs=30.0)
         assert len(w["runs"]) == 2 and w["warmup_runs"] == 1
         assert all(run["completion_tokens"] == 48 for run in w["runs"])

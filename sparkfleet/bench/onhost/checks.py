@@ -228,7 +228,7 @@ def run_decode_workload(ctx: BenchContext, name: str, prompt: str) -> dict:
 
 
 def run_decode(ctx: BenchContext) -> dict:
-    """The seeds' bank (prose, code, counting) plus the user's prompt, decode-only."""
+    """The reference recipe's bank (prose, code, counting) plus the user's prompt, decode-only."""
     workloads = {}
     for name, prompt in decode_workloads(ctx.settings.prompt).items():
         workloads[name] = run_decode_workload(ctx, name, prompt)
@@ -347,7 +347,7 @@ def run_agent(ctx: BenchContext) -> dict:
     }
     if timed:
         d = out["decode_tok_s"]
-        ctx.progress.log(f"agent: median {d['median']:.1f} tok/s over {len(timed)} turns (seeds: ~81), {_fmt_acc(acc)}")
+        ctx.progress.log(f"agent: median {d['median']:.1f} tok/s over {len(timed)} turns (published: ~81), {_fmt_acc(acc)}")
     else:
         out["reason"] = "no turn produced enough tokens to time"
     return out

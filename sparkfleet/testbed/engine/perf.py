@@ -13,7 +13,7 @@ A request's speed depends on three things, as on a real Spark:
 
 Decode rate = acceptance / step time. Every number comes from the reference recipe's
 published measurements (GB10, single stream, temperature 0: its README's tables, its
-FINDINGS and its announcement, in /work/shared/seeds/), except where a comment says
+FINDINGS and its announcement), except where a comment says
 "assumed": the reference does not measure it and the value is a stated choice.
 
 Where the numbers come from
