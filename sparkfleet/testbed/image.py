@@ -290,6 +290,7 @@ def app_layer(base: Layer) -> Layer:
     h.update(json.dumps([APP_LAYER_VERSION, PIP_PINS, base.diff_id]).encode())
     for w in sorted(wheels.glob("*.whl")):
         h.update(w.name.encode() + hashlib.sha256(w.read_bytes()).digest())
+    h.update(ENGINE_LAUNCHER)
     for name, body in engine.items():
         h.update(name.encode() + hashlib.sha256(body).digest())
     key = h.hexdigest()[:16]
