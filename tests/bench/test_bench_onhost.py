@@ -74,7 +74,7 @@ def test_program_measures_decode_and_acceptance(uploaded, tmp_path):
     assert set(workloads) == {"prose", "code", "counting", "user"}
     for w in workloads.values():
         assert w["decode_tok_s"]["median"] == pytest.approx(250.0, rel=0.15)  # loose: a shared machine
-        assert w["ttft_ms"]["median"] == pytest.approx(80.0, abs=30.0)
+        assert w["ttft_ms"]["median"] == pytest.approx(80.0, abs=60.0)
         assert len(w["runs"]) == 2 and w["warmup_runs"] == 1
         assert all(run["completion_tokens"] == 48 for run in w["runs"])
         assert w["acceptance"]["mean_length"] == pytest.approx(3.5, rel=0.05)
