@@ -133,8 +133,10 @@ artifact_sizes_gib = {
 disk_margin_gib = 5.0
 
 # --- Post-deploy checks (checks/) ------------------------------------------------------------
-# Run after the deploy: any of smoke, decode, e2e, agent.
-checks = []
+# Run after the deploy: any of smoke, tools, decode, e2e, agent. By default the two that
+# prove what a client needs: the model answers (smoke) and tool calls work (tools: the
+# most common misconfiguration of this stack is a server started without its parsers).
+checks = ["smoke", "tools"]
 # What checks/bench.py runs when used on its own.
 bench = ["smoke", "decode", "e2e"]
 bench_runs = 3
