@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_settings_defaults_and_parsing():
     s = bench_settings({"checks": "smoke, decode", "port": "8100"})
     assert s.checks == ["smoke", "decode"]
-    assert s.bench == ["smoke", "decode", "e2e"]
+    assert s.bench == ["smoke", "tools", "decode", "e2e"]
     assert s.port == 8100 and s.served_model_name == "qwen"
     assert s.base_url == "http://127.0.0.1:8100"
     assert bench_settings({"bind_address": "::"}).base_url == "http://127.0.0.1:8000"
