@@ -17,6 +17,9 @@ TASK_UNIT_PREFIX = "sparkfleet-task-"  # transient units of long steps (sparkfle
 UNIT = "sparkfleet-serve.service"
 UNIT_PATH = f"/etc/systemd/system/{UNIT}"
 CONTAINER = "sparkfleet-serve"
+REVISION_FILE = f"{ETC_DIR}/serving.rev"  # hash of everything the service runs, as deployed
+STARTED_FILE = "/run/sparkfleet-serve/started.rev"  # the revision the running service started with
+LAST_GOOD_DIR = "/var/lib/sparkfleet/last-good"  # the last settings that got READY, for rollback
 COMPILE_SIGNATURE = "sparkfleet-compile-signature"  # in hf_home/.vllm_cache
 
 # --- the NVIDIA container runtime (every host) -----------------------------------------

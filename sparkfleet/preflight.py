@@ -184,6 +184,10 @@ def inspect(settings: Settings) -> Findings:
             "point model_dir at a checkpoint directory on this host"
         )
 
+    port = service.port_problem(settings)
+    if port:
+        found.problems.append(port)
+
     memory = host.get_fact(Memory)
     if memory_share and memory:
         want = memory_share * memory["MemTotal"]

@@ -27,7 +27,8 @@ from pyinfra.api import (
 )
 from pyinfra.api.exceptions import OperationError
 from pyinfra.facts.files import Sha256File
-from pyinfra.operations import files, systemd
+from pyinfra.api.util import get_template
+from pyinfra.operations import files, server, systemd
 
 from sparkfleet import remote, secrets
 from sparkfleet.config import Settings
@@ -36,9 +37,12 @@ from sparkfleet.hostpaths import (
     COMPILE_SIGNATURE,
     CONTAINER,
     HF_ENV,
+    LAST_GOOD_DIR,
+    REVISION_FILE,
     RUNTIME_DIR,
     SECRETS_ENV,
     SERVE_ENV,
+    STARTED_FILE,
     UNIT,
     UNIT_PATH,
 )
@@ -56,6 +60,16 @@ def memory_needed(settings: Settings) -> float:
     return 0.0 if host.get_fact(UnitState).get("ActiveState") == "active" else settings.gpu_memory_utilization
 
 
+def port_problem(settings: Settings) -> str | None:
+    """Why the service could not bind its port here, or None: the port is free or held
+    by our own serving container."""
+    holders = host.get_fact(PortHolders, port=settings.port)
+    if not holders:
+        return None
+    return (f"port {settings.port} is held by {', '.join(holders)}: stop that process, or choose "
+            "another port with --data port=N")
+
+
 def local_address(settings: Settings) -> str:
     """Where a client on the host itself reaches the API, ready for a URL."""
     address = ipaddress.ip_address(settings.bind_address)
@@ -68,17 +82,43 @@ def local_address(settings: Settings) -> str:
 
 
 class UnitState(FactBase["dict[str, str]"]):
-    """ActiveState, start time and restart count of the serving unit."""
+    """ActiveState, SubState, start time and restart count of the serving unit, and
+    ``Started``: the revision its running service started with (empty when stopped)."""
 
     @staticmethod
     def default():
         return {}
 
     def command(self) -> str:
-        return f"systemctl show {UNIT} -p ActiveState -p ExecMainStartTimestampMonotonic -p NRestarts -p UnitFileState"
+        return (
+            f"systemctl show {UNIT} -p ActiveState -p SubState -p ExecMainStartTimestampMonotonic "
+            f"-p NRestarts -p UnitFileState; echo Started=$(cat {STARTED_FILE} 2>/dev/null)"
+        )
 
     def process(self, output):
         return dict(line.split("=", 1) for line in output if "=" in line)
+
+
+class PortHolders(FactBase["list[str]"]):
+    """Processes listening on ``port`` other than our serving container's, as "name (pid N)"."""
+
+    requires_command = "ss"
+
+    @staticmethod
+    def default():
+        return []
+
+    def command(self, port: int) -> str:
+        # Our container's processes carry its id in their cgroup path (either cgroup driver).
+        return (
+            f"cid=$(docker inspect -f '{{{{.Id}}}}' {CONTAINER} 2>/dev/null); "
+            f"for p in $(ss -Hltnp 'sport = :{int(port)}' | grep -o 'pid=[0-9]*' | cut -d= -f2 | sort -u); do "
+            '[ -n "$cid" ] && grep -q "$cid" /proc/$p/cgroup 2>/dev/null && continue; '
+            'echo "$(cat /proc/$p/comm 2>/dev/null) (pid $p)"; done'
+        )
+
+    def process(self, output):
+        return [line.strip() for line in output if line.strip()]
 
 
 class ServedAnswer(FactBase["str | None"]):
@@ -190,8 +230,37 @@ def compile_cache_matches(settings: Settings):
     yield StringCommand("echo", shlex.quote(settings.compile_signature), ">", shlex.quote(signature_file))
 
 
-def _wait_ready(state, host, settings: Settings) -> bool:  # pyinfra passes state and host by these names
-    """Poll until the served model answers a real request; fail early if the engine dies."""
+def _wait_ready(state, host, settings: Settings, restarting: bool) -> bool:  # pyinfra passes state, host
+    """Wait for READY; when a (re)start of ours does not get there, roll back."""
+    failure = _await_ready(host, settings)
+    if failure is None:
+        return True
+    journal = _journal_tail(host)
+    if not restarting:  # not our change: report, touch nothing
+        raise OperationError(f"service: {failure}. Last log lines:\n{journal}")
+    last_good = remote.run(host, f"cat {LAST_GOOD_DIR}/serving.rev").stdout
+    if not last_good or last_good == remote.run(host, f"cat {REVISION_FILE}").stdout:
+        remote.run(host, f"systemctl stop {UNIT}")
+        raise OperationError(
+            f"service: {failure}; nothing else got READY on this host before, so {UNIT} is stopped "
+            f"(not left crash-looping) — fix the settings and deploy again. Last log lines:\n{journal}"
+        )
+    change = _change_from_last_good(host)
+    host.log(f"{failure}: rolling back to the last good settings ({change})", logger.warning)
+    restored = remote.run(host, _restore_last_good(), timeout=300)
+    again = _await_ready(host, settings) if restored.ok else "could not restore: " + " ".join(restored.stderr)
+    outcome = (
+        "rolled back: the last good settings serve again" if again is None
+        else f"the rollback did not get READY either ({again})"
+    )
+    raise OperationError(
+        f"service: the new settings did not get READY ({failure}); {outcome}. Changed: {change} — "
+        f"fix that and deploy again. Last log lines of the failed start:\n{journal}"
+    )
+
+
+def _await_ready(host, settings: Settings) -> str | None:
+    """Poll until the served model answers a real request: None, or why it did not."""
     started = time.monotonic()
     last_report = started
     address = local_address(settings)
@@ -201,23 +270,67 @@ def _wait_ready(state, host, settings: Settings) -> bool:  # pyinfra passes stat
         elapsed = time.monotonic() - started
         if answer is not None:
             host.log(f"READY in {elapsed:.0f} s — {_endpoint_hint(host, settings)}", logger.info)
-            return True
+            return None
         unit = host.get_fact(UnitState)
         # A restart while we wait means the engine died: its log says why, waiting won't.
-        if unit.get("ActiveState") in ("failed", "inactive") or unit.get("NRestarts", "0") != restarts_before:
-            raise OperationError(
-                f"{UNIT} died while starting (state {unit.get('ActiveState')}); last log lines:\n"
-                + _journal_tail(host)
-            )
+        if unit.get("ActiveState") in ("failed", "inactive"):
+            return f"the engine exited ({UNIT} {unit.get('ActiveState')})"
+        if unit.get("NRestarts", "0") != restarts_before:
+            return f"the engine exited and systemd restarted it ({UNIT} {unit.get('SubState')})"
         if elapsed > settings.ready_timeout_s:
-            raise OperationError(
-                f"not READY after {settings.ready_timeout_s} s (raise ready_timeout_s for slow first starts); "
-                "last log lines:\n" + _journal_tail(host)
-            )
+            return f"not READY after {settings.ready_timeout_s} s (ready_timeout_s; raise it for slow first starts)"
         if time.monotonic() - last_report >= 15:
             last_report = time.monotonic()
             host.log(f"waiting for READY: {elapsed:.0f} s, unit {unit.get('ActiveState')}", logger.info)
         gevent.sleep(2)
+
+
+def _change_from_last_good(host) -> str:
+    """What differs between the last good settings and the failing ones, in words."""
+    def env(path: str) -> dict[str, str]:
+        lines = remote.run(host, f"cat {path}").stdout
+        return dict(line.split("=", 1) for line in lines if "=" in line and not line.startswith("#"))
+
+    old, new = env(f"{LAST_GOOD_DIR}/serve.env"), env(SERVE_ENV)
+    changes = [f"{key} {old.get(key, '(unset)')!r} -> {new.get(key, '(unset)')!r}"
+               for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)]
+    if not remote.run(host, f"cmp -s {LAST_GOOD_DIR}/unit {UNIT_PATH}").ok:
+        changes.append(f"the unit ({UNIT_PATH}: image or mounts)")
+    if not remote.run(host, f"diff -rq {LAST_GOOD_DIR}/runtime {RUNTIME_DIR}").ok:
+        changes.append(f"the runtime copy ({RUNTIME_DIR})")
+    return "; ".join(changes) or "the API key or the compile cache"
+
+
+def _snapshot_last_good(cache: str) -> str:
+    """Shell: copy what serves now into LAST_GOOD_DIR, atomically."""
+    new = f"{LAST_GOOD_DIR}.new"
+    return " && ".join([
+        f"rm -rf {new}", f"mkdir -p {new}",
+        f"cp {SERVE_ENV} {new}/serve.env", f"cp {UNIT_PATH} {new}/unit", f"cp {REVISION_FILE} {new}/serving.rev",
+        f"cp -a {RUNTIME_DIR} {new}/runtime",
+        f"echo {shlex.quote(cache)} > {new}/compile.path",
+        f"{{ cp {shlex.quote(cache)}/{COMPILE_SIGNATURE} {new}/compile-signature 2>/dev/null || true; }}",
+        f"rm -rf {LAST_GOOD_DIR}", f"mv {new} {LAST_GOOD_DIR}",
+    ])
+
+
+def _restore_last_good() -> str:
+    """Shell: put the last good settings back and restart on them."""
+    lg = LAST_GOOD_DIR
+    return "\n".join([
+        "set -e",
+        f"cp {lg}/serve.env {SERVE_ENV}",
+        f"if ! cmp -s {lg}/unit {UNIT_PATH}; then cp {lg}/unit {UNIT_PATH}; "
+        f"systemctl daemon-reload; systemctl reenable {UNIT}; fi",
+        f"rm -rf {RUNTIME_DIR}.restore && cp -a {lg}/runtime {RUNTIME_DIR}.restore",
+        f"rm -rf {RUNTIME_DIR} && mv {RUNTIME_DIR}.restore {RUNTIME_DIR}",
+        # The failed start may have compiled for its own graph: clear what no longer matches.
+        f'cache=$(cat {lg}/compile.path); if ! cmp -s {lg}/compile-signature "$cache/{COMPILE_SIGNATURE}"; then '
+        f'rm -rf "$cache/torch_compile_cache"; cp {lg}/compile-signature "$cache/{COMPILE_SIGNATURE}" || true; fi',
+        f"cp {lg}/serving.rev {REVISION_FILE}",
+        f"systemctl reset-failed {UNIT} 2>/dev/null || true",
+        f"systemctl restart {UNIT}",
+    ])
 
 
 def _endpoint_hint(target_host, settings: Settings) -> str:
@@ -249,7 +362,62 @@ def ready(settings: Settings, restarting: bool):
     if settings.served_model_name in served and not restarting:
         host.noop(f"READY — {_endpoint_hint(host, settings)}")
         return
-    yield FunctionCommand(_wait_ready, (settings,), {})
+    yield FunctionCommand(_wait_ready, (settings, restarting), {})
+
+
+def _render(template: str, **context) -> str:
+    """A file of templates/, rendered as pyinfra's files.template renders it."""
+    return get_template(str(TEMPLATES / template)).render(context)
+
+
+def _tree_hash(root: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def revision(settings: Settings, env_text: str, unit_text: str) -> str:
+    """One hash of everything the serving container runs: serve.env, the unit, the runtime
+    copy, the API key (hashed) and the compile signature."""
+    key = hashlib.sha256((secrets.api_key(settings) or "").encode()).hexdigest()
+    parts = (env_text, unit_text, _tree_hash(PROJECT / "runtime"), key, settings.compile_signature)
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+@operation()
+def serving(revision: str, restart: bool):
+    """
+    The service runs the settings on disk: (re)started unless it already runs exactly them.
+
+    + revision: hash of everything the service runs (``revision()``)
+    + restart: an input the hash does not cover changed (a rebuilt checkpoint)
+
+    One decision from the unit's own record of what it started with, so a host in any
+    state (crash loop, failed, stopped, restarting on its own) converges in one run.
+    """
+    unit = host.get_fact(UnitState)
+    if not restart and unit.get("ActiveState") == "active" and unit.get("Started") == revision:
+        host.noop(f"{UNIT} runs these settings")
+        return
+    yield StringCommand("echo", revision, ">", REVISION_FILE)
+    # A crash loop's start limit must not block the deploy's own start.
+    yield f"systemctl reset-failed {UNIT} 2>/dev/null; systemctl restart {UNIT}"
+
+
+@operation()
+def last_good_kept(revision: str, hf_home: str):
+    """
+    Keep the settings that just got READY as the host's last good ones, for rollback.
+
+    + revision: the revision now serving
+    + hf_home: where the compile cache lives (its signature is kept too)
+    """
+    if host.get_fact(FileText, path=f"{LAST_GOOD_DIR}/serving.rev") == revision:
+        host.noop("the last good settings are these")
+        return
+    yield _snapshot_last_good(f"{hf_home}/.vllm_cache")
 
 
 # --- the state ----------------------------------------------------------------------------
@@ -277,43 +445,45 @@ def host_files(settings: Settings) -> tuple:
 
 
 def running(settings: Settings, also_restart_for: tuple = ()) -> None:
-    """Unit and environment in place; restarted once if anything that feeds it changed; READY."""
-    was_active = host.get_fact(UnitState).get("ActiveState") == "active"
-    env = files.template(
-        name="serving settings (serve.env)",
-        src=str(TEMPLATES / "serve.env.j2"),
-        dest=SERVE_ENV,
-        mode="644",
-        env=settings.serve_env(),
-    )
-    unit = files.template(
-        name=f"systemd unit {UNIT}",
-        src=str(TEMPLATES / "sparkfleet-serve.service.j2"),
-        dest=UNIT_PATH,
-        mode="644",
+    """Unit and environment in place; the service runs exactly them; READY.
+
+    Whether to (re)start is decided once, from what the running service started with
+    (the revision its unit recorded at start) against what is on disk now — not from
+    which files this run changed, so a host left in any state (crash loop, failed,
+    stopped, restarting on its own) converges. A start that does not get READY is
+    rolled back to the last settings that did.
+    """
+    env_text = _render("serve.env.j2", env=settings.serve_env())
+    unit_text = _render(
+        "sparkfleet-serve.service.j2",
         settings=settings,
         container=CONTAINER,
         serve_env=SERVE_ENV,
         secrets_env=SECRETS_ENV,
         runtime_dir=RUNTIME_DIR,
+        revision_file=REVISION_FILE,
+        started_file=STARTED_FILE,
         image=image_reference(settings),
     )
+    env = files.put(name="serving settings (serve.env)", src=io.StringIO(env_text), dest=SERVE_ENV, mode="644")
+    unit = files.put(name=f"systemd unit {UNIT}", src=io.StringIO(unit_text), dest=UNIT_PATH, mode="644")
     compile_cache = compile_cache_matches(name="torch.compile cache matches the profile", settings=settings)
-    feeds = (*also_restart_for, env, unit, compile_cache)
 
-    systemd.daemon_reload(name="systemd reload for the new unit", _if=unit.did_change)
-    systemd.service(name=f"{UNIT} enabled and running", service=UNIT, running=True, enabled=True)
-    systemd.service(
-        name=f"{UNIT} restarted for its new settings",
-        service=UNIT,
-        restarted=True,
-        _if=lambda: was_active and any(op.did_change() for op in feeds),
+    # reenable, not only daemon-reload: a new [Install] section takes effect only so.
+    server.shell(
+        name="systemd reload for the new unit",
+        commands=["systemctl daemon-reload", f"systemctl reenable {UNIT}"],
+        _if=unit.did_change,
     )
-    ready(
-        name="READY: the served model answers",
-        settings=settings,
-        restarting=any(op.will_change for op in feeds),
+    systemd.service(name=f"{UNIT} enabled", service=UNIT, running=None, enabled=True)
+    wanted = revision(settings, env_text, unit_text)
+    started = serving(
+        name=f"{UNIT} runs the settings on disk",
+        revision=wanted,
+        restart=any(op.will_change for op in (*also_restart_for, env, unit, compile_cache)),
     )
+    ready(name="READY: the served model answers", settings=settings, restarting=started.will_change)
+    last_good_kept(name="these settings kept as the last good ones", revision=wanted, hf_home=settings.hf_home)
 
 
 def stopped() -> None:
