@@ -9,13 +9,13 @@ VENV ?= .venv
 PYTHON = $(VENV)/bin/python
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 HOSTS ?= 3
-APT_PACKAGES = debootstrap systemd-container docker-registry iproute2 apt-utils gnupg dpkg-dev curl ca-certificates openssh-client
+APT_PACKAGES = debootstrap systemd-container docker-registry skopeo iproute2 apt-utils gnupg dpkg-dev curl ca-certificates openssh-client
 STAMP = .sparkfleet/deps.stamp
 
 .PHONY: deps demo down status test test-unit report
 
 $(STAMP): pyproject.toml Makefile
-	@command -v debootstrap >/dev/null && command -v systemd-nspawn >/dev/null && command -v docker-registry >/dev/null \
+	@command -v debootstrap >/dev/null && command -v systemd-nspawn >/dev/null && command -v docker-registry >/dev/null && command -v skopeo >/dev/null \
 		&& command -v apt-ftparchive >/dev/null && command -v gpg >/dev/null && command -v ssh >/dev/null \
 		|| { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PACKAGES); }
 	test -x $(PYTHON) || python3 -m venv --system-site-packages $(VENV)

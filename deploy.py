@@ -10,6 +10,7 @@ Every host's data is validated first: a bad value stops the run before any host 
 
 from sparkfleet import (
     container_runtime,
+    endpoint,
     hybrid,
     image,
     mirror,
@@ -36,5 +37,6 @@ else:
         mirror.track(settings, mirror_ops, pulled, cached, weights.repo_dirs(settings))
         build = hybrid.built(name="hybrid INT4+FP8 checkpoint", settings=settings)
         service.running(settings, also_restart_for=(*host_files, build))
+        endpoint.served(settings)  # fleet_endpoint: HAProxy over every serving host
         if settings.checks:
             run_checks(settings.checks)

@@ -57,6 +57,22 @@ mirror_tls_dir = ".sparkfleet/mirror-tls"
 # How the mirror reaches the image's registry; None: https://<the registry in `image`>.
 image_registry_url = None
 
+# --- The fleet endpoint: one OpenAI-compatible URL over every serving host -----------------
+# HAProxy (from the host's archives, or mirror_apt_repo) on one host of the inventory:
+# leastconn over the hosts that answer a real request with the fleet key, clients need the
+# same key. "auto": the first host of the inventory group `endpoint`, else none (a router
+# is a new port and a new way in on a host: the inventory opts in); a host name picks it.
+fleet_endpoint = "auto"
+# Where clients call it (port 8000 is the host's own engine); the HAProxy Prometheus
+# exporter answers on its own port, at /metrics, with the same key.
+endpoint_port = 8080
+endpoint_metrics_port = 8405
+# Idle time HAProxy allows either side (measured: a stream resets it with every token; a
+# silence longer than it is cut, 504 before the first byte). A stream is silent while it
+# waits in vLLM's queue and prefills up to 262k tokens (minutes on a GB10); a non-streaming
+# answer until its last token: 4 h covers one filling the 262k context at 18 tok/s.
+endpoint_timeout_s = 14400
+
 # --- Serving settings: the seeds' validated stack -----------------------------------------
 served_model_name = "qwen"
 # Where the API listens. 127.0.0.1 keeps it on the host; 0.0.0.0 serves the network.

@@ -74,6 +74,7 @@ _FIXES: dict[str, str] = {
     "api_key": "use 'auto' (generated per fleet), 'none' (trusted network only) or a key of 16+ characters",
     "fleet_mirror": "use 'auto' (the first host of group `mirror`, else of the inventory), a host of the inventory, or none",
     "mirror_olah": "use a pip requirement like olah==0.5.4",
+    "fleet_endpoint": "use 'auto' (the first host of group `endpoint`, else none), a host of the inventory, or none",
 }
 
 
@@ -109,6 +110,11 @@ class Settings(BaseModel):
     mirror_apt_key_url: str | None
     mirror_tls_dir: str
     image_registry_url: str | None
+    # The fleet endpoint: HAProxy over every serving host (sparkfleet/endpoint.py)
+    fleet_endpoint: str | None
+    endpoint_port: int = Field(ge=1, le=65535)
+    endpoint_metrics_port: int = Field(ge=1, le=65535)
+    endpoint_timeout_s: int = Field(ge=60, le=86400)
     # Serving settings (the seeds' validated stack)
     served_model_name: str
     bind_address: str
@@ -183,7 +189,7 @@ class Settings(BaseModel):
                 raise ValueError(f"revision {rev!r} of {repo} is not a branch, tag or commit")
         return value
 
-    @field_validator("fleet_mirror", mode="before")
+    @field_validator("fleet_mirror", "fleet_endpoint", mode="before")
     @classmethod
     def _mirror_name(cls, value: Any) -> Any:
         if value is False or (isinstance(value, str) and value.strip().lower() in MIRROR_OFF):
@@ -522,7 +528,7 @@ def validate_fleet(hosts: Iterable[Any]) -> dict[str, Settings]:
         except ConfigError as exc:
             problems.extend(str(exc).split("\n  ")[1:])
     if not problems:
-        problems = _mirror_problems(hosts, settings)
+        problems = _mirror_problems(hosts, settings) + chosen_endpoint(hosts, settings)[1]
     if problems:
         raise ConfigError(
             "\n  ".join(["invalid configuration, nothing was changed on any host:", *problems])
@@ -550,6 +556,14 @@ def fleet_settings() -> Settings:
         _FLEET_CACHE[key] = validate_fleet(state.inventory)
         _MIRROR_CACHE[key] = fleet_mirrors(state.inventory, _FLEET_CACHE[key])
     return _FLEET_CACHE[key][host.name]
+
+
+def all_settings() -> dict[str, Settings]:
+    """Every host's settings by inventory name (validated once per run)."""
+    from pyinfra import state
+
+    fleet_settings()
+    return _FLEET_CACHE[id(state)]
 
 
 def host_mirror() -> "Mirror | None":
@@ -634,6 +648,34 @@ def fleet_mirrors(hosts: Iterable[Any], settings: dict[str, Settings]) -> dict[s
         address = ms.mirror_address or ssh_hostname or mirror
         sources[name] = Mirror(mirror, str(address), ms.mirror_hf_port, ms.mirror_registry_port, name == mirror)
     return sources
+
+
+#: An inventory group of this name picks the fleet endpoint for fleet_endpoint="auto".
+ENDPOINT_GROUP = "endpoint"
+
+
+def chosen_endpoint(hosts: list[Any], settings: dict[str, Settings]) -> tuple[str | None, list[str]]:
+    """The host that serves the fleet endpoint (None: none), and what is wrong. ``auto``
+    is the first host of the inventory group ``endpoint``, else none: a router is a new
+    port and a new way in on a host, so the inventory opts in."""
+    names = [h.name for h in hosts]
+    grouped = [h.name for h in hosts if ENDPOINT_GROUP in (getattr(h, "groups", None) or ())]
+    chosen: dict[str, str | None] = {}
+    problems: list[str] = []
+    for name in names:
+        want = settings[name].fleet_endpoint
+        if want == "auto":
+            chosen[name] = (grouped or [None])[0]
+        elif want is None or want in names:
+            chosen[name] = want
+        else:
+            problems.append(f"{name}: `fleet_endpoint` = {want!r} is not a host of the inventory "
+                            f"({', '.join(names)}). Fix: {_FIXES['fleet_endpoint']}")
+    if not problems and len(set(chosen.values())) > 1:
+        problems.append("the hosts name different fleet endpoints ("
+                        + ", ".join(f"{n}: {e or 'none'}" for n, e in chosen.items())
+                        + "). Fix: give every host the same fleet_endpoint")
+    return (next(iter(chosen.values()), None) if not problems else None), problems
 
 
 def project_defaults() -> dict[str, Any]:

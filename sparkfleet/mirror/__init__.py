@@ -29,13 +29,12 @@ def configured(settings: Settings) -> list:
     """The mirror for this host: served here (the mirror host), trusted (every host using
     it), or stopped (a host that served it before). Returns the operations it declared."""
     mirror = host_mirror()
-    ops: list = []
+    # Trusted first: the mirror host's own image copy into its registry checks it too.
+    ops: list = [clients.trusted(settings, mirror)] if mirror else []
     if mirror and mirror.is_self:
         ops += server.served(settings, mirror)
     else:
         ops += clients.former_mirror_stopped()
-    if mirror:
-        ops.append(clients.trusted(settings, mirror))
     return ops
 
 

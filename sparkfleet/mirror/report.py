@@ -1,9 +1,9 @@
 """What crossed the WAN and the LAN: printed once the download steps ended on every host.
 
 Measured, not assumed: bytes a host received are its HF cache's growth (weights) and the
-mirror registry's access log for its address (image); bytes from upstream are what the
-copy tool read (image) and the growth of the HF mirror's cache (weights, which it stores
-as fetched). Nothing is printed when nothing was fetched.
+mirror registry's access log for its address (image); bytes from upstream are the growth
+of the mirror registry's storage during the copy (image) and of the HF mirror's cache
+(weights), both of which store what they fetch as fetched. Nothing is printed when nothing was fetched.
 """
 
 from __future__ import annotations

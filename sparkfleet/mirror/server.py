@@ -14,7 +14,6 @@ from sparkfleet import secrets
 from sparkfleet.config import Mirror, Settings
 from sparkfleet.facts import CPUCount, MirrorAnswers
 from sparkfleet.hostpaths import (
-    COPY_TOOL,
     HF_MIRROR_CONFIG,
     HF_MIRROR_UNIT,
     HF_MIRROR_UNIT_PATH,
@@ -36,7 +35,7 @@ def served(settings: Settings, mirror: Mirror) -> list:
     """The registry (image copy included) and the HF mirror on this host, the mirror.
     Returns the operations it declared (for the report)."""
     cert, key = secrets.mirror_tls(settings.mirror_tls_dir, mirror)
-    installed = registry.installed(name="mirror: docker-registry installed", settings=settings)
+    installed = registry.installed(name="mirror: docker-registry and skopeo installed", settings=settings)
     storage = files.directory(
         name="mirror: registry storage", path=mirror_registry_storage(settings.mirror_dir),
         user=REGISTRY_USER, group=REGISTRY_USER, mode="750",
@@ -82,10 +81,8 @@ def served(settings: Settings, mirror: Mirror) -> list:
     )
     # Both answer before anything is fetched from them.
     ready = answering(name="mirror: registry and HF mirror answer", mirror=mirror)
-    tool = files.put(name="mirror: image copy tool", src=str(TEMPLATES / "sparkfleet-copy-image.py"),
-                     dest=COPY_TOOL, mode="755")
     copy = registry.image_copied(name="mirror: serving image copied from upstream", settings=settings, mirror=mirror)
-    return [installed, olah, ready, tool, copy]
+    return [installed, olah, ready, copy]
 
 
 @operation(is_idempotent=False)

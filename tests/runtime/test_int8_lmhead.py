@@ -160,8 +160,10 @@ def test_lmhead_cache_quantizes_once_and_keeps_bf16_weight():
 
 def test_config_parse_and_env_override(monkeypatch):
     c = m.KernelConfig.parse("V64_K128_w4_s3")
-    assert (c.block_v, c.block_k, c.num_warps, c.num_stages, c.fast_cvt) == (64, 128, 4, 3, True)
+    assert (c.block_v, c.block_k, c.num_warps, c.num_stages, c.fast_cvt, c.gemv) == (64, 128, 4, 3, True, False)
     assert repr(m.KernelConfig.parse("V128_K64_w8_s2_cvt")) == "V128_K64_w8_s2_cvt"
+    assert m.KernelConfig.parse("V32_K256_w4_s3_gemv").gemv
+    assert repr(m.KernelConfig.parse("V32_K256_w4_s3_gemv")) == "V32_K256_w4_s3_gemv"
     monkeypatch.setenv("SF_INT8_LMHEAD_CONFIG", "V32_K32_w4_s1")
     assert repr(m.pick_config(13)) == "V32_K32_w4_s1"
     w = _weight(100, 40)
@@ -169,6 +171,38 @@ def test_config_parse_and_env_override(monkeypatch):
     x = _hidden(3, 40)
     torch.testing.assert_close(m.int8_logits(x, q, s).float(), x.float() @ m.dequantize_rows(q, s).t(),
                                rtol=ULP, atol=1e-3)
+    # a forced CUDA-core config also serves B > 1 (one launch per row)
+    monkeypatch.setenv("SF_INT8_LMHEAD_CONFIG", "V32_K32_w4_s1_gemv")
+    torch.testing.assert_close(m.int8_logits(x, q, s).float(), x.float() @ m.dequantize_rows(q, s).t(),
+                               rtol=ULP, atol=1e-3)
+
+
+def test_dispatch_by_batch():
+    tiles = {b: m.batch_tile(b) for b in (1, 2, 13, 16, 17, 32, 33, 64, 70)}
+    assert tiles == {1: 1, 2: 16, 13: 16, 16: 16, 17: 32, 32: 32, 33: 64, 64: 64, 70: 64}
+    assert m._TUNED[1].gemv and not any(m._TUNED[t].gemv for t in (16, 32, 64))
+
+
+def test_same_source_compiles_for_gb10_without_hopper_instructions():
+    # Cross-compiles (no GPU needed) what the launcher runs for each path, for
+    # sm_121 (GB10) and sm_90 (H200): mma.sync only, never wgmma / TMA /
+    # warp-specialization register moves.  Not under the interpreter (it
+    # replaces @triton.jit), hence a subprocess.
+    code = (
+        f"import sys; sys.path.insert(0, {str(RUNTIME)!r})\n"
+        "import int8_lmhead as m\n"
+        "for cc in (121, 90):\n"
+        "    for b in (1, 16, 32, 64):\n"
+        "        p = m.compile_ptx(cc, b)\n"
+        "        assert f'.target sm_{cc}' in p, (cc, b)\n"
+        "        for op in ('wgmma', 'cp.async.bulk', 'setmaxnreg'):\n"
+        "            assert op not in p, (cc, b, op)\n"
+        "        assert ('mma.sync' in p) == (b > 1), (cc, b)\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
 
 
 def test_shape_errors():
