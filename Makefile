@@ -27,7 +27,7 @@ deps: $(STAMP)
 
 demo: deps
 	sparkfleet testbed up --hosts $(HOSTS)
-	pyinfra -y inventory/testbed.py deploy.py --data checks=smoke,decode,e2e --data run_id=demo
+	pyinfra -y inventory/testbed.py deploy.py --data checks=smoke,tools,decode,e2e --data run_id=demo
 	@echo "Rebuild that report any time: sparkfleet report results/demo"
 	@echo "The simulated fleet stays up: try 'sparkfleet testbed status', 'make down' removes it."
 

@@ -133,10 +133,13 @@ artifact_sizes_gib = {
 disk_margin_gib = 5.0
 
 # --- Post-deploy checks (checks/) ------------------------------------------------------------
-# Run after the deploy: any of smoke, decode, e2e, agent.
+# Run after the deploy: any of smoke, tools, decode, e2e, agent. None by default: a
+# converged re-run must change nothing, and a check run reports as a change.
 checks = []
-# What checks/bench.py runs when used on its own.
-bench = ["smoke", "decode", "e2e"]
+# What checks/bench.py runs when used on its own: first what a client needs, the model
+# answers (smoke) and tool calls work (tools: the most common misconfiguration of this
+# stack is a server started without its parsers), then the decode benches.
+bench = ["smoke", "tools", "decode", "e2e"]
 bench_runs = 3
 bench_warmup = 1
 bench_max_tokens = 256

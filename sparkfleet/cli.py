@@ -10,7 +10,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["report"]:
         # The report has its own argparse; imported lazily (matplotlib is heavy).
-        from sparkfleet import report
+        from sparkfleet.bench import report
 
         return int(report.main(argv[1:]) or 0)
     if argv[:1] == ["status"]:

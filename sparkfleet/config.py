@@ -304,7 +304,7 @@ class Settings(BaseModel):
     @field_validator("checks", "bench")
     @classmethod
     def _check_names(cls, value: list[str]) -> list[str]:
-        known = {"smoke", "decode", "e2e", "agent"}
+        known = {"smoke", "tools", "decode", "e2e", "agent"}
         unknown = [name for name in value if name not in known]
         if unknown:
             raise ValueError(f"unknown check(s) {unknown}; known: {', '.join(sorted(known))}")

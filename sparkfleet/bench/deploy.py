@@ -13,7 +13,7 @@ runs every operation. The program's progress lines stream live, prefixed by host
 A host whose checks cannot run (server down, container missing, SSH gone, failed earlier
 in the deploy) still gets a result file, ``status: failed`` with the reason, and fails
 in pyinfra's summary; the others report. When the collect operation has ended on every
-host, the fleet report (``sparkfleet.report``) is written next to the results and printed.
+host, the fleet report (``sparkfleet.bench.report``) is written next to the results and printed.
 """
 
 from __future__ import annotations
@@ -29,14 +29,15 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Union
 
-from pyinfra import host, state
+from pyinfra import state
 from pyinfra.api import StringCommand, deploy
 from pyinfra.api.state import BaseStateCallback
 from pyinfra.operations import files, python
 
-from .results import failed_result, now_iso, result_path, run_dir, write_json
 from sparkfleet.config import fleet_settings
 
+from .onhost.schema import ProgramSettings, failed_result, now_iso
+from .results import result_path, run_dir, write_json
 from .settings import BenchSettings, bench_settings, parse_check_names, run_id_for
 
 ONHOST_SRC = Path(__file__).resolve().parent / "onhost"
@@ -57,23 +58,21 @@ _LOCK_MESSAGE = (
 # --- the command that runs on the host -------------------------------------------------------
 
 
-def program_args(s: BenchSettings, names: Sequence[str], run_id: str, host_name: str,
-                 remote_result: str, remote_state_db: Optional[str], secrets_file: str) -> List[str]:
-    args = [
-        "--base-url", s.base_url, "--model", s.served_model_name, "--checks", ",".join(names),
-        "--out", remote_result, "--run-id", run_id, "--host", host_name,
-        "--secrets-file", secrets_file,
-        "--runs", str(s.bench_runs), "--warmup", str(s.bench_warmup),
-        "--max-tokens", str(s.bench_max_tokens), "--timeout", str(s.bench_timeout_s),
-        "--agent-sessions", str(s.agent_sessions),
-        "--agent-max-context-tokens", str(s.agent_max_context_tokens),
-        "--agent-max-tokens", str(s.agent_max_tokens),
-    ]
-    if s.bench_prompt:
-        args += ["--prompt", s.bench_prompt]
-    if remote_state_db:
-        args += ["--state-db", remote_state_db]
-    return args
+# Seconds between the program's "still running" lines.
+HEARTBEAT_S = 15.0
+
+
+def program_settings(s: BenchSettings, names: Sequence[str], run_id: str, host_name: str,
+                     remote_result: str, remote_state_db: Optional[str], secrets_file: str) -> ProgramSettings:
+    """The on-host program's one settings document, from the validated host settings."""
+    return ProgramSettings(
+        base_url=s.base_url, model=s.served_model_name, checks=list(names), out=remote_result, run_id=run_id,
+        host=host_name, secrets_file=secrets_file, runs=s.bench_runs, warmup=s.bench_warmup,
+        max_tokens=s.bench_max_tokens, prompt=s.bench_prompt, state_db=remote_state_db,
+        agent_sessions=s.agent_sessions, agent_max_context_tokens=s.agent_max_context_tokens,
+        agent_max_tokens=s.agent_max_tokens, timeout_s=float(s.bench_timeout_s), heartbeat_s=HEARTBEAT_S,
+        quiet=False,
+    )
 
 
 def remote_paths(s: BenchSettings, run_id: str) -> Dict[str, str]:
@@ -100,15 +99,14 @@ def bench_command(s: BenchSettings, names: Sequence[str], run_id: str, host_name
         f"rm -f {q(p['result'])}",
     ]
     if s.bench_runner == "host":
-        args = program_args(s, names, run_id, host_name, p["result"], state_db, SECRETS_ENV)
+        doc = program_settings(s, names, run_id, host_name, p["result"], state_db, SECRETS_ENV).to_json()
         lines.append(
             f"cd {q(p['code_root'])} && PYTHONPATH={q(p['code_root'])} PYTHONUNBUFFERED=1 "
-            f"flock -n -E {LOCKED_EXIT} {q(p['lock'])} python3 -m {REMOTE_PACKAGE} "
-            + " ".join(q(a) for a in args)
+            f"flock -n -E {LOCKED_EXIT} {q(p['lock'])} python3 -m {REMOTE_PACKAGE} --settings {q(doc)}"
         )
         lines.append(_LOCK_MESSAGE)
         return "\n".join(lines)
-    args = program_args(s, names, run_id, host_name, p["result"], state_db, CONTAINER_SECRETS)
+    doc = program_settings(s, names, run_id, host_name, p["result"], state_db, CONTAINER_SECRETS).to_json()
     container = q(SERVE_CONTAINER)
     lines += [
         # The image the serving container runs, by ID: it has python3 and prometheus_client,
@@ -124,7 +122,7 @@ def bench_command(s: BenchSettings, names: Sequence[str], run_id: str, host_name
         f" -e PYTHONPATH={CONTAINER_CODE_ROOT} -e PYTHONUNBUFFERED=1"
         f" -v {q(p['code'] + ':' + CONTAINER_CODE_ROOT + '/' + REMOTE_PACKAGE + ':ro')}"
         f" -v {q(s.bench_dir + ':' + s.bench_dir)}"
-        f" \"$@\" \"$IMAGE\" -m {REMOTE_PACKAGE} " + " ".join(q(a) for a in args),
+        f" \"$@\" \"$IMAGE\" -m {REMOTE_PACKAGE} --settings {q(doc)}",
         _LOCK_MESSAGE,
     ]
     return "\n".join(lines)
@@ -210,7 +208,7 @@ class _Collector:
                 reason = self.reasons.get(name, "did not finish its checks (see the pyinfra output)")
                 self.record(name, failed_result(name, self.run_id, reason, self.names))
         try:
-            from sparkfleet import report
+            from sparkfleet.bench import report
 
             report.write_and_print(self.dir)
         except Exception as exc:  # the results are on disk; `sparkfleet report` can retry
@@ -293,7 +291,7 @@ def _run_and_collect(state, host, settings: BenchSettings, names: List[str],  # 
 
 @deploy("sparkfleet checks")
 def run_checks(names: Union[Sequence[str], str, None] = None) -> None:
-    """Run the named checks (smoke, decode, e2e, agent) on this host and collect the result.
+    """Run the named checks (smoke, tools, decode, e2e, agent) on this host and collect the result.
 
     + names: the checks; None reads data ``checks`` (``--data checks=smoke,decode``)
 

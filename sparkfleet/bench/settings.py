@@ -8,7 +8,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Union
 
-CHECK_NAMES = ("smoke", "decode", "e2e", "agent")
+from .onhost.schema import CHECK_NAMES
+
 RUNNERS = ("docker", "host")
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 

@@ -10,8 +10,8 @@ Built without a docker engine, as three deterministic layers:
    with `find_spec`, never importing it: torch is not in the image);
 3. *app*: Python packages the serving image offers (huggingface_hub, requests,
    prometheus_client and their dependencies) installed offline from wheels the
-   controller downloads once, plus the simulated engine (sparkfleet/testbed/engine.py)
-   as /usr/local/bin/vllm; cached per input hash.
+   controller downloads once, plus the simulated engine (the sparkfleet/testbed/engine
+   package, as `sparkfleet_vllm_sim`) run by /usr/local/bin/vllm; cached per input hash.
 
 Layers are tarred in sorted order with fixed mtimes/owners names and gzip mtime 0, and the
 manifest is serialised canonically, so the same inputs always give the same digest.
@@ -49,11 +49,14 @@ PIP_PLATFORMS = [
 ]
 IMAGE_PYTHON = "3.11"  # bookworm's python3
 
-ENGINE_SRC = Path(__file__).resolve().parent / "engine.py"
-PLACEHOLDER_ENGINE = """#!/usr/bin/python3
+ENGINE_SRC = Path(__file__).resolve().parent / "engine"
+# The engine package's name in the image (not `vllm`: the real vLLM source sits there).
+ENGINE_PACKAGE = "sparkfleet_vllm_sim"
+ENGINE_LAUNCHER = f"""#!/usr/bin/python3
 import sys
-sys.exit("vllm (sparkfleet testbed): the simulated engine (sparkfleet/testbed/engine.py) was not available when this image was built")
-"""
+from {ENGINE_PACKAGE}.serve import main
+sys.exit(main())
+""".encode()
 
 IMAGE_ENV = [
     "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -272,16 +275,12 @@ def ensure_wheels() -> Path:
     return final
 
 
-def engine_source() -> bytes:
-    if ENGINE_SRC.exists():
-        body = ENGINE_SRC.read_bytes()
-        lines = body.split(b"\n", 1)
-        # Run it with the image's python3, whatever shebang the source carries.
-        if lines[0].startswith(b"#!"):
-            body = lines[1] if len(lines) > 1 else b""
-        return b"#!/usr/bin/python3\n" + body
-    log(f"warning: {ENGINE_SRC} missing; the image gets a placeholder vllm")
-    return PLACEHOLDER_ENGINE.encode()
+def engine_source() -> dict[str, bytes]:
+    """The engine package's files (relative path -> bytes), without caches."""
+    files = {str(p.relative_to(ENGINE_SRC)): p.read_bytes() for p in sorted(ENGINE_SRC.glob("*.py"))}
+    if "serve.py" not in files:
+        raise TestbedError(f"{ENGINE_SRC} holds no simulated engine (serve.py missing)")
+    return files
 
 
 def app_layer(base: Layer) -> Layer:
@@ -291,7 +290,9 @@ def app_layer(base: Layer) -> Layer:
     h.update(json.dumps([APP_LAYER_VERSION, PIP_PINS, base.diff_id]).encode())
     for w in sorted(wheels.glob("*.whl")):
         h.update(w.name.encode() + hashlib.sha256(w.read_bytes()).digest())
-    h.update(engine)
+    h.update(ENGINE_LAUNCHER)
+    for name, body in engine.items():
+        h.update(name.encode() + hashlib.sha256(body).digest())
     key = h.hexdigest()[:16]
     meta = paths.CACHE_DIR / f"image-app-{key}.json"
     layer = _cached_layer(meta)
@@ -313,7 +314,10 @@ def app_layer(base: Layer) -> Layer:
         shutil.rmtree(site / "bin", ignore_errors=True)
         vllm = stage / "usr/local/bin/vllm"
         vllm.parent.mkdir(parents=True, exist_ok=True)
-        vllm.write_bytes(engine)
+        vllm.write_bytes(ENGINE_LAUNCHER)
+        for name, body in engine.items():
+            (site / ENGINE_PACKAGE).mkdir(exist_ok=True)
+            (site / ENGINE_PACKAGE / name).write_bytes(body)
         for p in [stage, *stage.rglob("*")]:
             if p.is_symlink():
                 continue

@@ -16,11 +16,10 @@ from __future__ import annotations
 import ast
 import re
 from functools import lru_cache
-from pathlib import Path
 
 import pytest
 
-from sparkfleet.testbed import engine
+from sparkfleet.testbed.engine import flags as engine
 from support.vllm_source import VLLM_IMAGE_VERSION, vllm_members, vllm_source_file
 
 ARG_UTILS = "vllm/engine/arg_utils.py"
@@ -212,6 +211,10 @@ def test_deploy_argv_of_every_profile_is_accepted() -> None:
         engine.parse_speculative_config(args.speculative_config)
 
 
-def test_engine_file_is_an_executable_script() -> None:
-    path = Path(engine.__file__)
-    assert path.read_text().startswith("#!/usr/bin/env python3\n")
+def test_the_image_runs_the_engine_package_as_vllm() -> None:
+    from sparkfleet.testbed import image
+
+    files = image.engine_source()
+    assert {"serve.py", "flags.py", "perf.py", "api.py"} <= set(files)
+    assert image.ENGINE_LAUNCHER.startswith(b"#!/usr/bin/python3\n")
+    assert f"from {image.ENGINE_PACKAGE}.serve import main".encode() in image.ENGINE_LAUNCHER

@@ -6,7 +6,7 @@ line — timestamps would measure the buffer, not the server. ``http.client`` re
 SSE line as soon as it arrives (chunked or not), and it ignores proxy variables, which
 must never sit between a bench and the server on the same host.
 
-One connection per request, like the seeds' harnesses: albond's end-to-end time includes
+One connection per request, like the reference recipe's harnesses: albond's end-to-end time includes
 it, and a fresh connection cannot carry state from the previous run.
 """
 
@@ -221,7 +221,7 @@ def delta_kinds(event: dict) -> list:
 
     Every kind counts as a token arrival: completions ``text``; chat ``content``,
     ``reasoning_content``/``reasoning`` (the qwen3 reasoning parser) and ``tool_calls``
-    (the qwen3_xml tool parser). Timing only ``content`` — as the seeds' agent bench did —
+    (the qwen3_xml tool parser). Timing only ``content`` — as the reference recipe's agent bench did —
     would start the clock after the model's thinking and drop tool-call turns.
     """
     kinds = []

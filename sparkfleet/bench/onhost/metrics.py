@@ -88,7 +88,7 @@ def parse_spec_counters(text: str) -> SpecCounters:
 def acceptance(delta: SpecCounters) -> Optional[dict]:
     """Acceptance of a measured window, or None when no draft happened in it.
 
-    ``mean_length`` is what the seeds call "accept len" (1 + accepted / drafts);
+    ``mean_length`` is what the reference recipe calls "accept len" (1 + accepted / drafts);
     ``rate`` is accepted / proposed; ``per_position[i]`` is accepted at i / drafts, so the
     per-position rates add up to mean_length - 1.
     """

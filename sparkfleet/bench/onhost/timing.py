@@ -1,6 +1,6 @@
 """Timing math of the benches: pure functions over timestamps, no I/O.
 
-Two methods from the seeds, kept apart on purpose because they answer different
+Two methods from the reference recipe, kept apart on purpose because they answer different
 questions and are not comparable:
 
 - decode-only (``bench_decode.py``): tok/s = (tokens - 1) / (t_last - t_first), where

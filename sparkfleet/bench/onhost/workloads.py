@@ -1,4 +1,4 @@
-"""The seeds' prompts, verbatim, so fleet numbers compare with the published ones."""
+"""The reference recipe's bench prompts, verbatim, so fleet numbers compare with the published ones."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ SMOKE_PROMPT = "What is the capital of France? Answer in one word."
 SMOKE_MAX_TOKENS = 8
 SMOKE_EXPECT = "paris"
 
-# The decode bank of the seeds' run_bank.sh: acceptance is task-dependent (prose ~2.3,
+# The decode bank of the reference recipe's run_bank.sh: acceptance is task-dependent (prose ~2.3,
 # code ~5.4, counting ~11 with DFlash n=12), so one number per workload.
 DECODE_BANK: Dict[str, str] = {
     "prose": (
@@ -41,7 +41,7 @@ class E2EPrompt(NamedTuple):
     max_tokens: int
 
 
-# albond's five prompts (bench_qwen35.sh, reproduced by the seeds' bench_albond.py).
+# albond's five prompts (bench_qwen35.sh, reproduced by the reference recipe's bench_albond.py).
 ALBOND_PROMPTS: List[E2EPrompt] = [
     E2EPrompt("Q&A", "What are the main differences between TCP and UDP? Be concise.", 256),
     E2EPrompt(

@@ -1,4 +1,5 @@
-"""Fleet report: every host's check results side by side, against the seeds' numbers.
+"""Fleet report: every host's check results side by side, against the reference recipe's
+published numbers (``reference.py``).
 
     sparkfleet report results/<run-id>      (sparkfleet.cli calls main([...]))
 
@@ -7,8 +8,8 @@ Reads ``results/<run-id>/<host>.json`` and writes, next to them:
 - ``fleet-report.txt`` — the terminal table (also printed): per workload, each host's
   tok/s, TTFT and mean acceptance length, and how far it is from the fleet median;
 - ``fleet-report.csv`` / ``fleet-report.json`` — the same, for machines;
-- ``fleet-report.png`` — tok/s per workload and host, with the seeds' published numbers
-  drawn as reference lines.
+- ``fleet-report.png`` — tok/s per workload and host, with the published numbers drawn
+  as reference lines.
 
 A host more than 10% below the fleet median of a workload is flagged. A host that failed
 its checks is shown as failed, with the reason (and the smoke answer it gave).
@@ -25,19 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from sparkfleet.bench.results import REPORT_STEM, load_run, now_iso, write_json
+from sparkfleet.bench.onhost.schema import now_iso
+from sparkfleet.bench.reference import reference_lines
+from sparkfleet.bench.results import REPORT_STEM, load_run, write_json
 
 # A host this far below the fleet median of a workload is flagged.
 FLAG_BELOW_MEDIAN = 0.10
 
-# The seeds' published numbers (single stream, GB10) and the workload each compares with.
-REFERENCES: List[dict] = [
-    {"label": "base no-spec decode 28.2", "tok_s": 28.2, "workloads": "decode/"},
-    {"label": "albond MTP-2 e2e 51.58", "tok_s": 51.58, "workloads": "e2e"},
-    {"label": "dflash e2e 53.7", "tok_s": 53.7, "workloads": "e2e"},
-    {"label": "dense e2e 59.0", "tok_s": 59.0, "workloads": "e2e"},
-    {"label": "Hermes agent turns ~81", "tok_s": 81.0, "workloads": "agent"},
-]
+# The reference recipe's published numbers, drawn beside the workloads they compare with.
+REFERENCES: List[dict] = reference_lines()
 
 _WORKLOAD_ORDER = ["decode/prose", "decode/code", "decode/counting", "decode/user", "e2e", "agent"]
 _WORKLOAD_TITLES = {"e2e": "e2e (albond)", "agent": "agent (Hermes)"}
@@ -61,6 +58,7 @@ class HostRow:
     status: str
     reason: Optional[str]
     smoke: Optional[dict]
+    tools: Optional[dict]
     cells: Dict[str, Cell] = field(default_factory=dict)
 
 
@@ -131,7 +129,8 @@ def build(run_dir: Path) -> FleetReport:
     rows = [
         HostRow(
             host=name, status=r.get("status", "failed"), reason=r.get("reason"),
-            smoke=(r.get("checks") or {}).get("smoke"), cells=host_cells(r),
+            smoke=(r.get("checks") or {}).get("smoke"), tools=(r.get("checks") or {}).get("tools"),
+            cells=host_cells(r),
         )
         for name, r in sorted(results.items())
     ]
@@ -193,12 +192,24 @@ def render_table(rep: FleetReport) -> str:
             )
         if rep.medians.get(w) is not None:
             out.write(f"{'':<{wl_w}}  {'median':<{host_w}}  {rep.medians[w]:8.2f}\n")
+        published = [r["label"] for r in REFERENCES if w.startswith(r["workloads"])]
+        if published:
+            out.write(f"{'':<{wl_w}}  {'published':<{host_w}}  {' · '.join(published)}\n")
     smoke_rows = [h for h in rep.hosts if h.smoke]
     if smoke_rows:
         out.write("\nsmoke (capital of France):\n")
         for h in smoke_rows:
             verdict = "PASS" if h.smoke.get("passed") else "FAIL"
             out.write(f"  {h.host:<{host_w}}  {verdict}  answer {str(h.smoke.get('answer', ''))!r}\n")
+    tools_rows = [h for h in rep.hosts if h.tools]
+    if tools_rows:
+        out.write("\ntools (function-call round trip):\n")
+        for h in tools_rows:
+            if h.tools.get("passed"):
+                detail = f"get_weather({h.tools.get('arguments')}) -> answered"
+            else:
+                detail = str(h.tools.get("reason") or h.tools.get("status"))
+            out.write(f"  {h.host:<{host_w}}  {'PASS' if h.tools.get('passed') else 'FAIL'}  {detail}\n")
     if rep.failed:
         out.write("\nfailed hosts:\n")
         for h in rep.failed:
@@ -208,7 +219,7 @@ def render_table(rep: FleetReport) -> str:
         for host, w, c in rep.flagged:
             out.write(f"  {host} on {w}: {c.tok_s:.2f} tok/s vs median {c.median:.2f} ({c.vs_median * 100:+.1f}%)\n")
     out.write(
-        "\nreferences (seeds, GB10, c=1): " + " · ".join(r["label"] for r in REFERENCES) + "\n"
+        "\nreferences (the reference recipe, GB10, c=1): " + " · ".join(r["label"] for r in REFERENCES) + "\n"
         "decode/* and agent are decode-only tok/s (TTFT excluded); e2e is albond's "
         "completion_tokens / wall time.\n"
     )
@@ -259,6 +270,7 @@ def render_json(rep: FleetReport) -> dict:
                 "status": h.status,
                 "reason": h.reason,
                 "smoke": h.smoke,
+                "tools": h.tools,
                 "workloads": {w: vars(c) for w, c in h.cells.items()},
             }
             for h in rep.hosts
@@ -321,8 +333,10 @@ def render_png(rep: FleetReport, path: Path) -> None:
                              label=row.host + (" (failed)" if failed else "")))
     # Reference lines over the workloads they compare with; labels in the right margin.
     right = len(workloads) - 0.5
-    label_y = _spread([r["tok_s"] for r in REFERENCES], top * 0.035)
-    for ref, y_label in zip(REFERENCES, label_y):
+    # Only the references of workloads this run measured: the others have nothing to compare.
+    shown = [r for r in REFERENCES if any(w.startswith(r["workloads"]) for w in workloads)] or REFERENCES
+    label_y = _spread([r["tok_s"] for r in shown], top * 0.035)
+    for ref, y_label in zip(shown, label_y):
         groups = [gi for gi, w in enumerate(workloads) if w.startswith(ref["workloads"])]
         lo, hi = (min(groups) - 0.45, max(groups) + 0.45) if groups else (-0.5, right)
         ax.hlines(ref["tok_s"], lo, hi, colors="#444444", linestyles="dashed", linewidth=1.2)
