@@ -20,6 +20,9 @@ model_dir = None
 # Build the hybrid INT4+FP8 checkpoint on the host instead of downloading the hosted one
 # (dense only): fetches the Intel INT4 checkpoint and the FP8 donor's non-expert shards.
 build_hybrid = False
+# Re-hash every cached weight blob against its ETag on this run (a new blob is always
+# hashed once; a truncated one is seen by its size on every run).
+verify_weights = False
 hybrid_dir = "/var/lib/sparkfleet/hybrid-int4-fp8"
 
 # --- Where it comes from ---------------------------------------------------------------

@@ -93,6 +93,7 @@ class Settings(BaseModel):
     model_revisions: dict[str, str]
     model_dir: str | None
     build_hybrid: bool
+    verify_weights: bool
     hybrid_dir: str
     # Where it comes from
     image: str

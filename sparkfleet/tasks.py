@@ -104,8 +104,20 @@ def run_detached(
         raise OperationError(
             f"{name} failed ({_why(state)}); last lines of journalctl -u {unit}:\n    " + "\n    ".join(tail)
         )
+    _print_reports(host, name, unit, state)
     remote.run(host, f"systemctl stop {unit}")
     logger.info(f"{host.print_prefix}{name}: done in {time.monotonic() - started:.0f} s")
+
+
+#: A step's output lines that begin so are shown in the deploy's output when it ends
+#: (what a step found and did that the operator must know, e.g. a repaired file).
+REPORT_PREFIX = "report: "
+
+
+def _print_reports(host, name: str, unit: str, state: dict[str, str]) -> None:
+    for line in _journal(host, unit, state, 500):
+        if line.startswith(REPORT_PREFIX):
+            logger.warning(f"{host.print_prefix}{name}: {line[len(REPORT_PREFIX):]}")
 
 
 def _unit_state(host, unit: str) -> dict[str, str]:

@@ -23,15 +23,27 @@ GIB = 1024**3
 
 
 class CachedSnapshot(FactBase["str | None"]):
-    """The commit of a complete cached snapshot of ``repo_id@revision``, or None."""
+    """The commit of a complete cached snapshot of ``repo_id@revision`` whose every blob
+    was verified at its present size, or None."""
 
     def command(self, hf_home: str, repo_id: str, revision: str) -> str:
         marker = shlex.quote(snapshot_marker(hf_home, repo_id, revision))
-        snapshots = shlex.quote(repo_cache_dir(hf_home, repo_id) + "/snapshots")
-        return f'c=$(cat {marker} 2>/dev/null) && [ -n "$c" ] && [ -d {snapshots}/"$c" ] && echo "$c" || true'
+        snapshot = shlex.quote(repo_cache_dir(hf_home, repo_id) + "/snapshots") + '/"$c"'
+        records = shlex.quote(f"{hf_home}/sparkfleet/verified")
+        # fetch_weights.py records each blob's size once it matched its hash: a blob
+        # missing, truncated or grown since shows here without reading it.
+        return (
+            f'c=$(cat {marker} 2>/dev/null) && [ -n "$c" ] && [ -d {snapshot} ] || exit 0; '
+            f'find {snapshot}/ ! -type d | while read -r f; do b=$(readlink -f "$f"); '
+            f's=$(stat -c %s "$b" 2>/dev/null) && [ "$(cat {records}/"${{b##*/}}" 2>/dev/null)" = "$s" ] '
+            '|| { echo unverified; break; }; done; echo "commit=$c"'
+        )
 
     def process(self, output):
-        return output[0].strip() if output and output[0].strip() else None
+        if "unverified" in output:
+            return None
+        commits = [line[len("commit="):] for line in output if line.startswith("commit=")]
+        return commits[0] if commits else None
 
 
 def _progress(repo_id: str, settings: Settings):
@@ -48,6 +60,8 @@ def _progress(repo_id: str, settings: Settings):
 
 def missing_repos(settings: Settings) -> list[str]:
     """The repositories the profile needs that this host has no complete snapshot of."""
+    if settings.verify_weights:
+        return list(settings.repos_to_fetch)
     return [
         repo for repo in settings.repos_to_fetch
         if host.get_fact(CachedSnapshot, hf_home=settings.hf_home, repo_id=repo, revision=settings.revision(repo)) is None
@@ -82,4 +96,6 @@ def cached(settings: Settings):
     for repo in missing:
         task = "fetch-" + repo.replace("/", "--")
         args = f"/host/fetch_weights.py {shlex.quote(repo)} --revision {shlex.quote(settings.revision(repo))}"
+        if settings.verify_weights:
+            args += " --verify"
         yield detached(task, one_shot(settings, "sparkfleet-" + task.lower(), args), _progress(repo, settings))

@@ -127,3 +127,42 @@ def test_docker_stopped_and_started_brings_the_server_back_without_a_deploy(test
     assert unit(testbed, name)["ActiveState"] in ("inactive", "failed")
     testbed.exec(name, "systemctl start docker", check=True, timeout=120)
     assert "Paris" in wait_until(lambda: answer(testbed, name), 180, "the server to answer after docker start")
+
+
+def _biggest_blob(testbed, name: str) -> str:
+    return testbed.exec(name, "ls -S /var/lib/sparkfleet/hf/hub/models--*/blobs/* | head -n 1").stdout.strip()
+
+
+def _blob_matches(testbed, name: str, blob: str) -> bool:
+    digest = testbed.exec(name, f"sha256sum {blob} | cut -d' ' -f1").stdout.strip()
+    return blob.rsplit("/", 1)[-1] == digest
+
+
+def test_a_truncated_weight_blob_is_seen_and_downloaded_again(testbed, run_pyinfra):
+    name = testbed.names[0]
+    blob = _biggest_blob(testbed, name)
+    assert len(blob.rsplit("/", 1)[-1]) == 64, blob  # an LFS blob, named by its sha256
+    testbed.exec(name, f"truncate -s -4096 {blob}", check=True)
+    result = run_pyinfra("deploy.py")
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    assert re.search(rf"\[{name}\].*corrupt: .* downloading again", out), out[-4000:]
+    assert _blob_matches(testbed, name, blob)
+    for other in testbed.names[1:]:  # their caches were fine
+        assert not re.search(rf"\[{other}\].*corrupt", out)
+
+
+def test_a_bit_flip_is_found_with_verify_weights(testbed, run_pyinfra):
+    name = testbed.names[1]
+    blob = _biggest_blob(testbed, name)
+    testbed.exec(name, f"printf X | dd of={blob} bs=1 seek=100 conv=notrunc status=none", check=True)
+    assert not _blob_matches(testbed, name, blob)
+    # Same size: a normal run trusts the verified record ...
+    plain = run_pyinfra("deploy.py")
+    assert plain.returncode == 0 and "corrupt" not in plain.stdout + plain.stderr
+    # ... and verify_weights=true re-hashes every blob, finds it and repairs it.
+    result = run_pyinfra("deploy.py", "--data", "verify_weights=true")
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    assert re.search(rf"\[{name}\].*corrupt: .* downloading again", out), out[-4000:]
+    assert _blob_matches(testbed, name, blob)
