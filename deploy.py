@@ -13,6 +13,7 @@ from sparkfleet import (
     distribution,
     hybrid,
     image,
+    patchcheck,
     preflight,
     service,
     weights,
@@ -37,6 +38,7 @@ else:
         cached = weights.cached(name="weights in the HF cache", settings=settings)
         distribution.report(settings, source_ops, pulled, cached, weights.repo_dirs(settings))
         build = hybrid.built(name="hybrid INT4+FP8 checkpoint", settings=settings)
+        patchcheck.checked(name="runtime patches apply to the image", settings=settings)
         service.running(settings, also_restart_for=(*host_files, build))
         if settings.checks:
             run_checks(settings.checks)

@@ -129,6 +129,7 @@ class Settings(BaseModel):
     num_speculative_tokens: int | None = Field(ge=0, le=16)
     extra_serve_args: list[str]
     vllm_env: dict[str, str]
+    patches: list[str] | None
     # Access
     api_key: SecretStr
     api_key_file: str
@@ -289,7 +290,7 @@ class Settings(BaseModel):
             raise ValueError("names a results directory: use letters, digits and ._-")
         return value
 
-    @field_validator("checks", "bench", mode="before")
+    @field_validator("checks", "bench", "patches", mode="before")
     @classmethod
     def _comma_list(cls, value: Any) -> Any:
         # `--data checks=smoke,decode` arrives as one string.
@@ -379,7 +380,10 @@ class Settings(BaseModel):
         return repos
 
     @property
-    def patches(self) -> list[str]:
+    def patch_plan(self) -> list[str]:
+        """The runtime patches the serve wrapper applies: ``patches``, else the profile's."""
+        if self.patches is not None:
+            return list(self.patches)
         patches = [p for p in self.profile_spec.patches if p != "kv_unify" or self.speculative_method == "dflash"]
         if self.prefix_caching and self.speculative_method == "dflash":
             patches.insert(patches.index("kv_unify") + 1, "prefix_align")
@@ -432,7 +436,7 @@ class Settings(BaseModel):
             "SF_PREFIX_CACHING": "1" if self.prefix_caching else "0",
             "SF_SPECULATIVE_CONFIG": json.dumps(spec, separators=(",", ":")) if spec else "",
             "SF_EXTRA_ARGS": json.dumps(self.extra_serve_args) if self.extra_serve_args else "",
-            "SF_PATCHES": ",".join(self.patches),
+            "SF_PATCHES": ",".join(self.patch_plan),
             "HF_HOME": "/hf",
             "VLLM_CACHE_ROOT": "/hf/.vllm_cache",
             # The deploy fetched everything beforehand: starting never waits on the hub.

@@ -19,6 +19,8 @@ import pytest
 from support.runtime_env import PATCH_DIR
 from support.vllm_source import VLLM_IMAGE_VERSION, VLLM_NEWEST_VERSION
 
+pytestmark = pytest.mark.network  # real vLLM sources: the PyPI sdists, downloaded once
+
 V23, V33 = VLLM_IMAGE_VERSION, VLLM_NEWEST_VERSION
 PATCHES = ("kv_unify", "prefix_align", "inc_fp8_shared", "int8_lmhead", "fla_shmem")
 

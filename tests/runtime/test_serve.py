@@ -23,6 +23,8 @@ from support.runtime_env import (
 )
 from support.vllm_source import VLLM_IMAGE_VERSION, VLLM_NEWEST_VERSION
 
+pytestmark = pytest.mark.network  # real vLLM sources: the PyPI sdists, downloaded once
+
 API_KEY = "sk-sparkfleet-test-0123456789"
 HF_TOKEN = "hf_testtoken0123456789"
 PATCH_TARGETS_023 = {
