@@ -32,6 +32,7 @@ from pydantic import (
     model_validator,
 )
 
+from runtime import serve_args  # the one builder of the `vllm serve` argv (also in the container)
 from sparkfleet.profiles import INTEL_INT4, PROFILES, Profile
 
 try:  # pyinfra is the runtime, but the model is also used by plain unit tests
@@ -328,7 +329,7 @@ class Settings(BaseModel):
         # The serving command is built here too, by the same code the container runs, so
         # a flag it refuses (e.g. a secret in extra_serve_args) fails now, not after a restart.
         try:
-            serve_args().build_serve_argv(self.serve_env())
+            serve_args.build_serve_argv(self.serve_env())
         except ValueError as exc:
             raise ValueError(f"the serving command cannot be built: {exc}") from None
         return self
@@ -451,21 +452,6 @@ class Settings(BaseModel):
 
     def artifact_size_gib(self, name: str) -> float:
         return self.artifact_sizes_gib.get(name, 0.0)
-
-
-def serve_args():
-    """runtime/serve_args.py: the one builder of the `vllm serve` argv (stdlib, also in the container)."""
-    import importlib.util
-    import sys
-
-    module = sys.modules.get("serve_args")
-    if module is None:
-        path = Path(__file__).resolve().parents[1] / "runtime" / "serve_args.py"
-        spec = importlib.util.spec_from_file_location("serve_args", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["serve_args"] = module
-        spec.loader.exec_module(module)
-    return module
 
 
 # --- fleet-wide validation ----------------------------------------------------------

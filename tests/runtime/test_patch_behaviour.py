@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 
 from support.runtime_env import PATCH_DIR
+from runtime.patches import _patchlib as pl
 from support.vllm_source import VLLM_IMAGE_VERSION
 
-from runtime.patches import _patchlib as pl
+pytestmark = pytest.mark.network  # real vLLM sources: the PyPI sdists, downloaded once
 
 KV_FILE = "vllm/v1/core/kv_cache_utils.py"
 

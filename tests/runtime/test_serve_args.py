@@ -5,16 +5,15 @@ import json
 
 import pytest
 
+from runtime import serve_args as sa
 from support.runtime_env import (
     DFLASH_SPEC,
     EXPECTED_ARGV,
     EXPECTED_PATCHES,
     PROFILES,
-    import_serve_args,
     profile_env,
 )
 
-sa = import_serve_args()
 
 @pytest.mark.parametrize("profile", PROFILES)
 def test_profile_argv_exact(profile: str) -> None:

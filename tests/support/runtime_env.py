@@ -1,7 +1,6 @@
-"""Helpers for tests of runtime/: profile serve.env fixtures and the runtime import path."""
+"""Helpers for tests of runtime/: profile serve.env fixtures and where runtime/ lives."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,12 +64,3 @@ def read_env_file(path: Path) -> dict[str, str]:
 
 def profile_env(profile: str) -> dict[str, str]:
     return read_env_file(ENV_DIR / f"{profile}.env")
-
-
-def import_serve_args():
-    """runtime/ is not a package (it is mounted as /host); import serve_args by path."""
-    if str(RUNTIME_DIR) not in sys.path:
-        sys.path.insert(0, str(RUNTIME_DIR))
-    import serve_args
-
-    return serve_args

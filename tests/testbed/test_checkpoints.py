@@ -12,8 +12,7 @@ import pytest
 
 from sparkfleet.testbed import checkpoints as ck
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "runtime"))
-import safetensors_io as stio  # noqa: E402
+from runtime import safetensors_io as stio
 
 HEX40 = re.compile(r"^[0-9a-f]{40}$")
 
