@@ -13,7 +13,6 @@ from __future__ import annotations
 import difflib
 import hashlib
 import ipaddress
-import json
 import logging
 import os
 import re
@@ -414,39 +413,19 @@ class Settings(BaseModel):
         parts = [self.image, env["SF_MODEL"], env["SF_REVISION"], env["SF_PATCHES"], env["SF_SPECULATIVE_CONFIG"]]
         return f"profile={self.profile} " + hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
+    @property
+    def serve_model(self) -> str:
+        """What vLLM serves: the container's /model for a local checkpoint, else the repo."""
+        return CONTAINER_MODEL_DIR if self.local_model_dir else self.model_repo
+
+    @property
+    def serve_revision(self) -> str:
+        return "" if self.local_model_dir else self.revision(self.model_repo)
+
     def serve_env(self) -> dict[str, str]:
-        """The non-secret environment of the serving container (docs/architecture.md)."""
-        model = CONTAINER_MODEL_DIR if self.local_model_dir else self.model_repo
-        spec = self.speculative_config
-        env = {
-            "SF_PROFILE": self.profile,
-            "SF_MODEL": model,
-            "SF_REVISION": "" if self.local_model_dir else self.revision(self.model_repo),
-            "SF_SERVED_MODEL_NAME": self.served_model_name,
-            "SF_HOST": self.bind_address,
-            "SF_PORT": str(self.port),
-            "SF_MAX_MODEL_LEN": str(self.max_model_len),
-            "SF_MAX_NUM_SEQS": str(self.max_num_seqs),
-            "SF_MAX_NUM_BATCHED_TOKENS": str(self.max_num_batched_tokens),
-            "SF_GPU_MEMORY_UTILIZATION": f"{self.gpu_memory_utilization:g}",
-            "SF_LOAD_FORMAT": self.load_format,
-            "SF_ATTENTION_BACKEND": self.attention_backend,
-            "SF_TOOL_CALL_PARSER": self.tool_call_parser,
-            "SF_REASONING_PARSER": self.reasoning_parser,
-            "SF_CHUNKED_PREFILL": "1" if self.chunked_prefill else "0",
-            "SF_PREFIX_CACHING": "1" if self.prefix_caching else "0",
-            "SF_SPECULATIVE_CONFIG": json.dumps(spec, separators=(",", ":")) if spec else "",
-            "SF_EXTRA_ARGS": json.dumps(self.extra_serve_args) if self.extra_serve_args else "",
-            "SF_PATCHES": ",".join(self.patch_plan),
-            "HF_HOME": "/hf",
-            "VLLM_CACHE_ROOT": "/hf/.vllm_cache",
-            # The deploy fetched everything beforehand: starting never waits on the hub.
-            "HF_HUB_OFFLINE": "1",
-            # The seeds' memory profiler otherwise over-reserves for CUDA graphs on GB10.
-            "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS": "0",
-        }
-        if self.hf_endpoint:
-            env["HF_ENDPOINT"] = self.hf_endpoint
+        """The non-secret environment of the serving container: runtime/serve_args.py's
+        SERVE_ENV rendered from these settings (docs/architecture.md), then ``vllm_env``."""
+        env = serve_args.render_env(lambda name: getattr(self, name))
         env.update(self.vllm_env)
         return env
 
