@@ -23,7 +23,6 @@ from pathlib import Path
 
 from pyinfra import host, logger
 from pyinfra.api import FactBase, FunctionCommand, operation
-from pyinfra.api.exceptions import OperationError
 
 from sparkfleet.config import Settings
 from sparkfleet.distribution import image_reference
@@ -82,13 +81,21 @@ def problems(verdict: dict, reference: str, patches: list[str]) -> list[str]:
         if patch["verdict"] != "cannot-apply" or not patch["required"]:
             continue
         rest = ",".join(name for name in patches if name != patch["name"])
+        where = patch["file"] or "the image's vLLM"
+        detail = patch["detail"].removeprefix(f"{patch['file']} (vLLM {version}): ")
         out.append(
-            f"runtime patch {patch['name']} cannot apply to {patch['file'] or 'the image'} "
-            f"(vLLM {version} in {reference}): {patch['detail']}. Fix: pin an image whose vLLM has "
+            f"runtime patch {patch['name']} cannot apply to {where} of vLLM {version} in "
+            f"{reference}: {detail}. Fix: pin an image whose vLLM has "
             f"this anchor or already carries the fix (--data image=name@sha256:...), or drop the "
             f"patch as data (--data patches={rest})"
         )
     return out
+
+
+def _fail(host, message: str) -> bool:
+    # A False result fails this host only (the others go on), without a traceback.
+    host.log_styled(message, fg="red", log_func=logger.error)
+    return False
 
 
 def _check(state, host, reference: str, patches: list[str], key: str) -> bool:  # state, host: pyinfra's
@@ -116,12 +123,10 @@ def _check(state, host, reference: str, patches: list[str], key: str) -> bool:  
     except ValueError:
         verdict = None
     if not ok or not isinstance(verdict, dict) or "patches" not in verdict:
-        raise OperationError(
-            f"the patch check could not run in {reference}:\n    " + "\n    ".join(lines[-15:])
-        )
+        return _fail(host, f"the patch check could not run in {reference}:\n    " + "\n    ".join(lines[-15:]))
     found = problems(verdict, reference, patches)
     if found:
-        raise OperationError("\n".join(found) + "\nThe running service was left as it is.")
+        return _fail(host, "\n".join(found) + "\nThe unit, serve.env and the running service were left as they are.")
     for patch in verdict["patches"]:
         if patch["verdict"] == "cannot-apply":  # a tolerated one: serving goes on without it
             host.log(f"runtime patch {patch['name']} cannot apply ({patch['detail']}); serving without it",

@@ -69,7 +69,7 @@ def edit_layer(edits: dict[str, tuple[str, str]]) -> image.Layer:
 
 def push_variant(tag: str, edits: dict[str, tuple[str, str]]) -> dict:
     """Push the sim image plus a layer with ``edits`` as ``<registry>/<repo>:<tag>``;
-    {ref, digest, pinned} like ``image.publish``."""
+    {ref, digest, pinned} like ``image.publish``, and ``id`` (what docker calls the image)."""
     config, layers = image.build()
     extra = edit_layer(edits)
     doc = json.loads(config)
@@ -83,4 +83,5 @@ def push_variant(tag: str, edits: dict[str, tuple[str, str]]) -> dict:
                         [(l.blob, l.digest, l.size) for l in [*layers, extra]])
     ref = f"{paths.REGISTRY}/{paths.IMAGE_REPO}:{tag}"
     log(f"pushed variant {ref} ({', '.join(sorted(edits))} edited; layer {asdict(extra)['digest'][:19]})")
-    return {"ref": ref, "digest": digest, "pinned": f"{ref}@{digest}"}
+    return {"ref": ref, "digest": digest, "pinned": f"{ref}@{digest}",
+            "id": "sha256:" + hashlib.sha256(variant_config).hexdigest()}

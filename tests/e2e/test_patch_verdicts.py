@@ -14,6 +14,7 @@ import re
 
 import pytest
 
+from sparkfleet.patchcheck import plan_key
 from sparkfleet.testbed import variants
 
 pytestmark = pytest.mark.e2e
@@ -21,6 +22,8 @@ pytestmark = pytest.mark.e2e
 VERDICTS = "/var/lib/sparkfleet/patch-verdicts"
 SERVED = ("/etc/systemd/system/sparkfleet-serve.service", "/etc/sparkfleet/serve.env")
 KV_FILE = "vllm/v1/core/kv_cache_utils.py"
+DENSE = "kv_unify,inc_fp8_shared,int8_lmhead,fla_shmem"  # the default profile's patch plan
+REST = "inc_fp8_shared,int8_lmhead,fla_shmem"  # the same without kv_unify
 
 
 def completion(testbed, name: str) -> str | None:
@@ -47,9 +50,15 @@ def serving_state(testbed, name: str) -> dict[str, str]:
     return state
 
 
-def cached_verdicts(testbed, name: str) -> list[dict]:
-    out = testbed.exec(name, f"cat {VERDICTS}/*.json 2>/dev/null || true").stdout
-    return [json.loads(doc) for doc in re.split(r"(?m)^(?=\{)", out) if doc.strip()]
+def cached_verdict(testbed, name: str, image_id: str, patches: str) -> dict | None:
+    """The verdict cached on ``name`` for image ``image_id`` (sha256:...) and plan ``patches``."""
+    path = f"{VERDICTS}/{image_id.split(':')[1]}-{plan_key(patches)}.json"
+    out = testbed.exec(name, f"cat {path} 2>/dev/null || true").stdout
+    return json.loads(out) if out.strip() else None
+
+
+def running_image(testbed, name: str) -> str:
+    return testbed.exec(name, "docker inspect -f '{{.Image}}' sparkfleet-serve").stdout.strip()
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +72,12 @@ def test_deploy_checks_the_patches_and_caches_the_verdict(testbed, run_pyinfra):
     assert result.returncode == 0, out[-4000:]
     for name in testbed.names:
         assert "Paris" in completion(testbed, name)
-        verdicts = cached_verdicts(testbed, name)
-        assert verdicts and all(v["ok"] for v in verdicts), verdicts
-        plan = {p["name"]: p["verdict"] for p in verdicts[-1]["patches"]}
-        assert plan["kv_unify"] == "would-apply" and verdicts[-1]["vllm"]["version"] == "0.23.0"
+        verdict = cached_verdict(testbed, name, running_image(testbed, name), DENSE)
+        assert verdict is not None and verdict["ok"] is True, verdict
+        plan = {p["name"]: p["verdict"] for p in verdict["patches"]}
+        assert plan == {"kv_unify": "would-apply", "inc_fp8_shared": "would-apply",
+                        "int8_lmhead": "would-apply", "fla_shmem": "would-apply"}, plan
+        assert verdict["vllm"]["version"] == "0.23.0"
     # Converged: the cached verdict is read, no check container runs.
     again = run_pyinfra("deploy.py")
     out = again.stdout + again.stderr
@@ -79,27 +90,26 @@ def test_missing_anchor_fails_before_the_unit_changes(testbed, run_pyinfra, brok
     result = run_pyinfra("deploy.py", "--data", f"image={broken_image['pinned']}")
     out = result.stdout + result.stderr
     assert result.returncode != 0, out[-4000:]
-    rest = "inc_fp8_shared,int8_lmhead,fla_shmem"  # the dense profile's plan without kv_unify
     for name in testbed.names:
         assert re.search(rf"\[{name}\].*runtime patch kv_unify cannot apply to {re.escape(KV_FILE)}", out), out[-4000:]
-        assert f"--data patches={rest}" in out and "--data image=name@sha256:" in out
+        assert f"--data patches={REST}" in out and "--data image=name@sha256:" in out
         assert "missing anchor" in out
         # Nothing that feeds the service moved; the old server still answers.
         assert serving_state(testbed, name) == before[name]
         assert "Paris" in completion(testbed, name)
-        failed = [v for v in cached_verdicts(testbed, name) if not v["ok"]]
-        assert len(failed) == 1 and {p["name"]: p["verdict"] for p in failed[0]["patches"]}["kv_unify"] == "cannot-apply"
+        failed = cached_verdict(testbed, name, broken_image["id"], DENSE)
+        assert failed is not None and failed["ok"] is False
+        assert {p["name"]: p["verdict"] for p in failed["patches"]}["kv_unify"] == "cannot-apply"
     assert "serving settings (serve.env)" not in out.split("runtime patches apply to the image", 1)[1]
 
 
 def test_dropping_the_patch_as_data_deploys_the_image(testbed, run_pyinfra, broken_image):
-    rest = "inc_fp8_shared,int8_lmhead,fla_shmem"
-    result = run_pyinfra("deploy.py", "--data", f"image={broken_image['pinned']}", "--data", f"patches={rest}")
+    result = run_pyinfra("deploy.py", "--data", f"image={broken_image['pinned']}", "--data", f"patches={REST}")
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     for name in testbed.names:
         assert re.search(rf"\[{name}\] READY in \d+ s", out), out[-3000:]
-        assert f"SF_PATCHES={rest}\n" in testbed.exec(name, "cat /etc/sparkfleet/serve.env").stdout
+        assert f"SF_PATCHES={REST}\n" in testbed.exec(name, "cat /etc/sparkfleet/serve.env").stdout
         assert broken_image["digest"] in testbed.exec(
             name, "docker inspect -f '{{.Image}} {{.Config.Image}}' sparkfleet-serve").stdout
         assert "Paris" in completion(testbed, name)
