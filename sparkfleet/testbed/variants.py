@@ -16,8 +16,6 @@ import hashlib
 import json
 import shutil
 import tarfile
-from dataclasses import asdict
-from pathlib import Path
 
 from . import image, paths
 from .proc import TestbedError, log
@@ -82,6 +80,6 @@ def push_variant(tag: str, edits: dict[str, tuple[str, str]]) -> dict:
     digest = push_image(client, paths.IMAGE_REPO, tag, variant_config,
                         [(l.blob, l.digest, l.size) for l in [*layers, extra]])
     ref = f"{paths.REGISTRY}/{paths.IMAGE_REPO}:{tag}"
-    log(f"pushed variant {ref} ({', '.join(sorted(edits))} edited; layer {asdict(extra)['digest'][:19]})")
+    log(f"pushed variant {ref} ({', '.join(sorted(edits))} edited; layer {extra.digest[:19]})")
     return {"ref": ref, "digest": digest, "pinned": f"{ref}@{digest}",
             "id": "sha256:" + hashlib.sha256(variant_config).hexdigest()}
