@@ -114,7 +114,7 @@ def _check(state, host, reference: str, patches: list[str], key: str) -> bool:  
         f"{_image_id(reference)} || {{ echo 'image {reference} is not on this host'; exit 3; }}; "
         f"mkdir -p {VERDICT_DIR} && out={path} && "
         f'{{ [ -s "$out" ] || {{ {run} > "$out.tmp" 2> "$out.log"; rc=$?; '
-        f'if [ $rc -le 1 ]; then mv "$out.tmp" "$out"; else cat "$out.tmp" "$out.log"; exit $rc; fi; }}; }} && '
+        f'if [ $rc -le 1 ]; then mv "$out.tmp" "$out" && rm -f "$out.log"; else cat "$out.tmp" "$out.log"; exit $rc; fi; }}; }} && '
         f'cat "$out"',
         timeout=600,
     )
