@@ -77,3 +77,18 @@ def test_flags_come_from_the_table(monkeypatch) -> None:
     assert argv[argv.index("--x-max-model-len") + 1] == env["SF_MAX_MODEL_LEN"]
     assert "--x-enable-chunked-prefill" in argv and "--no-x-enable-prefix-caching" in argv
     assert [a for a in argv if a.startswith("--") and not a.startswith(("--x-", "--no-x-"))] == []
+
+
+def test_patches_setting_replaces_the_profiles_plan() -> None:
+    """`--data patches=...` is how a patch that cannot apply to an image is dropped."""
+    defaults = {k: v for k, v in runpy.run_path(str(REPO / "group_data/all.py")).items() if not k.startswith("__")}
+
+    def plan(**data) -> str:
+        return validate_host_data("spark-1", {**defaults, **data}).serve_env()["SF_PATCHES"]
+
+    assert plan() == "kv_unify,inc_fp8_shared,int8_lmhead,fla_shmem"  # dense's own
+    assert plan(patches="inc_fp8_shared,int8_lmhead,fla_shmem") == "inc_fp8_shared,int8_lmhead,fla_shmem"
+    assert plan(patches=["fla_shmem"]) == "fla_shmem"
+    assert plan(patches="") == ""
+    with pytest.raises(ValueError, match="nonsense"):
+        plan(patches="kv_unify,nonsense")
