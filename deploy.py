@@ -14,6 +14,7 @@ from sparkfleet import (
     hybrid,
     image,
     mirror,
+    patchcheck,
     preflight,
     service,
     weights,
@@ -36,6 +37,7 @@ else:
         cached = weights.cached(name="weights in the HF cache", settings=settings)
         mirror.track(settings, mirror_ops, pulled, cached, weights.repo_dirs(settings))
         build = hybrid.built(name="hybrid INT4+FP8 checkpoint", settings=settings)
+        patchcheck.checked(name="runtime patches apply to the image", settings=settings)
         service.running(settings, also_restart_for=(*host_files, build))
         endpoint.served(settings)  # fleet_endpoint: HAProxy over every serving host
         if settings.checks:

@@ -103,6 +103,9 @@ num_speculative_tokens = None
 extra_serve_args = []
 # Extra environment for vLLM in the container (no secrets here: use hf_token/api_key).
 vllm_env = {}
+# Runtime patches of the image's vLLM. None: the profile's (sparkfleet/profiles.py). A list
+# replaces them, e.g. to drop one the deploy's patch check says cannot apply to an image.
+patches = None
 
 # --- Access ------------------------------------------------------------------------------
 # auto: one key generated per project, kept 0600 in api_key_file and on every host;

@@ -41,11 +41,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-if _HERE not in sys.path:  # run as /host/build_hybrid.py: import the sibling helper
-    sys.path.insert(0, _HERE)
-
-import safetensors_io as stio  # noqa: E402
+try:  # imported as runtime.build_hybrid (controller, tests)
+    from . import safetensors_io as stio
+except ImportError:  # run as /host/build_hybrid.py: its directory is sys.path[0]
+    import safetensors_io as stio
 
 INFO_KEY = "sparkfleet_hybrid"
 INFO_VERSION = 1

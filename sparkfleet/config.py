@@ -13,7 +13,6 @@ from __future__ import annotations
 import difflib
 import hashlib
 import ipaddress
-import json
 import logging
 import re
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from pydantic import (
     model_validator,
 )
 
+from runtime import serve_args  # the one builder of the `vllm serve` argv (also in the container)
 from sparkfleet.profiles import INTEL_INT4, PROFILES, Profile
 
 try:  # pyinfra is the runtime, but the model is also used by plain unit tests
@@ -134,6 +134,7 @@ class Settings(BaseModel):
     num_speculative_tokens: int | None = Field(ge=0, le=16)
     extra_serve_args: list[str]
     vllm_env: dict[str, str]
+    patches: list[str] | None
     # Access
     api_key: SecretStr
     api_key_file: str
@@ -294,7 +295,7 @@ class Settings(BaseModel):
             raise ValueError("names a results directory: use letters, digits and ._-")
         return value
 
-    @field_validator("checks", "bench", mode="before")
+    @field_validator("checks", "bench", "patches", mode="before")
     @classmethod
     def _comma_list(cls, value: Any) -> Any:
         # `--data checks=smoke,decode` arrives as one string.
@@ -332,7 +333,7 @@ class Settings(BaseModel):
         # The serving command is built here too, by the same code the container runs, so
         # a flag it refuses (e.g. a secret in extra_serve_args) fails now, not after a restart.
         try:
-            serve_args().build_serve_argv(self.serve_env())
+            serve_args.build_serve_argv(self.serve_env())
         except ValueError as exc:
             raise ValueError(f"the serving command cannot be built: {exc}") from None
         return self
@@ -384,7 +385,10 @@ class Settings(BaseModel):
         return repos
 
     @property
-    def patches(self) -> list[str]:
+    def patch_plan(self) -> list[str]:
+        """The runtime patches the serve wrapper applies: ``patches``, else the profile's."""
+        if self.patches is not None:
+            return list(self.patches)
         patches = [p for p in self.profile_spec.patches if p != "kv_unify" or self.speculative_method == "dflash"]
         if self.prefix_caching and self.speculative_method == "dflash":
             patches.insert(patches.index("kv_unify") + 1, "prefix_align")
@@ -414,59 +418,24 @@ class Settings(BaseModel):
         parts = [self.image, env["SF_MODEL"], env["SF_REVISION"], env["SF_PATCHES"], env["SF_SPECULATIVE_CONFIG"]]
         return f"profile={self.profile} " + hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
+    @property
+    def serve_model(self) -> str:
+        """What vLLM serves: the container's /model for a local checkpoint, else the repo."""
+        return CONTAINER_MODEL_DIR if self.local_model_dir else self.model_repo
+
+    @property
+    def serve_revision(self) -> str:
+        return "" if self.local_model_dir else self.revision(self.model_repo)
+
     def serve_env(self) -> dict[str, str]:
-        """The non-secret environment of the serving container (docs/architecture.md)."""
-        model = CONTAINER_MODEL_DIR if self.local_model_dir else self.model_repo
-        spec = self.speculative_config
-        env = {
-            "SF_PROFILE": self.profile,
-            "SF_MODEL": model,
-            "SF_REVISION": "" if self.local_model_dir else self.revision(self.model_repo),
-            "SF_SERVED_MODEL_NAME": self.served_model_name,
-            "SF_HOST": self.bind_address,
-            "SF_PORT": str(self.port),
-            "SF_MAX_MODEL_LEN": str(self.max_model_len),
-            "SF_MAX_NUM_SEQS": str(self.max_num_seqs),
-            "SF_MAX_NUM_BATCHED_TOKENS": str(self.max_num_batched_tokens),
-            "SF_GPU_MEMORY_UTILIZATION": f"{self.gpu_memory_utilization:g}",
-            "SF_LOAD_FORMAT": self.load_format,
-            "SF_ATTENTION_BACKEND": self.attention_backend,
-            "SF_TOOL_CALL_PARSER": self.tool_call_parser,
-            "SF_REASONING_PARSER": self.reasoning_parser,
-            "SF_CHUNKED_PREFILL": "1" if self.chunked_prefill else "0",
-            "SF_PREFIX_CACHING": "1" if self.prefix_caching else "0",
-            "SF_SPECULATIVE_CONFIG": json.dumps(spec, separators=(",", ":")) if spec else "",
-            "SF_EXTRA_ARGS": json.dumps(self.extra_serve_args) if self.extra_serve_args else "",
-            "SF_PATCHES": ",".join(self.patches),
-            "HF_HOME": "/hf",
-            "VLLM_CACHE_ROOT": "/hf/.vllm_cache",
-            # The deploy fetched everything beforehand: starting never waits on the hub.
-            "HF_HUB_OFFLINE": "1",
-            # The seeds' memory profiler otherwise over-reserves for CUDA graphs on GB10.
-            "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS": "0",
-        }
-        if self.hf_endpoint:
-            env["HF_ENDPOINT"] = self.hf_endpoint
+        """The non-secret environment of the serving container: runtime/serve_args.py's
+        SERVE_ENV rendered from these settings (docs/architecture.md), then ``vllm_env``."""
+        env = serve_args.render_env(lambda name: getattr(self, name))
         env.update(self.vllm_env)
         return env
 
     def artifact_size_gib(self, name: str) -> float:
         return self.artifact_sizes_gib.get(name, 0.0)
-
-
-def serve_args():
-    """runtime/serve_args.py: the one builder of the `vllm serve` argv (stdlib, also in the container)."""
-    import importlib.util
-    import sys
-
-    module = sys.modules.get("serve_args")
-    if module is None:
-        path = Path(__file__).resolve().parents[1] / "runtime" / "serve_args.py"
-        spec = importlib.util.spec_from_file_location("serve_args", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["serve_args"] = module
-        spec.loader.exec_module(module)
-    return module
 
 
 # --- fleet-wide validation ----------------------------------------------------------

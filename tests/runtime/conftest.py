@@ -27,12 +27,13 @@ PATCH_FILES = (
 
 @pytest.fixture
 def vllm_tree(tmp_path: Path) -> Callable[..., Path]:
-    """``vllm_tree(version)`` -> a fresh writable directory holding ``vllm/`` with the
-    patch-relevant files of that version's sdist (use as ``--vllm-root``)."""
+    """``vllm_tree(version, extra=())`` -> a fresh writable directory holding ``vllm/`` with
+    the patch-relevant files of that version's sdist, plus ``extra`` ones (use as
+    ``--vllm-root``)."""
     counter = iter(range(1000))
 
-    def make(version: str, files: Iterable[str] = PATCH_FILES) -> Path:
+    def make(version: str, files: Iterable[str] = PATCH_FILES, extra: Iterable[str] = ()) -> Path:
         dest = tmp_path / f"vllm-{version}-{next(counter)}"
-        return vllm_source_tree(version, files, dest)
+        return vllm_source_tree(version, [*files, *extra], dest)
 
     return make

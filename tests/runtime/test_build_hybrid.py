@@ -14,12 +14,11 @@ import pytest
 
 from sparkfleet.testbed import checkpoints as ck
 
-RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
-BUILDER = RUNTIME / "build_hybrid.py"
-sys.path.insert(0, str(RUNTIME))
+from runtime import build_hybrid
+from runtime import safetensors_io as stio
 
-import build_hybrid  # noqa: E402
-import safetensors_io as stio  # noqa: E402
+RUNTIME = Path(build_hybrid.__file__).resolve().parent
+BUILDER = RUNTIME / "build_hybrid.py"
 
 REV_INTEL = "1" * 40
 REV_DONOR = "2" * 40

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from support.runtime_env import PATCH_DIR
+from runtime.patches import _patchlib as pl
 from support.vllm_source import VLLM_IMAGE_VERSION
 
-sys.path.insert(0, str(PATCH_DIR))
-import _patchlib as pl  # noqa: E402
+pytestmark = pytest.mark.network  # real vLLM sources: the PyPI sdists, downloaded once
 
 KV_FILE = "vllm/v1/core/kv_cache_utils.py"
 
@@ -32,7 +32,7 @@ def patched_tree(vllm_tree, *names: str) -> Path:
             [sys.executable, str(PATCH_DIR / f"{name}.py"), "--vllm-root", str(root)],
             capture_output=True, text=True,
         )
-        assert proc.returncode == 0 and ": applied:" in proc.stdout, proc.stdout
+        assert proc.returncode == 0 and '"outcome": "applied"' in proc.stdout, proc.stdout
     return root
 
 

@@ -14,10 +14,12 @@ from functools import lru_cache
 
 import pytest
 
-from support.runtime_env import PROFILES, import_serve_args, profile_env
+from runtime import serve_args as sa
+from support.runtime_env import PROFILES, profile_env
 from support.vllm_source import VLLM_TEST_VERSIONS, vllm_members, vllm_source_files
 
-sa = import_serve_args()
+pytestmark = pytest.mark.network  # real vLLM sources: the PyPI sdists, downloaded once
+
 
 # The frontend (OpenAI server) args moved from openai/ to common/ after 0.23.
 FRONTEND_FILES = ("vllm/entrypoints/openai/cli_args.py", "vllm/entrypoints/common/cli_args.py")

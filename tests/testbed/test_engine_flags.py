@@ -198,7 +198,7 @@ def test_deploy_argv_of_every_profile_is_accepted() -> None:
     """The argv runtime/serve_args.py builds for each profile parses here and passes the
     startup checks that need no model (parsers, speculative config)."""
     support = pytest.importorskip("support.runtime_env")
-    serve_args = support.import_serve_args()
+    from runtime import serve_args
     real = real_serve_flags()
     for profile in support.PROFILES:
         argv = serve_args.build_serve_argv(support.profile_env(profile))
