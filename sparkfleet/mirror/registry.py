@@ -14,31 +14,33 @@ import shlex
 
 from pyinfra import host
 from pyinfra.api import FunctionCommand, operation
+from pyinfra.facts.server import Which
 
 from sparkfleet import remote
-from sparkfleet.config import Mirror, Settings
-from sparkfleet.facts import CommandAvailable, RegistryManifest
+from sparkfleet.config import Mirror
+from sparkfleet.facts import RegistryManifest
 from sparkfleet.hostpaths import COPY_TOOL, MIRROR_APT_KEYRING, MIRROR_APT_SOURCES, REGISTRY_CERT
-from sparkfleet.mirror.names import ImageName, upstream_registry_url
+from sparkfleet.mirror.names import ImageName
 from sparkfleet.mirror.report import report_of
 from sparkfleet.tasks import detached
 
 
 @operation()
-def installed(settings: Settings):
+def installed(apt_repo: str | None, apt_key_url: str | None):
     """
     Install ``docker-registry`` (the CNCF registry, "distribution") when it is missing.
 
-    + settings: validated settings (``mirror_apt_repo``/``mirror_apt_key_url``: a repository to
-      take it from; None: the host's own archives, Ubuntu universe / Debian main)
+    + apt_repo, apt_key_url: a repository to take it from and its signing key
+      (``mirror_apt_repo``/``mirror_apt_key_url``); None: the host's own archives,
+      Ubuntu universe / Debian main
     """
-    if host.get_fact(CommandAvailable, program="docker-registry"):
+    if host.get_fact(Which, command="docker-registry"):
         host.noop("docker-registry is installed")
         return
     q = shlex.quote
-    if settings.mirror_apt_repo:
-        yield f"curl -fsSL --retry 3 {q(settings.mirror_apt_key_url)} -o {MIRROR_APT_KEYRING}"
-        yield f"echo {q(f'deb [signed-by={MIRROR_APT_KEYRING}] {settings.mirror_apt_repo} /')} > {MIRROR_APT_SOURCES}"
+    if apt_repo:
+        yield f"curl -fsSL --retry 3 {q(apt_key_url)} -o {MIRROR_APT_KEYRING}"
+        yield f"echo {q(f'deb [signed-by={MIRROR_APT_KEYRING}] {apt_repo} /')} > {MIRROR_APT_SOURCES}"
         # Only that list is refreshed: the rest of the host's apt state is not ours.
         yield (
             f"apt-get update -o Dir::Etc::sourcelist={MIRROR_APT_SOURCES} -o Dir::Etc::sourceparts=- "
@@ -54,23 +56,25 @@ def installed(settings: Settings):
 
 
 @operation()
-def image_copied(settings: Settings, mirror: Mirror):
+def image_copied(image: str, upstream: str, result_dir: str, mirror: Mirror):
     """
     Copy the serving image, byte for byte, into the mirror registry unless it holds it.
 
-    + settings: validated settings (``image``, ``image_registry_url``)
+    + image: the serving image's reference (``image``)
+    + upstream: the URL of the registry to copy it from
+    + result_dir: where the copy tool leaves its count of bytes (``mirror_dir``)
     + mirror: this host, the mirror
     """
-    name = ImageName.parse(settings.image)
+    name = ImageName.parse(image)
     local = f"https://{mirror.registry}"
     if host.get_fact(RegistryManifest, url=local, path=name.path, reference=name.digest or name.tag,
                      cacert=REGISTRY_CERT):
         host.noop(f"the mirror registry holds {name.path}@{name.digest or name.tag}")
         return
     q = shlex.quote
-    result = f"{settings.mirror_dir}/image-copy.json"
+    result = f"{result_dir}/image-copy.json"
     command = (
-        f"rm -f {q(result)}; python3 {COPY_TOOL} {q(upstream_registry_url(settings.image, settings.image_registry_url))} "
+        f"rm -f {q(result)}; python3 {COPY_TOOL} {q(upstream)} "
         f"{q(name.path)} {q(name.digest or name.tag or 'latest')} {q(local)} --cacert {REGISTRY_CERT} "
         f"--result {q(result)}" + (f" --tag {q(name.tag)}" if name.tag else "")
     )
