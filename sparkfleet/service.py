@@ -25,6 +25,7 @@ from pyinfra.facts.systemd import SystemdStatus
 from pyinfra.operations import files, systemd
 
 from sparkfleet import remote, secrets
+from sparkfleet.bench.onhost.workloads import SMOKE_PROMPT as READY_PROMPT  # READY asks what smoke asks
 from sparkfleet.config import Settings
 from sparkfleet.facts import ServedAnswer, ServedModels, UnitState
 from sparkfleet.hostpaths import (
@@ -42,7 +43,6 @@ from sparkfleet.mirror import image_reference
 
 PROJECT = Path(__file__).resolve().parents[1]
 TEMPLATES = PROJECT / "templates"
-READY_PROMPT = "What is the capital of France? Answer in one word."
 
 
 def memory_needed(settings: Settings) -> float:
