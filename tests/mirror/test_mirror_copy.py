@@ -24,7 +24,7 @@ COPY_TOOL = ROOT / "templates" / "sparkfleet-copy-image.py"
 def registries(tmp_path):
     """Two empty docker-registry servers on localhost: (source URL, fleet URL)."""
     if not shutil.which("docker-registry"):
-        pytest.skip("docker-registry is not installed (apt-get install docker-registry)")
+        pytest.fail("docker-registry is not installed: make deps (apt-get install docker-registry)")
     procs, urls = [], []
     for name in ("upstream", "fleet"):
         port = free_port()
