@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover
 
 log = logging.getLogger("sparkfleet")
 
-# The seeds measured 0.82 as the most a 128 GiB Spark takes without swapping the OS.
+# The reference recipe measured 0.82 as the most a 128 GiB Spark takes without swapping the OS.
 MEASURED_GPU_MEMORY_UTILIZATION = 0.82
 MAX_CONTEXT = 262144
 CONTAINER_MODEL_DIR = "/model"
@@ -66,7 +66,7 @@ MIRROR_OFF = (None, "", "none", "off", "false")
 
 _FIXES: dict[str, str] = {
     "profile": "pick one of the profiles, e.g. --data profile=dense",
-    "gpu_memory_utilization": "use a fraction between 0.10 and 0.95; the seeds measured 0.82 as safe on a 128 GiB Spark",
+    "gpu_memory_utilization": "use a fraction between 0.10 and 0.95; the reference recipe measured 0.82 as safe on a 128 GiB Spark",
     "max_model_len": f"use a context length from 1 to {MAX_CONTEXT}",
     "port": "use a TCP port from 1 to 65535",
     "num_speculative_tokens": "use 0 (off) to 16, or leave it unset for the profile's default",
@@ -110,7 +110,7 @@ class Settings(BaseModel):
     mirror_apt_key_url: str | None
     mirror_tls_dir: str
     image_registry_url: str | None
-    # Serving settings (the seeds' validated stack)
+    # Serving settings (the reference recipe's validated stack)
     served_model_name: str
     bind_address: str
     port: int = Field(ge=1, le=65535)
@@ -313,7 +313,8 @@ class Settings(BaseModel):
             raise ValueError("set either model_dir or build_hybrid, not both")
         if "agent" in self.checks + self.bench and not self.agent_state_db:
             raise ValueError(
-                "the agent bench replays a Hermes state.db: set agent_state_db "
+                "the agent bench replays turns from an agent's session database (Hermes' state.db): "
+                "set agent_state_db "
                 "(e.g. --data agent_state_db=~/.hermes/state.db)"
             )
         if (self.mirror_apt_repo is None) != (self.mirror_apt_key_url is None):
@@ -402,7 +403,7 @@ class Settings(BaseModel):
 
     @property
     def compile_signature(self) -> str:
-        """What invalidates vLLM's torch.compile cache (the seeds' startup crash): the
+        """What invalidates vLLM's torch.compile cache (the reference recipe's startup crash): the
         engine, the checkpoint served, the patches and the speculative decoder."""
         env = self.serve_env()
         parts = [self.image, env["SF_MODEL"], env["SF_REVISION"], env["SF_PATCHES"], env["SF_SPECULATIVE_CONFIG"]]
@@ -436,7 +437,7 @@ class Settings(BaseModel):
             "VLLM_CACHE_ROOT": "/hf/.vllm_cache",
             # The deploy fetched everything beforehand: starting never waits on the hub.
             "HF_HUB_OFFLINE": "1",
-            # The seeds' memory profiler otherwise over-reserves for CUDA graphs on GB10.
+            # vLLM's memory profiler otherwise over-reserves for CUDA graphs on GB10 (the reference recipe).
             "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS": "0",
         }
         if self.hf_endpoint:
@@ -531,7 +532,7 @@ def validate_fleet(hosts: Iterable[Any]) -> dict[str, Settings]:
     for name, s in settings.items():
         if s.gpu_memory_utilization > MEASURED_GPU_MEMORY_UTILIZATION:
             log.warning(
-                "%s: gpu_memory_utilization=%s is above the %s the seeds measured as safe; "
+                "%s: gpu_memory_utilization=%s is above the %s the reference recipe measured as safe; "
                 "a Spark's unified memory may swap and stall the host",
                 name, s.gpu_memory_utilization, MEASURED_GPU_MEMORY_UTILIZATION,
             )
