@@ -1,6 +1,8 @@
 # sparkfleet — the two commands of the README, and the pieces they are made of.
 #   make demo   boot 3 simulated Sparks, deploy, run the checks, print the fleet report
-#   make test   the whole suite, end-to-end tests on the simulated fleet included
+#   make test   the linter, then the whole suite, end-to-end tests on the simulated fleet included
+#   make test-unit  the tests that need neither the simulated fleet nor the network
+#   make lint   ruff, with the rules in pyproject.toml
 # Both run as root (the simulated fleet uses network namespaces and systemd-nspawn).
 
 # One virtual environment per checkout: two checkouts on one machine never share an
@@ -12,7 +14,7 @@ HOSTS ?= 3
 APT_PACKAGES = debootstrap systemd-container docker-registry skopeo iproute2 apt-utils gnupg dpkg-dev curl ca-certificates openssh-client
 STAMP = .sparkfleet/deps.stamp
 
-.PHONY: deps demo down status test test-unit report
+.PHONY: deps demo down status lint test test-unit report
 
 $(STAMP): pyproject.toml Makefile
 	@command -v debootstrap >/dev/null && command -v systemd-nspawn >/dev/null && command -v docker-registry >/dev/null && command -v skopeo >/dev/null \
@@ -37,8 +39,13 @@ down:
 status:
 	sparkfleet testbed status
 
-test: deps
+lint: deps
+	$(PYTHON) -m ruff check .
+
+test: deps lint
 	$(PYTHON) -m pytest -ra tests
 
+# No fleet, no network: passes with the network unplugged, e.g.
+#   unshare -n sh -c 'ip link set lo up && make test-unit'   (loopback stays: tests run local servers)
 test-unit: deps
-	$(PYTHON) -m pytest -ra -m "not e2e" tests
+	$(PYTHON) -m pytest -ra -m "not e2e and not network" tests

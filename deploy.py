@@ -33,10 +33,10 @@ else:
         container_runtime.configured(settings)
         host_files = service.host_files(settings)  # runtime/ copy and 0600 secrets
         mirror_ops = mirror.configured(settings)  # fleet_mirror: served, trusted or off
-        pulled = image.pulled(name="serving image present", settings=settings)
-        cached = weights.cached(name="weights in the HF cache", settings=settings)
+        pulled = image.present(settings)
+        cached = weights.fetched(settings)
         mirror.track(settings, mirror_ops, pulled, cached, weights.repo_dirs(settings))
-        build = hybrid.built(name="hybrid INT4+FP8 checkpoint", settings=settings)
+        build = hybrid.checkpoint(settings)
         patchcheck.checked(name="runtime patches apply to the image", settings=settings)
         service.running(settings, also_restart_for=(*host_files, build))
         endpoint.served(settings)  # fleet_endpoint: HAProxy over every serving host

@@ -128,9 +128,9 @@ def verdict(ok: bool) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rate", type=float, default=81.0, help="true decode tok/s (published: DFlash ~81)")
+    ap.add_argument("--rate", type=float, default=81.0, help="true decode tok/s (the reference recipe: DFlash ~81)")
     ap.add_argument("--ttft", type=float, default=0.25, help="true TTFT, seconds")
-    ap.add_argument("--accept", type=float, default=8.3, help="true acceptance length (published: 8.3)")
+    ap.add_argument("--accept", type=float, default=8.3, help="true acceptance length (the reference recipe: 8.3)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
@@ -144,7 +144,7 @@ def main() -> int:
         print(f"truth: decode {args.rate} tok/s, TTFT {args.ttft} s, acceptance length {args.accept} "
               f"(simulated engine, DFlash n=12), {args.max_tokens} tokens x {args.runs} runs + 1 warm-up\n")
 
-        # 1 + 2: decode bank and albond e2e, as a host runs them
+        # 1 + 2: decode bank and albond's end-to-end method, as a host runs them
         engine = Engine(root / "e1", args.rate, args.ttft, args.accept)
         try:
             t0 = time.monotonic()
@@ -190,7 +190,7 @@ def main() -> int:
               f"{slow['decode_tok_s']['median']:.2f} tok/s ({moved * 100:.2f}% change), measured TTFT "
               f"{fast['ttft_ms']['median']:.0f} -> {slow['ttft_ms']['median']:.0f} ms  {verdict(ok)}\n")
 
-        print("2. albond e2e (target: tok/s == completion_tokens / wall, exactly)")
+        print("2. albond's end-to-end method (target: tok/s == completion_tokens / wall, exactly)")
         e2e = r["checks"]["e2e"]
         print(f"   {'prompt':<9} {'tokens':>6} {'wall s':>8} {'tok/s':>8} {'recomputed':>11} {'engine e2e':>11}")
         for name, p in e2e["prompts"].items():

@@ -76,7 +76,7 @@ endpoint_metrics_port = 8405
 # answer until its last token: 4 h covers one filling the 262k context at 18 tok/s.
 endpoint_timeout_s = 14400
 
-# --- Serving settings: the seeds' validated stack -----------------------------------------
+# --- Serving settings: the reference recipe's validated stack ----------------------------
 served_model_name = "qwen"
 # Where the API listens. 127.0.0.1 keeps it on the host; 0.0.0.0 serves the network.
 bind_address = "0.0.0.0"
@@ -95,7 +95,7 @@ drafter_attention_backend = "FLASH_ATTN"
 tool_call_parser = "qwen3_xml"
 reasoning_parser = "qwen3"
 chunked_prefill = True
-# Off in the seeds' validated stack; on adds the prefix-alignment patch for DFlash.
+# Off in the reference recipe's validated stack; on adds the prefix-alignment patch for DFlash.
 prefix_caching = False
 # None: the profile's depth (12 for DFlash, 2 for MTP); 0 turns speculation off.
 num_speculative_tokens = None
@@ -149,7 +149,7 @@ bench = ["smoke", "tools", "decode", "e2e"]
 bench_runs = 3
 bench_warmup = 1
 bench_max_tokens = 256
-# A Hermes-style state.db on the controller for the agent-turn bench.
+# An agent's session database on the controller (Hermes' ~/.hermes/state.db) for the agent-turn bench.
 agent_state_db = None
 agent_sessions = 10
 agent_max_context_tokens = 16384

@@ -15,9 +15,10 @@ import hashlib
 import ipaddress
 import logging
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -39,7 +40,7 @@ except ImportError:  # pragma: no cover
 
 log = logging.getLogger("sparkfleet")
 
-# The seeds measured 0.82 as the most a 128 GiB Spark takes without swapping the OS.
+# The reference recipe measured 0.82 as the most a 128 GiB Spark takes without swapping the OS.
 MEASURED_GPU_MEMORY_UTILIZATION = 0.82
 MAX_CONTEXT = 262144
 CONTAINER_MODEL_DIR = "/model"
@@ -65,7 +66,7 @@ MIRROR_OFF = (None, "", "none", "off", "false")
 
 _FIXES: dict[str, str] = {
     "profile": "pick one of the profiles, e.g. --data profile=dense",
-    "gpu_memory_utilization": "use a fraction between 0.10 and 0.95; the seeds measured 0.82 as safe on a 128 GiB Spark",
+    "gpu_memory_utilization": "use a fraction between 0.10 and 0.95; the reference recipe measured 0.82 as safe on a 128 GiB Spark",
     "max_model_len": f"use a context length from 1 to {MAX_CONTEXT}",
     "port": "use a TCP port from 1 to 65535",
     "num_speculative_tokens": "use 0 (off) to 16, or leave it unset for the profile's default",
@@ -116,7 +117,7 @@ class Settings(BaseModel):
     endpoint_port: int = Field(ge=1, le=65535)
     endpoint_metrics_port: int = Field(ge=1, le=65535)
     endpoint_timeout_s: int = Field(ge=60, le=86400)
-    # Serving settings (the seeds' validated stack)
+    # Serving settings (the reference recipe's validated stack)
     served_model_name: str
     bind_address: str
     port: int = Field(ge=1, le=65535)
@@ -320,7 +321,8 @@ class Settings(BaseModel):
             raise ValueError("set either model_dir or build_hybrid, not both")
         if "agent" in self.checks + self.bench and not self.agent_state_db:
             raise ValueError(
-                "the agent bench replays a Hermes state.db: set agent_state_db "
+                "the agent bench replays turns from an agent's session database (Hermes' state.db): "
+                "set agent_state_db "
                 "(e.g. --data agent_state_db=~/.hermes/state.db)"
             )
         if (self.mirror_apt_repo is None) != (self.mirror_apt_key_url is None):
@@ -412,7 +414,7 @@ class Settings(BaseModel):
 
     @property
     def compile_signature(self) -> str:
-        """What invalidates vLLM's torch.compile cache (the seeds' startup crash): the
+        """What invalidates vLLM's torch.compile cache (the reference recipe's startup crash): the
         engine, the checkpoint served, the patches and the speculative decoder."""
         env = self.serve_env()
         parts = [self.image, env["SF_MODEL"], env["SF_REVISION"], env["SF_PATCHES"], env["SF_SPECULATIVE_CONFIG"]]
@@ -506,7 +508,7 @@ def validate_fleet(hosts: Iterable[Any]) -> dict[str, Settings]:
     for name, s in settings.items():
         if s.gpu_memory_utilization > MEASURED_GPU_MEMORY_UTILIZATION:
             log.warning(
-                "%s: gpu_memory_utilization=%s is above the %s the seeds measured as safe; "
+                "%s: gpu_memory_utilization=%s is above the %s the reference recipe measured as safe; "
                 "a Spark's unified memory may swap and stall the host",
                 name, s.gpu_memory_utilization, MEASURED_GPU_MEMORY_UTILIZATION,
             )

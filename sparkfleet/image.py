@@ -12,31 +12,16 @@ import json
 import shlex
 
 from pyinfra import host
-from pyinfra.api import FactBase, FunctionCommand, operation
+from pyinfra.api import FunctionCommand, deploy, operation
 from pyinfra.api.exceptions import OperationError
+from pyinfra.facts.docker import DockerImage
 
 from sparkfleet import mirror, remote
 from sparkfleet.config import Settings, host_mirror
-from sparkfleet.facts import MANIFEST_ACCEPT, DockerRoot
+from sparkfleet.facts import MANIFEST_ACCEPT, docker_info
 from sparkfleet.hostpaths import HF_ENV, RUNTIME_DIR, registry_ca_path
 from sparkfleet.mirror import ImageName, image_reference
 from sparkfleet.tasks import detached
-
-
-class Image(FactBase["dict | None"]):
-    """The local image ``reference`` resolves to: id and repo digests, or None."""
-
-    def command(self, reference: str) -> str:
-        return (
-            f"docker image inspect --format '{{{{json .Id}}}} {{{{json .RepoDigests}}}}' "
-            f"{shlex.quote(reference)} 2>/dev/null || true"
-        )
-
-    def process(self, output):
-        if not output or not output[0].startswith('"'):
-            return None
-        image_id, digests = output[0].split(" ", 1)
-        return {"id": json.loads(image_id), "repo_digests": json.loads(digests) or []}
 
 
 def pinned_digest(reference: str) -> str | None:
@@ -44,11 +29,11 @@ def pinned_digest(reference: str) -> str | None:
 
 
 def _present(ref: str) -> bool:
-    image = host.get_fact(Image, reference=ref)
-    if image is None:
+    images = host.get_fact(DockerImage, object_id=ref) or []
+    if not images:
         return False
     digest = pinned_digest(ref)
-    return digest is None or any(d.endswith("@" + digest) for d in image["repo_digests"])
+    return digest is None or any(d.endswith("@" + digest) for d in images[0].get("RepoDigests") or [])
 
 
 def is_present(reference: str) -> bool:
@@ -62,27 +47,27 @@ def is_present(reference: str) -> bool:
 def disk_needs(settings: Settings) -> dict[str, float]:
     """What the image still needs on this host: {docker's data root: GiB} (nothing when it
     is there or docker does not answer, which the preflight reports on its own)."""
-    root = host.get_fact(DockerRoot)
-    if root is None or is_present(settings.image):
+    root = docker_info().get("DockerRootDir")
+    if not root or is_present(settings.image):
         return {}
     return {root: settings.image_size_gib}
 
 
-def one_shot(settings: Settings, name: str, args: str, extra_mounts: str = "") -> str:
-    """A one-shot run of the serving image's Python with the HF cache and runtime mounted.
+def one_shot(image: str, hf_home: str, hf_endpoint: str | None, name: str, args: str, extra_mounts: str = "") -> str:
+    """A one-shot run of the serving image's Python (container ``name``) with the HF cache
+    at /hf and the runtime at /host, for downloads and builds.
 
-    Downloads go to the mirror's HF endpoint when there is a mirror (fleet_mirror), else
-    to ``hf_endpoint``; the image is the reference the host pulled (never a new pull).
+    + image: the reference the host pulled (never a new pull)
+    + hf_endpoint: the mirror's HF endpoint, ``hf_endpoint``, or None for the hub
     """
     q = shlex.quote
-    endpoint_url = mirror.hf_endpoint(settings)
-    endpoint = f"-e HF_ENDPOINT={q(endpoint_url)} " if endpoint_url else ""
+    endpoint = f"-e HF_ENDPOINT={q(hf_endpoint)} " if hf_endpoint else ""
     return (
         f"docker rm -f {name} >/dev/null 2>&1; "
         f"docker run --rm --pull never --name {name} --network host --env-file {HF_ENV} "
         f"-e HF_HOME=/hf -e HF_HUB_DISABLE_TELEMETRY=1 {endpoint}"
-        f"-v {q(settings.hf_home)}:/hf -v {RUNTIME_DIR}:/host:ro {extra_mounts}"
-        f"--entrypoint python3 {q(image_reference(settings))} {args}"
+        f"-v {q(hf_home)}:/hf -v {RUNTIME_DIR}:/host:ro {extra_mounts}"
+        f"--entrypoint python3 {q(image)} {args}"
     )
 
 
@@ -115,22 +100,29 @@ def _verify(state, host, ref: str, expected: str | None, mirror_ref: str | None)
 
 
 @operation()
-def pulled(settings: Settings):
+def pulled(reference: str):
     """
     Pull the serving image unless this exact reference is already on the host.
 
-    + settings: validated settings (``image``; pin it as ``name@sha256:...`` for a fleet)
+    + reference: what to pull and run (the mirror registry's copy of ``image``, or ``image``;
+      pin it as ``name@sha256:...`` for a fleet)
 
     A tag that moved upstream is not re-pulled: pin a digest to change what runs. With a
     mirror the pull comes from its registry, and a host left with another digest than the
     fleet's fails with both digests named.
     """
     used = host_mirror()
-    ref = image_reference(settings, used)
-    if _present(ref):
-        host.noop(f"image {ref} is present")
+    if _present(reference):
+        host.noop(f"image {reference} is present")
         return
     if used:
         yield mirror.answers(used, "registry")
-    yield detached("image-pull", f"docker pull {shlex.quote(ref)}")
-    yield FunctionCommand(_verify, (ref, pinned_digest(ref), ref if used and not pinned_digest(ref) else None), {})
+    yield detached("image-pull", f"docker pull {shlex.quote(reference)}")
+    check_tag = reference if used and not pinned_digest(reference) else None
+    yield FunctionCommand(_verify, (reference, pinned_digest(reference), check_tag), {})
+
+
+@deploy("Serving image")
+def present(settings: Settings):
+    """The serving image on this host. Returns the pull operation (for the download report)."""
+    return pulled(name="serving image present", reference=image_reference(settings))

@@ -6,94 +6,21 @@ gets one failing operation listing every problem with its fix; the other hosts g
 
 from __future__ import annotations
 
-import shlex
 from dataclasses import dataclass, field
 
 from pyinfra import host, logger
-from pyinfra.api import FactBase, operation
+from pyinfra.api import operation
 from pyinfra.facts.files import File
+from pyinfra.facts.server import Arch
 
 from sparkfleet import hybrid, image, mirror, remote, service, weights
 from sparkfleet.config import Settings
-from sparkfleet.facts import DockerRoot
+from sparkfleet.facts import FreeSpace, Gpu, Memory, docker_info
 
 GB10_NAME = "NVIDIA GB10"
 GB10_COMPUTE_CAPABILITY = "12.1"
 SPARK_ARCH = "aarch64"
 GIB = 1024**3
-
-
-# --- facts --------------------------------------------------------------------------
-
-
-class Architecture(FactBase[str]):
-    """The processor architecture as the kernel reports it (``uname -m``)."""
-
-    @staticmethod
-    def default():
-        return ""
-
-    def command(self) -> str:
-        return "uname -m"
-
-    def process(self, output):
-        return output[0].strip() if output else ""
-
-
-class Gpu(FactBase["dict[str, str] | None"]):
-    """The first GPU as ``nvidia-smi`` reports it, or None without a working nvidia-smi."""
-
-    def command(self) -> str:
-        return (
-            "nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader 2>/dev/null"
-            " || true"
-        )
-
-    def process(self, output):
-        for line in output:
-            parts = [p.strip() for p in line.split(",")]
-            if len(parts) == 3 and parts[0]:
-                return {"name": parts[0], "compute_cap": parts[1], "driver_version": parts[2]}
-        return None
-
-
-class FreeSpace(FactBase["dict[str, object]"]):
-    """Free bytes and mount point of the filesystem that holds (or will hold) ``path``."""
-
-    @staticmethod
-    def default():
-        return {"mount": "?", "free": 0}
-
-    def command(self, path: str) -> str:
-        # The path may not exist yet: ask about its nearest existing parent.
-        return (
-            f"p={shlex.quote(path)}; while [ ! -e \"$p\" ]; do p=$(dirname \"$p\"); done; "
-            "df -P -B1 \"$p\" | tail -n 1"
-        )
-
-    def process(self, output):
-        fields = output[-1].split() if output else []
-        if len(fields) < 6:
-            return {"mount": "?", "free": 0}
-        return {"mount": fields[5], "free": int(fields[3])}
-
-
-class Memory(FactBase["dict[str, int]"]):
-    """MemTotal and MemAvailable in bytes."""
-
-    @staticmethod
-    def default():
-        return {}
-
-    def command(self) -> str:
-        return "grep -E '^(MemTotal|MemAvailable):' /proc/meminfo"
-
-    def process(self, output):
-        values = {}
-        for line in output:
-            key, rest = line.split(":", 1)
-            values[key] = int(rest.split()[0]) * 1024
-        return values
 
 
 # --- checks -------------------------------------------------------------------------
@@ -136,7 +63,7 @@ def inspect(settings: Settings) -> Findings:
     gate = found.warnings if settings.force else found.problems
     force_hint = " (or --data force=true to try anyway)"
 
-    arch = host.get_fact(Architecture)
+    arch = host.get_fact(Arch)
     if arch != SPARK_ARCH:
         gate.append(f"processor is {arch or 'unknown'}, a DGX Spark is {SPARK_ARCH}{force_hint}")
 
@@ -154,8 +81,7 @@ def inspect(settings: Settings) -> Findings:
         if not gpu["driver_version"] or gpu["driver_version"].startswith("["):
             found.problems.append("nvidia-smi reports no driver version: reinstall the NVIDIA driver")
 
-    docker_root = host.get_fact(DockerRoot)
-    if docker_root is None:
+    if not docker_info().get("DockerRootDir"):
         found.problems.append(
             "docker is missing or its daemon does not answer: install docker and run "
             "`systemctl enable --now docker`"

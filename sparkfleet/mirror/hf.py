@@ -25,11 +25,11 @@ from urllib.parse import urlsplit
 from pyinfra import host
 from pyinfra.api import FunctionCommand, StringCommand, operation
 from pyinfra.api.exceptions import OperationError
+from pyinfra.facts.files import FileContents
 
 from sparkfleet import remote
-from sparkfleet.facts import FileFirstLine, HostPython
+from sparkfleet.facts import HostPython
 from sparkfleet.hostpaths import OLAH_DIR, OLAH_MARKER
-from sparkfleet.config import Settings
 
 #: On the controller: olah's wheels per requirement and host Python.
 WHEELHOUSE = Path(".sparkfleet/wheelhouse")
@@ -92,24 +92,24 @@ def _install_olah(state, host, requirement: str, python: dict) -> bool:  # pyinf
 
 
 @operation()
-def installed(settings: Settings):
+def installed(requirement: str):
     """
-    Install the HF mirror (``mirror_olah``, e.g. olah==0.5.4) into /opt/sparkfleet/mirror/olah.
+    Install the HF mirror into /opt/sparkfleet/mirror/olah.
 
-    + settings: validated settings (``mirror_olah``)
+    + requirement: the pip requirement (``mirror_olah``, e.g. olah==0.5.4)
 
     The controller downloads the wheels for the host's python3 and uploads them; the host
     installs them with pip run from its wheel: it needs python3 (3.10+), no pip, no index.
     """
-    if host.get_fact(FileFirstLine, path=OLAH_MARKER) == settings.mirror_olah:
-        host.noop(f"{settings.mirror_olah} is installed")
+    if (host.get_fact(FileContents, path=OLAH_MARKER) or [None])[0] == requirement:
+        host.noop(f"{requirement} is installed")
         return
     python = host.get_fact(HostPython)
     if python is None or (python["major"], python["minor"]) < (3, 10):
         yield remote.fail("the HF mirror (olah) needs python3 3.10 or newer on the mirror host; "
                           "install it, or pick another fleet_mirror")
         return
-    yield FunctionCommand(_install_olah, (settings.mirror_olah, python), {})
+    yield FunctionCommand(_install_olah, (requirement, python), {})
 
 
 def upstream_hub(hf_endpoint: str | None) -> tuple[str, str, str]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from sparkfleet.config import Mirror, Settings, host_mirror
 
+
 @dataclass(frozen=True)
 class ImageName:
     """A docker reference split the way registries see it."""

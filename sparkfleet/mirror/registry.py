@@ -21,10 +21,11 @@ from urllib.parse import urlsplit
 
 from pyinfra import host
 from pyinfra.api import FunctionCommand, operation
+from pyinfra.facts.server import Which
 
 from sparkfleet import remote
-from sparkfleet.config import Mirror, Settings
-from sparkfleet.facts import CommandAvailable, RegistryManifest
+from sparkfleet.config import Mirror
+from sparkfleet.facts import RegistryManifest
 from sparkfleet.hostpaths import (
     DOCKER_AUTH,
     MIRROR_APT_KEYRING,
@@ -33,27 +34,28 @@ from sparkfleet.hostpaths import (
     mirror_registry_storage,
     registry_ca_path,
 )
-from sparkfleet.mirror.names import ImageName, upstream_registry_url
+from sparkfleet.mirror.names import ImageName
 from sparkfleet.mirror.report import report_of
 from sparkfleet.tasks import detached
 
 
 @operation()
-def installed(settings: Settings):
+def installed(apt_repo: str | None, apt_key_url: str | None):
     """
     Install ``docker-registry`` (the CNCF registry, "distribution") and ``skopeo`` (the
     image copy) when one is missing.
 
-    + settings: validated settings (``mirror_apt_repo``/``mirror_apt_key_url``: a repository to
-      take it from; None: the host's own archives, Ubuntu universe / Debian main)
+    + apt_repo, apt_key_url: a repository to take it from and its signing key
+      (``mirror_apt_repo``/``mirror_apt_key_url``); None: the host's own archives,
+      Ubuntu universe / Debian main
     """
-    if all(host.get_fact(CommandAvailable, program=program) for program in ("docker-registry", "skopeo")):
+    if all(host.get_fact(Which, command=program) for program in ("docker-registry", "skopeo")):
         host.noop("docker-registry and skopeo are installed")
         return
     q = shlex.quote
-    if settings.mirror_apt_repo:
-        yield f"curl -fsSL --retry 3 {q(settings.mirror_apt_key_url)} -o {MIRROR_APT_KEYRING}"
-        yield f"echo {q(f'deb [signed-by={MIRROR_APT_KEYRING}] {settings.mirror_apt_repo} /')} > {MIRROR_APT_SOURCES}"
+    if apt_repo:
+        yield f"curl -fsSL --retry 3 {q(apt_key_url)} -o {MIRROR_APT_KEYRING}"
+        yield f"echo {q(f'deb [signed-by={MIRROR_APT_KEYRING}] {apt_repo} /')} > {MIRROR_APT_SOURCES}"
         # Only that list is refreshed: the rest of the host's apt state is not ours.
         yield (
             f"apt-get update -o Dir::Etc::sourcelist={MIRROR_APT_SOURCES} -o Dir::Etc::sourceparts=- "
@@ -69,24 +71,25 @@ def installed(settings: Settings):
 
 
 @operation()
-def image_copied(settings: Settings, mirror: Mirror):
+def image_copied(image: str, upstream: str, result_dir: str, mirror: Mirror):
     """
     Copy the serving image, byte for byte, into the mirror registry unless it holds it.
 
-    + settings: validated settings (``image``, ``image_registry_url``)
+    + image: the serving image's reference (``image``)
+    + upstream: the URL of the registry to copy it from
+    + result_dir: where the copy tool leaves its count of bytes (``mirror_dir``)
     + mirror: this host, the mirror
     """
-    name = ImageName.parse(settings.image)
+    name = ImageName.parse(image)
     local = f"https://{mirror.registry}"
     if host.get_fact(RegistryManifest, url=local, path=name.path, reference=name.digest or name.tag,
                      cacert=REGISTRY_CERT):
         host.noop(f"the mirror registry holds {name.path}@{name.digest or name.tag}")
         return
     q = shlex.quote
-    storage = q(mirror_registry_storage(settings.mirror_dir))
-    result = q(f"{settings.mirror_dir}/image-copy-bytes")
-    copy = copy_command(upstream_registry_url(settings.image, settings.image_registry_url), name, mirror.registry,
-                        posixpath.dirname(registry_ca_path(mirror.registry)))
+    storage = q(mirror_registry_storage(result_dir))
+    result = q(f"{result_dir}/image-copy-bytes")
+    copy = copy_command(upstream, name, mirror.registry, posixpath.dirname(registry_ca_path(mirror.registry)))
     # What came from upstream, measured: the registry stores blobs (and manifests) as fetched,
     # each in a file named data.
     stored = f"find {storage} -type f -name data -printf '%s\\n' | awk '{{s += $1}} END {{print s + 0}}'"

@@ -17,6 +17,7 @@ import time
 import pytest
 import requests
 
+from sparkfleet.service import READY_PROMPT
 from sparkfleet.testbed import paths
 
 pytestmark = pytest.mark.e2e
@@ -93,7 +94,7 @@ def changed_hosts(output: str) -> set[str]:
 
 
 def completion(tb, name: str) -> str:
-    body = json.dumps({"model": "qwen", "prompt": "What is the capital of France? Answer in one word.",
+    body = json.dumps({"model": "qwen", "prompt": READY_PROMPT,
                        "max_tokens": 8, "temperature": 0})
     out = tb.exec(name, "curl -s -m 10 -H @/etc/sparkfleet/api-auth.header -H 'Content-Type: application/json' "
                         f"-d '{body}' http://127.0.0.1:8000/v1/completions").stdout

@@ -15,7 +15,9 @@ import time
 
 import pytest
 
-from sparkfleet.preflight import Architecture, Gpu
+from pyinfra.facts.server import Arch as Architecture
+
+from sparkfleet.facts import Gpu
 from sparkfleet.testbed import fleet, image, paths
 from sparkfleet.testbed.proc import missing_tools
 
