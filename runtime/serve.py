@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The serving container's entry point: patch the installed vLLM, then exec ``vllm serve``.
 
-Run as ``python3 /host/serve.py`` with serve.env and secrets.env in the environment
+Run as ``python3 /host/serve.py`` with serve.env in the environment and secrets.env
+mounted read-only at ``SECRETS_FILE`` (so the API key is in no ``docker inspect``)
 (docs/architecture.md). Steps:
 
 1. build the argv from the environment (``serve_args.build_serve_argv``) - before any
@@ -43,6 +44,9 @@ HERE = Path(__file__).resolve().parent
 PATCH_DIR = HERE / "patches"
 
 PATCH_TIMEOUT_S = 300
+#: The host's root-only secrets.env, mounted read-only: read here, handed to vLLM in its
+#: environment only, never in the container's configuration.
+SECRETS_FILE = "/run/sparkfleet/secrets.env"
 # Environment whose values must never show up in argv or the printed command.
 SECRET_ENV = ("VLLM_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 
@@ -160,9 +164,19 @@ def check_main(env: dict[str, str]) -> int:
     return 0 if report["ok"] else 1
 
 
+def read_secrets(path: str = SECRETS_FILE) -> dict[str, str]:
+    """KEY=VALUE lines of the mounted secrets file (none when it is not mounted)."""
+    try:
+        with open(path) as handle:
+            lines = handle.read().splitlines()
+    except FileNotFoundError:
+        return {}
+    return dict(line.split("=", 1) for line in lines if "=" in line and not line.startswith("#"))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    env = dict(os.environ)
+    env = {**os.environ, **read_secrets()}
     if argv == ["--check"]:
         return check_main(env)
     if argv:

@@ -75,6 +75,8 @@ def test_secrets_stay_private(testbed, run_pyinfra):
         assert key not in unit_text
         argv = testbed.exec(name, "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '").stdout
         assert key not in argv
+        # Mounted, not an --env-file: the container's configuration does not carry it.
+        assert key not in testbed.exec(name, "docker inspect sparkfleet-serve").stdout
     # Without the key the API refuses.
     denied = testbed.exec(testbed.names[0], "curl -s -o /dev/null -w '%{http_code}' http://127.0.0.1:8000/v1/models")
     assert denied.stdout.strip() == "401"

@@ -230,3 +230,12 @@ def test_missing_vllm_command(vllm_tree, tmp_path: Path) -> None:
     proc = serve(env, cwd=tmp_path)
     assert proc.returncode == 127
     assert "cannot exec 'vllm'" in proc.stdout
+
+
+def test_the_mounted_secrets_file_reaches_the_engine_environment_only(tmp_path):
+    from runtime import serve
+
+    secrets = tmp_path / "secrets.env"
+    secrets.write_text("VLLM_API_KEY=sf-test-key\n")
+    assert serve.read_secrets(str(secrets)) == {"VLLM_API_KEY": "sf-test-key"}
+    assert serve.read_secrets(str(tmp_path / "absent")) == {}
