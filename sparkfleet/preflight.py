@@ -10,12 +10,15 @@ from dataclasses import dataclass, field
 
 from pyinfra import host, logger
 from pyinfra.api import operation
-from pyinfra.facts.files import File
+from pyinfra.facts.files import File, Sha256File
 from pyinfra.facts.server import Arch
 
-from sparkfleet import hybrid, image, mirror, remote, service, weights
+from sparkfleet import hybrid, image, mirror, remote, secrets, service, weights
 from sparkfleet.config import Settings
 from sparkfleet.facts import FreeSpace, Gpu, Memory, docker_info
+from sparkfleet.hostpaths import SECRETS_ENV
+
+EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 
 GB10_NAME = "NVIDIA GB10"
 GB10_COMPUTE_CAPABILITY = "12.1"
@@ -109,6 +112,19 @@ def inspect(settings: Settings) -> Findings:
             f"model_dir {settings.model_dir} holds no checkpoint (no config.json): "
             "point model_dir at a checkpoint directory on this host"
         )
+
+    key_file = secrets.api_key_path(settings)
+    try:
+        secrets.existing_api_key(settings.api_key, key_file)
+    except secrets.NotYetMade:
+        # A second checkout without the key would make a new one and re-key the fleet,
+        # cutting off every client: stop instead.
+        if host.get_fact(Sha256File, path=SECRETS_ENV) not in (None, EMPTY_SHA256):
+            found.problems.append(
+                f"this host already serves with an API key, and this checkout has none ({key_file} "
+                "is missing): copy that file (0600) from the checkout that deployed the fleet, or "
+                "give the key with --data api_key=..."
+            )
 
     port = service.port_problem(settings)
     if port:

@@ -166,3 +166,23 @@ def test_a_bit_flip_is_found_with_verify_weights(testbed, run_pyinfra):
     assert result.returncode == 0, out[-4000:]
     assert re.search(rf"\[{name}\].*corrupt: .* downloading again", out), out[-4000:]
     assert _blob_matches(testbed, name, blob)
+
+
+def test_a_checkout_without_the_fleet_key_stops_instead_of_rekeying(testbed, run_pyinfra):
+    from pathlib import Path
+
+    key_file = Path(__file__).resolve().parents[2] / ".sparkfleet" / "api-key"
+    key = key_file.read_text()
+    aside = key_file.with_name("api-key.aside")
+    key_file.rename(aside)
+    try:
+        result = run_pyinfra("deploy.py")
+        out = result.stdout + result.stderr
+        assert result.returncode != 0
+        for name in testbed.names:
+            assert re.search(rf"\[{name}\].*already serves with an API key", out), out[-3000:]
+        assert not key_file.exists()  # no new key made
+        assert key.strip() in testbed.exec(testbed.names[0], "cat /etc/sparkfleet/secrets.env").stdout
+    finally:
+        aside.rename(key_file)
+    assert run_pyinfra("deploy.py").returncode == 0
