@@ -130,7 +130,10 @@ def test_docker_stopped_and_started_brings_the_server_back_without_a_deploy(test
 
 
 def _biggest_blob(testbed, name: str) -> str:
-    return testbed.exec(name, "ls -S /var/lib/sparkfleet/hf/hub/models--*/blobs/* | head -n 1").stdout.strip()
+    """The biggest blob of the checkpoint the default profile serves (other tests may have
+    cached other repositories, which a deploy of the default profile does not look at)."""
+    repo = "/var/lib/sparkfleet/hf/hub/models--bleysg--Qwen3.5-122B-A10B-int4-fp8-hybrid"
+    return testbed.exec(name, f"ls -S {repo}/blobs/* | head -n 1").stdout.strip()
 
 
 def _blob_matches(testbed, name: str, blob: str) -> bool:
