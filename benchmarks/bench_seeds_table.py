@@ -27,7 +27,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
@@ -36,7 +35,7 @@ from sparkfleet.bench.reference import PUBLISHED  # noqa: E402
 from sparkfleet.testbed import paths  # noqa: E402 - SPARKFLEET_TESTBED_INSTANCE picks the fleet
 
 # (row label, deploy data, benches)
-PROFILES: List[Tuple[str, List[str], str]] = [
+PROFILES: list[tuple[str, list[str], str]] = [
     ("base", ["profile=base"], "decode"),
     ("dflash", ["profile=dflash"], "decode,e2e,agent"),
     ("mtp", ["profile=mtp"], "decode,agent"),
@@ -50,7 +49,7 @@ TITLES = {"decode/prose": "prose", "decode/code": "code", "decode/counting": "co
 CONCURRENCY = {"prose": (48.8, 38.4, 30.8), "code": (66.9, 55.3, 43.0)}
 
 
-EXTRA_DATA: List[str] = []
+EXTRA_DATA: list[str] = []
 
 
 def pyinfra(*args: str, timeout: int = 1800) -> subprocess.CompletedProcess:
@@ -76,7 +75,7 @@ def state_db(directory: Path) -> Path:
     return path
 
 
-def measure(label: str, data: List[str], benches: str, host: str, db: Path, runs: int) -> Dict[str, dict]:
+def measure(label: str, data: list[str], benches: str, host: str, db: Path, runs: int) -> dict[str, dict]:
     t0 = time.monotonic()
     must(pyinfra("deploy.py", "--limit", host, "--data", "checks=", *[a for d in data for a in ("--data", d)]),
          f"deploy {label}")
@@ -88,7 +87,7 @@ def measure(label: str, data: List[str], benches: str, host: str, db: Path, runs
     must(proc, f"benches on {label}")
     result = json.loads((REPO / "results" / run_id / f"{host}.json").read_text())
     checks = result["checks"]
-    cells: Dict[str, dict] = {}
+    cells: dict[str, dict] = {}
     for name, w in (checks.get("decode") or {}).get("workloads", {}).items():
         cells[f"decode/{name}"] = {"tok_s": w["decode_tok_s"]["median"], "acc": _acc(w)}
     if "e2e" in checks:
@@ -99,7 +98,7 @@ def measure(label: str, data: List[str], benches: str, host: str, db: Path, runs
     return cells
 
 
-def _acc(check: dict) -> Optional[float]:
+def _acc(check: dict) -> float | None:
     acc = check.get("acceptance")
     return acc["mean_length"] if acc else None
 
@@ -111,7 +110,7 @@ def concurrency(host_address: str, streams: int, prompt: str, tokens: int = 200)
 
     key = (REPO / ".sparkfleet" / "api-key").read_text().strip()
     client = Client(f"http://{host_address}:8000", "qwen", key, 120)
-    rates: List[float] = []
+    rates: list[float] = []
 
     def one() -> None:
         rec = client.stream_completion(prompt, tokens, ignore_eos=True, min_tokens=tokens)
@@ -125,7 +124,7 @@ def concurrency(host_address: str, streams: int, prompt: str, tokens: int = 200)
     return sorted(rates)[len(rates) // 2]
 
 
-def fmt(value: Optional[float], acc: Optional[float] = None) -> str:
+def fmt(value: float | None, acc: float | None = None) -> str:
     if value is None:
         return "—"
     return f"{value:.1f}" + (f" (acc {acc:.2f})" if acc else "")
@@ -148,7 +147,7 @@ def main() -> int:
     address = next(h["address"] for h in hosts if h["name"] == args.host)
     print(f"simulated fleet: {args.host} ({address}); one profile at a time", flush=True)
 
-    measured: Dict[str, Dict[str, dict]] = {}
+    measured: dict[str, dict[str, dict]] = {}
     with tempfile.TemporaryDirectory(prefix="sparkfleet-seeds-") as tmp:
         db = state_db(Path(tmp))
         for label, data, benches in PROFILES:
@@ -159,7 +158,7 @@ def main() -> int:
                                                    ("code", "Write a Python function that sorts a list."))}
         must(pyinfra("deploy.py", "--limit", args.host, "--data", "checks="), "deploy the default profile again")
 
-    errors: List[float] = []
+    errors: list[float] = []
     width = 26
     print("\nthe reference recipe's table (published) against the simulated fleet (measured), tok/s\n")
     print(f"{'profile':<14}" + "".join(f"{TITLES[c]:>{width}}" for c in COLUMNS) + f"{'no-spec base':>{width}}")

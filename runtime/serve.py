@@ -30,8 +30,8 @@ import os
 import shlex
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 try:  # imported as the package runtime (controller, tests)
     from . import serve_args

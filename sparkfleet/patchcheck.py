@@ -24,10 +24,10 @@ from pathlib import Path
 from pyinfra import host, logger
 from pyinfra.api import FactBase, FunctionCommand, operation
 
-from sparkfleet.config import Settings
-from sparkfleet.mirror import image_reference
 from sparkfleet import remote
+from sparkfleet.config import Settings
 from sparkfleet.hostpaths import RUNTIME_DIR
+from sparkfleet.mirror import image_reference
 
 VERDICT_DIR = "/var/lib/sparkfleet/patch-verdicts"
 CONTAINER = "sparkfleet-patch-check"

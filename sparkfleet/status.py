@@ -138,7 +138,7 @@ def parse_host(lines: list[str], s: Settings) -> dict[str, Any]:
 
 
 def _read_host(target, s: Settings) -> dict[str, Any]:
-    
+
     done = remote.run(target, _host_command(s), timeout=60)
     ok, lines = done.ok, done.stdout
     if not ok and not lines:

@@ -29,9 +29,9 @@ import os
 import re
 import sys
 import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 STATUS_PREFIX = "sparkfleet-patch:"
 

@@ -8,10 +8,8 @@ albond's end-to-end method (completion tokens / wall time, prefill included).
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
-
 # profile -> workload -> (tok/s, mean acceptance length or None)
-PUBLISHED: Dict[str, Dict[str, Tuple[float, Optional[float]]]] = {
+PUBLISHED: dict[str, dict[str, tuple[float, float | None]]] = {
     "base": {"decode/prose": (28.2, None), "decode/code": (28.2, None), "decode/counting": (28.2, None)},
     "dflash": {"decode/prose": (33.2, 2.3), "decode/code": (54.5, 5.4), "decode/counting": (124.5, 11.0),
                "agent": (81.0, 8.3), "e2e": (53.7, 6.5)},

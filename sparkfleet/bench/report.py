@@ -22,9 +22,9 @@ import csv
 import io
 import statistics
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
 
 from sparkfleet.bench.onhost.schema import now_iso
 from sparkfleet.bench.reference import reference_lines
@@ -34,7 +34,7 @@ from sparkfleet.bench.results import REPORT_STEM, load_run, write_json
 FLAG_BELOW_MEDIAN = 0.10
 
 # The reference recipe's published numbers, drawn beside the workloads they compare with.
-REFERENCES: List[dict] = reference_lines()
+REFERENCES: list[dict] = reference_lines()
 
 _WORKLOAD_ORDER = ["decode/prose", "decode/code", "decode/counting", "decode/user", "e2e", "agent"]
 _WORKLOAD_TITLES = {"e2e": "e2e (albond)", "agent": "agent (Hermes)"}
@@ -42,13 +42,13 @@ _WORKLOAD_TITLES = {"e2e": "e2e (albond)", "agent": "agent (Hermes)"}
 
 @dataclass
 class Cell:
-    tok_s: Optional[float]
-    ttft_ms: Optional[float]
-    acceptance: Optional[float]
+    tok_s: float | None
+    ttft_ms: float | None
+    acceptance: float | None
     status: str = "ok"
-    reason: Optional[str] = None
-    median: Optional[float] = None
-    vs_median: Optional[float] = None  # fraction: -0.12 is 12% below the median
+    reason: str | None = None
+    median: float | None = None
+    vs_median: float | None = None  # fraction: -0.12 is 12% below the median
     flagged: bool = False
 
 
@@ -56,26 +56,26 @@ class Cell:
 class HostRow:
     host: str
     status: str
-    reason: Optional[str]
-    smoke: Optional[dict]
-    tools: Optional[dict]
-    cells: Dict[str, Cell] = field(default_factory=dict)
+    reason: str | None
+    smoke: dict | None
+    tools: dict | None
+    cells: dict[str, Cell] = field(default_factory=dict)
 
 
 @dataclass
 class FleetReport:
     run_dir: Path
     run_id: str
-    hosts: List[HostRow]
-    workloads: List[str]
-    medians: Dict[str, Optional[float]]
+    hosts: list[HostRow]
+    workloads: list[str]
+    medians: dict[str, float | None]
 
     @property
-    def failed(self) -> List[HostRow]:
+    def failed(self) -> list[HostRow]:
         return [h for h in self.hosts if h.status != "ok"]
 
     @property
-    def flagged(self) -> List[tuple]:
+    def flagged(self) -> list[tuple]:
         return [(h.host, w, c) for w in self.workloads for h in self.hosts
                 for c in [h.cells.get(w)] if c is not None and c.flagged]
 
@@ -83,19 +83,19 @@ class FleetReport:
 # --- from results to cells ------------------------------------------------------------------
 
 
-def _median_of(summary: Optional[dict]) -> Optional[float]:
+def _median_of(summary: dict | None) -> float | None:
     return summary.get("median") if isinstance(summary, dict) else None
 
 
-def _acceptance(check: dict) -> Optional[float]:
+def _acceptance(check: dict) -> float | None:
     acc = check.get("acceptance")
     return acc.get("mean_length") if isinstance(acc, dict) else None
 
 
-def host_cells(result: dict) -> Dict[str, Cell]:
+def host_cells(result: dict) -> dict[str, Cell]:
     """The workload cells of one host's result (decode bank, e2e, agent)."""
     checks = result.get("checks") or {}
-    cells: Dict[str, Cell] = {}
+    cells: dict[str, Cell] = {}
     decode = checks.get("decode") or {}
     for name, w in (decode.get("workloads") or {}).items():
         cells[f"decode/{name}"] = Cell(
@@ -135,7 +135,7 @@ def build(run_dir: Path) -> FleetReport:
         for name, r in sorted(results.items())
     ]
     workloads = sorted({w for row in rows for w in row.cells}, key=_workload_sort_key)
-    medians: Dict[str, Optional[float]] = {}
+    medians: dict[str, float | None] = {}
     for w in workloads:
         values = [row.cells[w].tok_s for row in rows if w in row.cells and row.cells[w].tok_s is not None]
         medians[w] = statistics.median(values) if values else None
@@ -153,7 +153,7 @@ def build(run_dir: Path) -> FleetReport:
 # --- renderings -------------------------------------------------------------------------------------
 
 
-def _num(value: Optional[float], fmt: str) -> str:
+def _num(value: float | None, fmt: str) -> str:
     width = int(fmt.split(".")[0] or 0)
     return f"{'-':>{width}}" if value is None else format(value, fmt)
 
@@ -283,7 +283,7 @@ def render_json(rep: FleetReport) -> dict:
     }
 
 
-def _spread(values: List[float], gap: float) -> List[float]:
+def _spread(values: list[float], gap: float) -> list[float]:
     """Label heights near ``values``, at least ``gap`` apart (so labels do not overlap)."""
     order = sorted(range(len(values)), key=lambda i: values[i])
     out = list(values)
@@ -359,7 +359,7 @@ def render_png(rep: FleetReport, path: Path) -> None:
 # --- entry points ----------------------------------------------------------------------------------
 
 
-def write(rep: FleetReport, plot: bool = True) -> Dict[str, Path]:
+def write(rep: FleetReport, plot: bool = True) -> dict[str, Path]:
     """Write the report files next to the results; returns their paths."""
     paths = {ext: rep.run_dir / f"{REPORT_STEM}.{ext}" for ext in ("txt", "csv", "json", "png")}
     paths["txt"].write_text(render_table(rep), encoding="utf-8")
@@ -382,7 +382,7 @@ def write_and_print(run_dir: Path, plot: bool = True, stream=None) -> FleetRepor
     return rep
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """``sparkfleet report RESULTS/RUN_ID``: rebuild the fleet report from saved results.
 
     Exit status 0 when written, 1 with ``--strict`` when a host failed or was flagged,

@@ -13,7 +13,6 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Dict
 
 from .onhost.schema import SCHEMA, failed_result
 
@@ -48,9 +47,9 @@ def write_json(path: Path, data: dict) -> None:
         raise
 
 
-def load_run(directory: Path) -> Dict[str, dict]:
+def load_run(directory: Path) -> dict[str, dict]:
     """host name -> result, for every host file of a run (report files are skipped)."""
-    out: Dict[str, dict] = {}
+    out: dict[str, dict] = {}
     for path in sorted(Path(directory).glob("*.json")):
         if path.name.startswith(".") or path.stem == REPORT_STEM:
             continue

@@ -78,7 +78,7 @@ def push_variant(tag: str, edits: dict[str, tuple[str, str]]) -> dict:
     variant_config = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
     client = RegistryClient(f"http://{paths.REGISTRY}")
     digest = push_image(client, paths.IMAGE_REPO, tag, variant_config,
-                        [(l.blob, l.digest, l.size) for l in [*layers, extra]])
+                        [(l.blob, l.digest, l.size) for l in [*layers, extra]])  # noqa: E741
     ref = f"{paths.REGISTRY}/{paths.IMAGE_REPO}:{tag}"
     log(f"pushed variant {ref} ({', '.join(sorted(edits))} edited; layer {extra.digest[:19]})")
     return {"ref": ref, "digest": digest, "pinned": f"{ref}@{digest}",

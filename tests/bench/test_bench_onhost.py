@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from bench.onhost_settings import settings
+
 from sparkfleet.bench.onhost.checks import BenchContext, run_decode_workload
 from sparkfleet.bench.onhost.client import Client
 from sparkfleet.bench.onhost.metrics import parse_spec_counters
@@ -73,8 +73,8 @@ def test_program_measures_decode_and_acceptance(uploaded, tmp_path):
     workloads = r["checks"]["decode"]["workloads"]
     assert set(workloads) == {"prose", "code", "counting", "user"}
     for w in workloads.values():
-        assert w["decode_tok_s"]["median"] == pytest.approx(250.0, rel=0.15)  # loose: a shared machine
-        assert w["ttft_ms"]["median"] == pytest.approx(80.0, abs=60.0)
+        assert 0.6 * 250.0 <= w["decode_tok_s"]["median"] <= 1.05 * 250.0  # a busy machine only delays
+        assert 75.0 <= w["ttft_ms"]["median"] <= 80.0 + 250.0
         assert len(w["runs"]) == 2 and w["warmup_runs"] == 1
         assert all(run["completion_tokens"] == 48 for run in w["runs"])
         assert w["acceptance"]["mean_length"] == pytest.approx(3.5, rel=0.05)
@@ -131,7 +131,7 @@ def test_timing_holds_for_close_delimited_streams_and_multi_token_deltas(close_d
     r = record_rates(rec)
     assert r["completion_tokens"] == 61 and r["tokens_source"] == "usage"
     assert rec.deltas == 1 + 60 // (accept or 1)
-    assert r["decode_tok_s"] == pytest.approx(300.0, rel=0.1)
+    assert 0.6 * 300.0 <= r["decode_tok_s"] <= 1.05 * 300.0
 
 
 def test_the_api_key_comes_from_the_secrets_file(uploaded, tmp_path):

@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from bench import hermesdb
 from bench.onhost_settings import settings
+
 from sparkfleet.bench.onhost.checks import BenchContext, run_agent
 from sparkfleet.bench.onhost.client import Client
 from sparkfleet.bench.onhost.progress import Progress
-from sparkfleet.testbed.engine.api import Faults
-from sparkfleet.testbed.engine.local import SimServer
 from sparkfleet.bench.onhost.statedb import (
     TRIM_MARK,
     _Row,
@@ -23,6 +21,8 @@ from sparkfleet.bench.onhost.statedb import (
     recent_sessions,
     trim_context,
 )
+from sparkfleet.testbed.engine.api import Faults
+from sparkfleet.testbed.engine.local import SimServer
 
 
 @pytest.fixture(params=[False, True], ids=["hermes-classic", "hermes-modern"])
@@ -167,9 +167,10 @@ def test_agent_bench_replays_turns_against_a_server_and_keeps_only_numbers(state
     requests = [r["body"] for r in faults.requests]
     assert out["status"] == "ok", out
     assert len(out["turns"]) == 2
-    assert out["decode_tok_s"]["median"] == pytest.approx(400.0, rel=0.15)
+    # A busy machine only ever delays tokens: the rate reads lower, never higher.
+    assert 0.6 * 400.0 <= out["decode_tok_s"]["median"] <= 1.05 * 400.0
     # the clock starts at the first *reasoning* delta (Qwen3.5 thinks first), not at the first content
-    assert out["ttft_ms"]["median"] == pytest.approx(30.0, abs=25.0)
+    assert 25.0 <= out["ttft_ms"]["median"] <= 30.0 + 250.0
     assert all(t["kinds"]["reasoning"] > 0 for t in out["turns"])
     assert out["acceptance"]["mean_length"] == pytest.approx(3.0, rel=0.1)
     assert out["tool_call_share"] == 1.0

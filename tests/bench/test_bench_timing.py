@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from bench.onhost_settings import settings
+
 from sparkfleet.bench.onhost.checks import BenchContext, run_decode_workload
 from sparkfleet.bench.onhost.client import delta_kinds
 from sparkfleet.bench.onhost.progress import Progress

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from sparkfleet.bench.onhost.schema import ProgramSettings
 from sparkfleet.bench import deploy as checks_deploy
+from sparkfleet.bench.onhost.schema import ProgramSettings
 from sparkfleet.bench.settings import bench_settings, parse_check_names, run_id_for
 from sparkfleet.testbed.engine.api import Faults
 from sparkfleet.testbed.engine.local import SimServer

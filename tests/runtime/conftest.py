@@ -1,11 +1,10 @@
 """Fixtures for runtime/ tests: writable copies of real vLLM source files."""
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 import pytest
-
 from support.vllm_source import vllm_source_tree
 
 # Every file a patch reads (targets and capability-gate inputs), both layouts; a

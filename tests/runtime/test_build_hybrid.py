@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from sparkfleet.testbed import checkpoints as ck
-
 from runtime import build_hybrid
 from runtime import safetensors_io as stio
+from sparkfleet.testbed import checkpoints as ck
 
 RUNTIME = Path(build_hybrid.__file__).resolve().parent
 BUILDER = RUNTIME / "build_hybrid.py"

@@ -15,10 +15,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
-
 from support.runtime_env import PATCH_DIR
-from runtime.patches import _patchlib as pl
 from support.vllm_source import VLLM_IMAGE_VERSION
+
+from runtime.patches import _patchlib as pl
 
 pytestmark = pytest.mark.network  # real vLLM sources: the PyPI sdists, downloaded once
 

@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from support.runtime_env import PATCH_DIR
 from support.vllm_source import VLLM_IMAGE_VERSION, VLLM_NEWEST_VERSION
 

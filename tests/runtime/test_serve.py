@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from support.runtime_env import (
     EXPECTED_ARGV,
     EXPECTED_PATCHES,

@@ -4,8 +4,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from runtime import serve_args as sa
 from support.runtime_env import (
     DFLASH_SPEC,
     EXPECTED_ARGV,
@@ -13,6 +11,8 @@ from support.runtime_env import (
     PROFILES,
     profile_env,
 )
+
+from runtime import serve_args as sa
 
 
 @pytest.mark.parametrize("profile", PROFILES)

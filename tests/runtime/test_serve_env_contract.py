@@ -11,20 +11,20 @@ import dataclasses
 import runpy
 
 import pytest
-
-from runtime import serve_args as sa
-from sparkfleet.config import Settings, validate_host_data
 from support.runtime_env import (
     ARCHITECTURE,
-    REPO,
     ENV_DIR,
     EXPECTED_ARGV,
     PROFILES,
+    REPO,
     documented_table,
     golden_env_text,
     profile_env,
     rendered_env,
 )
+
+from runtime import serve_args as sa
+from sparkfleet.config import Settings, validate_host_data
 
 REGENERATE = "run `python tests/support/runtime_env.py` and review the diff"
 

@@ -9,9 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sparkfleet.testbed import checkpoints as ck
-
 from runtime import safetensors_io as stio
+from sparkfleet.testbed import checkpoints as ck
 
 HEX40 = re.compile(r"^[0-9a-f]{40}$")
 

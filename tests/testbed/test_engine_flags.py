@@ -18,9 +18,9 @@ import re
 from functools import lru_cache
 
 import pytest
+from support.vllm_source import VLLM_IMAGE_VERSION, vllm_members, vllm_source_file
 
 from sparkfleet.testbed.engine import flags as engine
-from support.vllm_source import VLLM_IMAGE_VERSION, vllm_members, vllm_source_file
 
 ARG_UTILS = "vllm/engine/arg_utils.py"
 CLI_ARGS = "vllm/entrypoints/openai/cli_args.py"

@@ -7,7 +7,8 @@ vllm/entrypoints/openai/chat_completion/serving.py): ``tool_calls`` with a JSON-
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import openai
 import pytest

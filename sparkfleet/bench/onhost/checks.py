@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any
 
 from .client import BenchError, Client
 from .metrics import SpecCounters, acceptance, parse_spec_counters
@@ -44,7 +45,7 @@ class BenchContext:
 # --- acceptance window ------------------------------------------------------------------
 
 
-def scrape(ctx: BenchContext) -> Optional[SpecCounters]:
+def scrape(ctx: BenchContext) -> SpecCounters | None:
     """The counters now, or None when /metrics cannot be read (acceptance is then unknown)."""
     try:
         return parse_spec_counters(ctx.client.metrics_text())
@@ -53,13 +54,13 @@ def scrape(ctx: BenchContext) -> Optional[SpecCounters]:
         return None
 
 
-def window_acceptance(before: Optional[SpecCounters], after: Optional[SpecCounters]) -> Optional[dict]:
+def window_acceptance(before: SpecCounters | None, after: SpecCounters | None) -> dict | None:
     if before is None or after is None:
         return None
     return acceptance(after - before)
 
 
-def _fmt_acc(acc: Optional[dict]) -> str:
+def _fmt_acc(acc: dict | None) -> str:
     return f"accept len {acc['mean_length']:.2f}" if acc else "no speculative drafts"
 
 
@@ -103,7 +104,7 @@ def tool_call_round_trip(client: Client, max_tokens: int = TOOLS_MAX_TOKENS) -> 
     Returns ``{"status": "ok"|"failed", "passed", "reason"?, ...}``; raises BenchError only
     when the server cannot be reached. The rollout gate can call it with any ``Client``.
     """
-    messages: List[dict] = [{"role": "user", "content": TOOLS_QUESTION}]
+    messages: list[dict] = [{"role": "user", "content": TOOLS_QUESTION}]
     try:
         data, t0, t1 = client.chat(messages, max_tokens, tools=[WEATHER_TOOL], tool_choice="auto")
     except BenchError as exc:
@@ -187,8 +188,8 @@ def run_decode_workload(ctx: BenchContext, name: str, prompt: str) -> dict:
             except TimingError as exc:
                 ctx.progress.log(f"{tag} warm-up {i + 1}/{ctx.settings.warmup}: {exc} (discarded)")
     before = scrape(ctx)
-    runs: List[dict] = []
-    errors: List[str] = []
+    runs: list[dict] = []
+    errors: list[str] = []
     for i in range(ctx.settings.runs):
         with ctx.progress.heartbeat(f"{tag} run {i + 1}/{ctx.settings.runs}"):
             try:
@@ -233,7 +234,7 @@ def run_decode(ctx: BenchContext) -> dict:
     for name, prompt in decode_workloads(ctx.settings.prompt).items():
         workloads[name] = run_decode_workload(ctx, name, prompt)
     failed = [n for n, w in workloads.items() if w["status"] != "ok"]
-    out: Dict = {"status": "failed" if failed else "ok", "workloads": workloads}
+    out: dict = {"status": "failed" if failed else "ok", "workloads": workloads}
     if failed:
         out["reason"] = "; ".join(f"{n}: {workloads[n].get('reason')}" for n in failed)
     return out
@@ -245,13 +246,13 @@ def run_decode(ctx: BenchContext) -> dict:
 def run_e2e(ctx: BenchContext) -> dict:
     """albond's method: 5 prompts, non-streaming chat, temperature 0, pass 1 discarded,
     tok/s = completion_tokens / request wall time, cross-prompt mean of the last pass."""
-    passes: List[Dict[str, dict]] = []
-    before: Optional[SpecCounters] = None
+    passes: list[dict[str, dict]] = []
+    before: SpecCounters | None = None
     for p in range(1, ALBOND_PASSES + 1):
         warm = p < ALBOND_PASSES
         if not warm:
             before = scrape(ctx)
-        results: Dict[str, dict] = {}
+        results: dict[str, dict] = {}
         for prompt in ALBOND_PROMPTS:
             label = f"e2e pass {p}/{ALBOND_PASSES}{' (warm-up)' if warm else ''} [{prompt.name}]"
             with ctx.progress.heartbeat(label):
@@ -310,7 +311,7 @@ def run_agent(ctx: BenchContext) -> dict:
             ctx.client.stream_chat(turns[0].messages, ctx.settings.agent_max_tokens)
         ctx.progress.log(f"agent warm-up {i + 1}/{ctx.settings.warmup} done (discarded)")
     before = scrape(ctx)
-    records: List[dict] = []
+    records: list[dict] = []
     for n, turn in enumerate(turns, 1):
         label = f"agent turn {n}/{len(turns)}"
         with ctx.progress.heartbeat(label):
@@ -353,7 +354,7 @@ def run_agent(ctx: BenchContext) -> dict:
     return out
 
 
-CHECKS: Dict[str, Callable[[BenchContext], dict]] = {
+CHECKS: dict[str, Callable[[BenchContext], dict]] = {
     "smoke": run_smoke,
     "tools": run_tools,
     "decode": run_decode,

@@ -14,7 +14,6 @@ import os
 import sys
 import tempfile
 import traceback
-from typing import List, Optional
 
 from .checks import CHECKS, BenchContext
 from .client import BenchError, Client
@@ -24,7 +23,7 @@ from .schema import ProgramSettings, new_result, now_iso
 API_KEY_VAR = "VLLM_API_KEY"
 
 
-def read_api_key(secrets_file: Optional[str]) -> Optional[str]:
+def read_api_key(secrets_file: str | None) -> str | None:
     """The key from the environment (docker exec into the serving container) or secrets.env."""
     key = os.environ.get(API_KEY_VAR)
     if key:
@@ -56,7 +55,7 @@ def write_json_atomic(path: str, data: dict) -> None:
         raise
 
 
-def parse_args(argv: Optional[List[str]]) -> ProgramSettings:
+def parse_args(argv: list[str] | None) -> ProgramSettings:
     ap = argparse.ArgumentParser(prog="sparkfleet-bench", description=__doc__)
     ap.add_argument("--settings", required=True, help="the settings document (JSON)")
     raw = ap.parse_args(argv).settings
@@ -118,7 +117,7 @@ def run(s: ProgramSettings) -> dict:
     return result
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     settings = parse_args(argv)
     result = run(settings)
     try:

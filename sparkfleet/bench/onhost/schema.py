@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime as _dt
 import json
 from dataclasses import asdict, dataclass, fields
-from typing import List, Optional
 
 SCHEMA = "sparkfleet.bench/1"
 CHECK_NAMES = ("smoke", "tools", "decode", "e2e", "agent")
@@ -23,7 +22,7 @@ CHECK_NAMES = ("smoke", "tools", "decode", "e2e", "agent")
 class ProgramSettings:
     base_url: str  # where the host's own server answers
     model: str  # served model name
-    checks: List[str]
+    checks: list[str]
     out: str  # result JSON path on the host
     run_id: str
     host: str  # host name recorded in the result
@@ -31,8 +30,8 @@ class ProgramSettings:
     runs: int  # measured runs per decode workload
     warmup: int  # discarded runs per decode workload (and agent)
     max_tokens: int  # tokens per decode run
-    prompt: Optional[str]  # a user prompt added to the decode bank
-    state_db: Optional[str]  # the agent bench's state.db snapshot on the host
+    prompt: str | None  # a user prompt added to the decode bank
+    state_db: str | None  # the agent bench's state.db snapshot on the host
     agent_sessions: int
     agent_max_context_tokens: int
     agent_max_tokens: int
@@ -93,7 +92,7 @@ def new_result(host: str, run_id: str) -> dict:
             "started_at": now_iso(), "checks": {}}
 
 
-def failed_result(host: str, run_id: str, reason: str, checks: Optional[List[str]] = None) -> dict:
+def failed_result(host: str, run_id: str, reason: str, checks: list[str] | None = None) -> dict:
     """The result of a host whose checks could not run (no per-check entries)."""
     return {**new_result(host, run_id), "status": "failed", "reason": reason,
             "requested_checks": list(checks or []), "started_at": None, "finished_at": now_iso()}

@@ -24,7 +24,7 @@ class _QuietServer(EngineHTTPServer):
 
 class SimServer:
     def __init__(self, method: str | None = "dflash", k: int = 12, env: dict[str, str] | None = None,
-                 levers: perf.Levers = perf.Levers(), faults: Faults | None = None, model: str = "qwen",
+                 levers: perf.Levers = perf.Levers(), faults: Faults | None = None, model: str = "qwen",  # noqa: B008
                  api_key: str | None = None, tool_call_parser: str | None = "qwen3_xml",
                  reasoning_parser: str | None = "qwen3", max_model_len: int = 262144, port: int = 0) -> None:
         self.engine = Engine(

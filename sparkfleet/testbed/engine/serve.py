@@ -21,8 +21,17 @@ from typing import Any
 from . import perf
 from .api import Engine, EngineHTTPServer
 from .cache import derived_max_model_len, read_config, resolve_model
-from .flags import (MTP_METHODS, REASONING_PARSERS, TOOL_PARSERS, VERSION, _SPEC_METHODS_WITHOUT_MODEL,
-                    build_parser, normalize_argv, parse_speculative_config, serve_parser)
+from .flags import (
+    _SPEC_METHODS_WITHOUT_MODEL,
+    MTP_METHODS,
+    REASONING_PARSERS,
+    TOOL_PARSERS,
+    VERSION,
+    build_parser,
+    normalize_argv,
+    parse_speculative_config,
+    serve_parser,
+)
 from .logs import LOG_LOCK, StartupError, log
 
 # The int8 lm-head patch's marker in the installed vLLM (runtime/patches/int8_lmhead.py).

@@ -34,7 +34,8 @@ import hashlib
 import json
 import random
 import re
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from . import perf
 
@@ -139,7 +140,7 @@ def answer(topic_text: str, seed_text: str, chat: bool) -> list[str]:
         m = re.search(r"\b(\d+)\b", low)
         items = min(int(m.group(1)), 200) if m else rng.randint(2, 4)
         out = ["["]
-        for i in range(items):
+        for i in range(items):  # noqa: B007
             out += ["{"]
             for j in range(rng.randint(5, 7)):
                 out += ['"', f"field_{j}", '":', ' "', rng.choice(_WORDS), " ", rng.choice(_WORDS), '"', ","]
