@@ -119,3 +119,30 @@ def test_inventory_names_resolve_on_the_controller_only(tb):
     peer_alias, peer, own = cp.stdout.split("\n")[:3]
     assert (peer_alias, peer) == ("spark-2.local unresolved", "spark-2 unresolved")
     assert own.startswith("spark-1 ") and own != "spark-1 unresolved"  # its own name it knows
+
+
+def test_the_serving_image_takes_xet_unless_disabled(tb):
+    """The sim image's huggingface_hub (with hf_xet, as in a current serving image) goes to
+    the hub's Xet CAS, past HF_ENDPOINT; with HF_HUB_DISABLE_XET=1 (as the deploy runs it)
+    it does not, and gets the files."""
+    import json
+    import urllib.request
+
+    def stats() -> dict:
+        with urllib.request.urlopen(f"{tb.hub_url}/_testbed/stats", timeout=10) as r:
+            return json.load(r)
+
+    image = tb.data["image"]
+    assert tb.exec("spark-2", f"docker pull -q {image}", timeout=300).returncode == 0
+    repo = "z-lab/Qwen3.5-122B-A10B-DFlash"
+    fetch = (f"docker run --rm --network host -e HF_ENDPOINT={tb.hub_url} -e HF_HOME=/tmp/hf {{env}} "
+             f"--entrypoint python3 {image} -c \"from huggingface_hub import snapshot_download as s; "
+             f"print(s('{repo}', revision='{tb.data['model_revisions'][repo]}'))\"")
+    before = stats()["cas_requests"]
+    xet = tb.exec("spark-2", fetch.format(env=""), timeout=180)
+    assert xet.returncode != 0 and "_testbed/cas" in xet.stderr, xet.stderr[-2000:]
+    assert stats()["cas_requests"] > before
+    before = stats()["cas_requests"]
+    plain = tb.exec("spark-2", fetch.format(env="-e HF_HUB_DISABLE_XET=1"), timeout=180)
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    assert stats()["cas_requests"] == before
