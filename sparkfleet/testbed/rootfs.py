@@ -40,7 +40,9 @@ HOST_INCLUDE = [
 ]
 #: Installed in a second, chrooted apt step: debootstrap's resolver cannot place them.
 HOST_SECOND_STEP = ["docker.io"]
-IMAGE_INCLUDE = ["python3"]
+#: ca-certificates: as in the real serving image; without a CA bundle hf_xet cannot even
+#: build its HTTP client, so the image would hide the Xet path (testbed README, "Xet").
+IMAGE_INCLUDE = ["python3", "ca-certificates"]
 
 #: Trimmed from the image root: nothing at run time reads them.
 IMAGE_TRIM = [

@@ -118,6 +118,9 @@ def test_the_fleet_takes_each_artifact_from_upstream_once(fleet4, deploy_run):
         assert stats["by_repo"][repo] == pytest.approx(repo_size(tb, repo), rel=0.01), stats
     assert stats["total"] == pytest.approx(repo_size(tb, HYBRID) + repo_size(tb, DFLASH), rel=0.01)
     assert set(stats["by_client"]) == {mirror.address}
+    # No byte past the mirror: the hub offers Xet like the Hub, and a client on the Xet path
+    # would go straight to its CAS (the downloads run with HF_HUB_DISABLE_XET=1).
+    assert stats["cas_requests"] == 0 and stats["xet_token_requests"] == 0, stats
 
     # The registry: the image's blobs once, to the mirror.
     served = tb.registry_stats(mark)
