@@ -20,7 +20,6 @@ import gevent
 from pyinfra import host, logger
 from pyinfra.api import (
     FactBase,
-    FileUploadCommand,
     FunctionCommand,
     StringCommand,
     operation,
@@ -167,9 +166,9 @@ def _private_file(path: str, content: str):
     if host.get_fact(Sha256File, path=path) == wanted:
         return
     directory = path.rsplit("/", 1)[0]
-    yield f"install -d -m 0755 {directory} && install -m 0600 /dev/null {path}"
-    yield FileUploadCommand(io.BytesIO(content.encode()), path)
-    yield f"chmod 0600 {path}"
+    yield f"install -d -m 0755 {directory}"
+    # 0600 from the first byte, never a world-readable upload in /tmp (remote.put).
+    yield FunctionCommand(remote.uploaded, (io.BytesIO(content.encode()), path, "0600"), {})
 
 
 @operation()

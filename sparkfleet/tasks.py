@@ -16,27 +16,20 @@ from typing import Callable
 
 import gevent
 from pyinfra import logger
-from pyinfra.api import FunctionCommand, StringCommand
-from pyinfra.api.arguments import CONNECTOR_ARGUMENT_KEYS, pop_global_arguments
+from pyinfra.api import FunctionCommand
 from pyinfra.api.exceptions import OperationError
+
+from sparkfleet import remote
 
 TASK_DIR = "/var/lib/sparkfleet/tasks"
 PROGRESS_EVERY_S = 15.0
 POLL_EVERY_S = 2.0
 
 
-def connector_arguments(host) -> dict:
-    """The host's _sudo/_su_user/... settings, which raw shell calls must honour like facts do."""
-    arguments, _ = pop_global_arguments(host.state, host, {})
-    return {key: value for key, value in arguments.items() if key in CONNECTOR_ARGUMENT_KEYS}
-
-
 def shell(host, command: str, timeout: int = 60) -> tuple[bool, list[str]]:
     """Run ``command`` on ``host`` as the deploy does (sudo included); (ok, stdout lines)."""
-    arguments = {**connector_arguments(host), "_timeout": timeout}
-    ok, output = host.run_shell_command(StringCommand(command), print_output=False, **arguments)
-    return ok, output.stdout_lines
-
+    done = remote.run(host, command, timeout=timeout)
+    return done.ok, done.stdout
 
 
 def run_detached(

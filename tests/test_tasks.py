@@ -19,10 +19,11 @@ class LocalHost:
     name = "local"
     print_prefix = "[local] "
 
-    def run_shell_command(self, command, print_output=False, _timeout=60):
+    def run_shell_command(self, command, print_output=False, _timeout=60, **_):
         text = command.get_raw_value() if hasattr(command, "get_raw_value") else str(command)
         proc = subprocess.run(["sh", "-c", text], capture_output=True, text=True, timeout=60)
-        return proc.returncode == 0, SimpleNamespace(stdout_lines=proc.stdout.splitlines())
+        return proc.returncode == 0, SimpleNamespace(stdout_lines=proc.stdout.splitlines(),
+                                                     stderr_lines=proc.stderr.splitlines())
 
 
 @pytest.fixture(autouse=True)
@@ -30,7 +31,7 @@ def fast(monkeypatch, tmp_path):
     monkeypatch.setattr(tasks, "TASK_DIR", str(tmp_path / "tasks"))
     monkeypatch.setattr(tasks, "POLL_EVERY_S", 0.05)
     monkeypatch.setattr(tasks, "PROGRESS_EVERY_S", 0.2)
-    monkeypatch.setattr(tasks, "connector_arguments", lambda host: {})
+    monkeypatch.setattr(tasks.remote, "connector_arguments", lambda host: {})
 
 
 def test_progress_is_reported_while_the_task_runs(caplog):

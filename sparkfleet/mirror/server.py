@@ -3,14 +3,17 @@ restarted only when its configuration changed, both answering before anyone fetc
 
 from __future__ import annotations
 
+import hashlib
+import io
 import shlex
 from pathlib import Path
 
 from pyinfra import host
-from pyinfra.api import StringCommand, operation
+from pyinfra.api import FunctionCommand, StringCommand, operation
+from pyinfra.facts.files import Sha256File
 from pyinfra.operations import files, systemd
 
-from sparkfleet import secrets
+from sparkfleet import remote, secrets
 from sparkfleet.config import Mirror, Settings
 from sparkfleet.facts import CPUCount, MirrorAnswers
 from sparkfleet.hostpaths import (
@@ -43,8 +46,7 @@ def served(settings: Settings, mirror: Mirror) -> list:
     )
     tls = [
         files.put(name="mirror: registry certificate", src=str(cert), dest=REGISTRY_CERT, mode="644"),
-        files.put(name="mirror: registry key", src=str(key), dest=REGISTRY_KEY,
-                  user="root", group=REGISTRY_USER, mode="640"),
+        key_installed(name="mirror: registry key", src=str(key)),
     ]
     config = files.template(
         name="mirror: registry configuration", src=str(TEMPLATES / "registry-mirror.yml.j2"),
@@ -63,7 +65,8 @@ def served(settings: Settings, mirror: Mirror) -> list:
     hf_config = files.template(
         name="mirror: HF mirror configuration", src=str(TEMPLATES / "hf-mirror.toml.j2"),
         dest=HF_MIRROR_CONFIG, mode="644", port=mirror.hf_port, repos=mirror_hf_cache(settings.mirror_dir),
-        scheme=scheme, netloc=netloc, lfs_netloc=lfs_netloc, address=mirror.address,
+        scheme=scheme, netloc=netloc, lfs_netloc=lfs_netloc, address=mirror.netloc_host,
+        listen="::" if ":" in str(mirror.address) else "0.0.0.0",
     )
     hf_unit = files.template(
         name=f"mirror: systemd unit {HF_MIRROR_UNIT}", src=str(TEMPLATES / "sparkfleet-hf-mirror.service.j2"),
@@ -86,6 +89,22 @@ def served(settings: Settings, mirror: Mirror) -> list:
                      dest=COPY_TOOL, mode="755")
     copy = registry.image_copied(name="mirror: serving image copied from upstream", settings=settings, mirror=mirror)
     return [installed, olah, ready, tool, copy]
+
+
+@operation()
+def key_installed(src: str):
+    """
+    The registry's TLS key on this host, 0640 root:docker-registry from its first byte.
+
+    + src: the key on the controller
+
+    Not ``files.put``: with sudo it passes through a world-readable file in /tmp.
+    """
+    data = Path(src).read_bytes()
+    if host.get_fact(Sha256File, path=REGISTRY_KEY) == hashlib.sha256(data).hexdigest():
+        host.noop("the registry key is in place")
+        return
+    yield FunctionCommand(remote.uploaded, (io.BytesIO(data), REGISTRY_KEY, "0640", f"root:{REGISTRY_USER}"), {})
 
 
 @operation(is_idempotent=False)
