@@ -120,10 +120,12 @@ def check_sudo(host) -> None:
     arguments = connector_arguments(host)
     if not arguments.get("_sudo") or arguments.get("_sudo_password"):
         return
-    done = run(host, "sudo -n true", as_login=True)
-    if done.ok:
+    # Exit 0 and sudo's words prefixed: pyinfra answers a failed command that printed
+    # "a password is required" with a prompt of its own.
+    done = run(host, 'said=$(sudo -n true 2>&1) && echo ok || echo "sudo said: $said"', as_login=True)
+    if done.ok and done.stdout == ["ok"]:
         return
-    said = " ".join(done.stderr).strip() or "no answer"
+    said = " ".join(done.stdout + done.stderr).strip() or "no answer"
     raise ConfigError(
         f"{host.name}: sudo needs a password and none was given ({said}); nothing was changed on any host. "
         "Fix: give `_sudo_password` in its host data (read from a 0600 file or the environment, as "

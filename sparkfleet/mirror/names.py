@@ -12,7 +12,7 @@ from sparkfleet.config import ConfigError, Mirror, Settings, host_mirror
 from sparkfleet.facts import RouteSource, SshServerAddress
 
 #: Per run (pyinfra state): {mirror host: the address the fleet reaches it at}.
-_ADDRESSES: dict[int, dict[str, str]] = {}
+_ADDRESSES: dict[int, tuple[object, dict[str, str]]] = {}
 
 
 def located(state, current, mirrors: dict[str, Mirror | None]) -> Mirror | None:
@@ -30,7 +30,10 @@ def located(state, current, mirrors: dict[str, Mirror | None]) -> Mirror | None:
     mirror = mirrors.get(current.name)
     if mirror is None or mirror.address:
         return mirror
-    found = _ADDRESSES.setdefault(id(state), {})
+    kept, found = _ADDRESSES.get(id(state), (None, {}))
+    if kept is not state:  # an id is reused once its state is gone
+        found = {}
+        _ADDRESSES[id(state)] = (state, found)
     if mirror.host not in found:
         users = [name for name, m in mirrors.items() if m and m.host == mirror.host]
         found[mirror.host] = _fleet_address(state, mirror.host, users)

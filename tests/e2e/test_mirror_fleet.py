@@ -103,6 +103,26 @@ def completion(tb, name: str) -> str:
         return ""
 
 
+def test_a_dgx_os_login_without_its_sudo_password_fails_before_anything(fleet4, tmp_path):
+    """The fleet's login is DGX OS's (password sudo): without the password the run stops
+    before any fact, saying how to give one, instead of pyinfra prompting mid-run."""
+    tb = fleet4
+    assert tb.exec(tb.names[0], "id -un", as_root=False).stdout.strip() != "root"
+    inventory = tmp_path / "no_password.py"
+    inventory.write_text(
+        "from pathlib import Path\nfrom sparkfleet.testbed.state import inventory_hosts\n"
+        f"_all = inventory_hosts(Path({str(paths.HOSTS_JSON)!r}))\n"
+        "sparks = ([(n, {k: v for k, v in d.items() if k != '_sudo_password'}) for n, d in _all], {})\n"
+    )
+    done = subprocess.run(["pyinfra", "-y", str(inventory), "deploy.py"], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=300, stdin=subprocess.DEVNULL)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "sudo needs a password and none was given" in out and "--same-sudo-password" in out, out[-2000:]
+    assert "_sudo_password" in out and "sudo password:" not in out, out[-2000:]
+    assert "Starting operation" not in out, out[-2000:]
+
+
 def test_the_fleet_takes_each_artifact_from_upstream_once(fleet4, deploy_run):
     tb = fleet4
     mirror = tb.hosts[0]
@@ -148,6 +168,11 @@ def test_the_fleet_takes_each_artifact_from_upstream_once(fleet4, deploy_run):
         assert re.search(rf"\[{name}\] image [\d.]+ MiB from the mirror, weights [\d.]+ MiB from the mirror", out)
     image_mib = tb.image["blob_bytes"] / 2**20
     assert f"from upstream: image {image_mib:.1f} MiB (copied once into the mirror registry)" in out
+    # Upstream weights as the mirror saw them (olah's cache), 1.00x the artifacts.
+    upstream = re.search(r"weights ([\d.]+) MiB \(into the HF mirror's cache\)", out)
+    artifacts_mib = (repo_size(tb, HYBRID) + repo_size(tb, DFLASH)) / 2**20
+    assert upstream and float(upstream.group(1)) == pytest.approx(artifacts_mib, rel=0.05, abs=0.1), out[-3000:]
+    assert "NOT through the mirror" not in out and "past the mirror" not in out
     assert re.search(r"download steps took [\d.]+ s", out)
 
 
