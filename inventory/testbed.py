@@ -1,4 +1,5 @@
-"""pyinfra inventory of the simulated fleet, read from .testbed/hosts.json.
+"""pyinfra inventory of the simulated fleet, read from .testbed/hosts.json (that of
+instance N with SPARKFLEET_TESTBED_INSTANCE=N).
 
 `sparkfleet testbed up --hosts N` writes that file; then
 
@@ -9,11 +10,8 @@ deploys to the simulated Sparks over real SSH. The testbed's group-data override
 put in each host's data, so `--data key=value` still overrides them.
 """
 
-from pathlib import Path
-
+from sparkfleet.testbed.paths import HOSTS_JSON as _HOSTS_FILE
 from sparkfleet.testbed.state import inventory_hosts
-
-_HOSTS_FILE = Path(__file__).resolve().parent.parent / ".testbed" / "hosts.json"
 
 if not _HOSTS_FILE.is_file():
     raise SystemExit(

@@ -41,7 +41,8 @@ def _unprivileged(arguments: dict) -> dict:
     """The arguments for a command as the SSH user itself (its own temp directory)."""
     return {k: v for k, v in arguments.items()
             if k not in ("_sudo", "_sudo_user", "_use_sudo_login", "_sudo_password", "_preserve_sudo_env",
-                         "_su_user", "_use_su_login", "_preserve_su_env", "_doas", "_doas_user")}
+                         "_su_user", "_use_su_login", "_preserve_su_env", "_su_password", "_doas", "_doas_user",
+                         "_dzdo", "_dzdo_user")}
 
 
 def run(host, command: str | StringCommand, timeout: int | None = 60, success_exit_codes: list[int] | None = None,

@@ -327,9 +327,10 @@ def run_checks(names: Union[Sequence[str], str, None] = None) -> None:
         exclude_dir=["__pycache__"],
     )
     if "agent" in wanted:
-        files.put(
+        python.call(  # 0600 from its first byte (files.put with sudo passes through /tmp as 0644)
             name="sparkfleet checks: upload the state.db snapshot",
-            src=snapshot_state_db(str(settings.agent_state_db)),
+            function=host_commands.uploaded,
+            source=snapshot_state_db(str(settings.agent_state_db)),
             dest=paths["state_db"],
             mode="0600",
         )
