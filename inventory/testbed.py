@@ -10,8 +10,12 @@ deploys to the simulated Sparks over real SSH. The testbed's group-data override
 put in each host's data, so `--data key=value` still overrides them.
 """
 
-from sparkfleet.testbed.paths import HOSTS_JSON as _HOSTS_FILE
+from pathlib import Path
+
+from sparkfleet.testbed import paths as _paths
 from sparkfleet.testbed.state import inventory_hosts
+
+_HOSTS_FILE = Path(__file__).resolve().parent.parent / ".testbed" / _paths.HOSTS_JSON.relative_to(_paths.DOT_TESTBED)
 
 if not _HOSTS_FILE.is_file():
     raise SystemExit(
