@@ -74,7 +74,7 @@ SSH_OPTS = [
 
 def mount_overlay(h: HostState, rootfs: Path) -> None:
     d = h.dir
-    for sub in ("upper", "work", "root", "docker"):
+    for sub in ("upper", "work", "root", "docker", "containerd"):
         (d / sub).mkdir(parents=True, exist_ok=True)
     if not _is_mountpoint(h.mnt):
         run(
@@ -147,6 +147,9 @@ def nspawn_argv(h: HostState) -> list[str]:
         "--capability=all",
         "--system-call-filter=@mount @keyring bpf",
         f"--bind={h.dir / 'docker'}:/var/lib/docker",
+        # Docker's containerd image store keeps its overlay snapshots here: like docker's
+        # own overlay2, they cannot live on the host's overlayfs root.
+        f"--bind={h.dir / 'containerd'}:/var/lib/containerd",
         f"--network-namespace-path=/run/netns/{h.netns}",
         "--resolv-conf=off", "--link-journal=no",
         "-D", str(h.mnt), "-M", h.name,
