@@ -204,8 +204,14 @@ class Settings(BaseModel):
     @field_validator("mirror_address")
     @classmethod
     def _hostname(cls, value: str | None) -> str | None:
-        if value is not None and not _HOSTNAME.match(value):
-            raise ValueError("must be a host name or an IPv4 address")
+        if value is None:
+            return None
+        try:
+            return str(ipaddress.ip_address(value.strip("[]")))
+        except ValueError:
+            pass
+        if not _HOSTNAME.match(value):
+            raise ValueError("must be a host name, an IPv4 or an IPv6 address")
         return value
 
     @field_validator("mirror_olah")
@@ -517,6 +523,7 @@ def validate_fleet(hosts: Iterable[Any]) -> dict[str, Settings]:
 
 _FLEET_CACHE: dict[int, dict[str, Settings]] = {}
 _MIRROR_CACHE: dict[int, dict[str, "Mirror | None"]] = {}
+_SUDO_CHECKED: set[tuple[int, str]] = set()
 
 
 def fleet_settings() -> Settings:
@@ -524,6 +531,11 @@ def fleet_settings() -> Settings:
     from pyinfra import host, state
 
     key = id(state)
+    if (key, host.name) not in _SUDO_CHECKED:  # before any fact: sudo must not prompt mid-run
+        from sparkfleet.remote import check_sudo
+
+        check_sudo(host)
+        _SUDO_CHECKED.add((key, host.name))
     if key not in _FLEET_CACHE:
         _FLEET_CACHE[key] = validate_fleet(state.inventory)
         _MIRROR_CACHE[key] = fleet_mirrors(state.inventory, _FLEET_CACHE[key])
@@ -543,7 +555,9 @@ def host_mirror() -> "Mirror | None":
     from pyinfra import host, state
 
     fleet_settings()
-    return _MIRROR_CACHE[id(state)][host.name]
+    from sparkfleet.mirror.names import located  # it asks the hosts: the mirror's address
+
+    return located(state, host, _MIRROR_CACHE[id(state)])
 
 
 # --- the mirror (fleet_mirror) ----------------------------------------------------------------
@@ -557,18 +571,23 @@ class Mirror:
     """The host that serves the fleet's model files (an HF mirror) and image (a registry)."""
 
     host: str  # its inventory name
-    address: str  # how the other hosts reach it
+    address: str | None  # how the other hosts reach it (None: found on the hosts, mirror.names)
     hf_port: int
     registry_port: int
     is_self: bool  # the current host is the mirror
 
     @property
+    def netloc_host(self) -> str:
+        """The address as URLs and registry names write it (IPv6 in brackets)."""
+        return f"[{self.address}]" if self.address and ":" in self.address else str(self.address)
+
+    @property
     def hf_endpoint(self) -> str:
-        return f"http://{self.address}:{self.hf_port}"
+        return f"http://{self.netloc_host}:{self.hf_port}"
 
     @property
     def registry(self) -> str:
-        return f"{self.address}:{self.registry_port}"
+        return f"{self.netloc_host}:{self.registry_port}"
 
 
 def _chosen_mirrors(hosts: list[Any], settings: dict[str, Settings]) -> tuple[dict[str, str | None], list[str]]:
@@ -609,16 +628,15 @@ def fleet_mirrors(hosts: Iterable[Any], settings: dict[str, Settings]) -> dict[s
     chosen, problems = _chosen_mirrors(hosts, settings)
     if problems:
         raise ConfigError("\n  ".join(["invalid configuration, nothing was changed on any host:", *problems]))
-    data = {h.name: h.data for h in hosts}
     sources: dict[str, Mirror | None] = {}
     for name, mirror in chosen.items():
         if mirror is None:
             sources[name] = None
             continue
         ms = settings[mirror]
-        ssh_hostname = data[mirror].get("ssh_hostname") if hasattr(data[mirror], "get") else None
-        address = ms.mirror_address or ssh_hostname or mirror
-        sources[name] = Mirror(mirror, str(address), ms.mirror_hf_port, ms.mirror_registry_port, name == mirror)
+        # The controller's name for the mirror (an SSH alias, a .local name) may mean
+        # nothing to the other hosts: unless mirror_address says, it is found on them.
+        sources[name] = Mirror(mirror, ms.mirror_address, ms.mirror_hf_port, ms.mirror_registry_port, name == mirror)
     return sources
 
 

@@ -293,3 +293,33 @@ class PortHolders(FactBase["list[str]"]):
 
     def process(self, output):
         return [line.strip() for line in output if line.strip()]
+
+
+class SshServerAddress(FactBase[str]):
+    """The address this host was reached at over SSH ($SSH_CONNECTION's third field; run
+    it with _sudo=False, sudo drops the variable), or "" (not SSH, or unknown)."""
+
+    @staticmethod
+    def default():
+        return ""
+
+    def command(self) -> str:
+        return 'echo "${SSH_CONNECTION:-}"'
+
+    def process(self, output):
+        fields = output[0].split() if output else []
+        return fields[2] if len(fields) >= 3 else ""
+
+
+class RouteSource(FactBase[str]):
+    """This host's source address on its route to ``address`` ("" when it has none)."""
+
+    @staticmethod
+    def default():
+        return ""
+
+    def command(self, address: str) -> str:
+        return f"ip route get {shlex.quote(address)} 2>/dev/null | sed -n 's/.* src \\([^ ]*\\).*/\\1/p' | head -n 1"
+
+    def process(self, output):
+        return output[0].strip() if output else ""

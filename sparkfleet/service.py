@@ -19,7 +19,7 @@ from pathlib import Path
 import gevent
 from pydantic import SecretStr
 from pyinfra import host, logger
-from pyinfra.api import FileUploadCommand, FunctionCommand, StringCommand, deploy, operation
+from pyinfra.api import FunctionCommand, StringCommand, deploy, operation
 from pyinfra.api.exceptions import OperationError
 from pyinfra.facts.files import FileContents, Sha256File
 from pyinfra.api.util import get_template
@@ -86,9 +86,9 @@ def _private_file(path: str, content: str):
     if host.get_fact(Sha256File, path=path) == wanted:
         return
     directory = path.rsplit("/", 1)[0]
-    yield f"install -d -m 0755 {directory} && install -m 0600 /dev/null {path}"
-    yield FileUploadCommand(io.BytesIO(content.encode()), path)
-    yield f"chmod 0600 {path}"
+    yield f"install -d -m 0755 {directory}"
+    # 0600 from the first byte, never a world-readable upload in /tmp (remote.put).
+    yield FunctionCommand(remote.uploaded, (io.BytesIO(content.encode()), path, "0600"), {})
 
 
 def _api_key_files(api_key: str | None) -> dict[str, str]:

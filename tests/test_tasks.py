@@ -38,7 +38,7 @@ def tb():
     if status and any(h["name"] == HOST and h["pid"] and h["ssh"] for h in status["hosts"]):
         yield fleet.load()
         return
-    bed = fleet.up(1)
+    bed = fleet.up(1, login_kind="root", names="plain")
     try:
         yield bed
     finally:
@@ -54,7 +54,7 @@ class FleetHost:
     def __init__(self, tb):
         self.tb = tb
 
-    def run_shell_command(self, command, print_output=False, _timeout=60):
+    def run_shell_command(self, command, print_output=False, _timeout=60, **_):
         text = command.get_raw_value() if hasattr(command, "get_raw_value") else str(command)
         proc = self.tb.exec(HOST, text, timeout=_timeout)
         return proc.returncode == 0, SimpleNamespace(stdout_lines=proc.stdout.splitlines(),

@@ -31,9 +31,11 @@ from typing import Dict, List, Optional, Sequence, Union
 
 from pyinfra import state
 from pyinfra.api import StringCommand, deploy
+from pyinfra.api.exceptions import OperationError
 from pyinfra.api.state import BaseStateCallback
 from pyinfra.operations import files, python
 
+from sparkfleet import remote as host_commands  # "remote" names the result path below
 from sparkfleet.config import fleet_settings
 
 from .onhost.schema import ProgramSettings, failed_result, now_iso
@@ -260,22 +262,20 @@ def _run_and_collect(state, host, settings: BenchSettings, names: List[str],  # 
     pass them and to use the return value as the operation's success.
     """
     pyinfra_host = host
-    sudo = {"_sudo": True} if pyinfra_host.data.get("_sudo") else {}
     command = bench_command(settings, names, run_id, pyinfra_host.name)
-    ok, output = pyinfra_host.run_shell_command(
-        StringCommand(command), print_output=True, _success_exit_codes=[0, 1], **sudo
-    )
+    done = host_commands.run(pyinfra_host, StringCommand(command), timeout=None, success_exit_codes=[0, 1],
+                             print_output=True)
     remote = remote_paths(settings, run_id)["result"]
     result: Optional[dict] = None
-    if ok:
+    if done.ok:
         buffer = io.BytesIO()
         try:
-            pyinfra_host.get_file(remote, buffer, **sudo)
+            host_commands.get(pyinfra_host, remote, buffer)
             result = json.loads(buffer.getvalue())
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, OperationError) as exc:
             result = failed_result(pyinfra_host.name, run_id, f"cannot fetch {remote}: {exc}", names)
     else:
-        reason = failure_reason(output.stdout_lines, output.stderr_lines)
+        reason = failure_reason(done.stdout, done.stderr)
         result = failed_result(pyinfra_host.name, run_id, reason, names)
     result["host"] = pyinfra_host.name
     result["run_id"] = run_id
@@ -325,9 +325,10 @@ def run_checks(names: Union[Sequence[str], str, None] = None) -> None:
         exclude_dir=["__pycache__"],
     )
     if "agent" in wanted:
-        files.put(
+        python.call(  # 0600 from its first byte (files.put with sudo passes through /tmp as 0644)
             name="sparkfleet checks: upload the state.db snapshot",
-            src=snapshot_state_db(str(settings.agent_state_db)),
+            function=host_commands.uploaded,
+            source=snapshot_state_db(str(settings.agent_state_db)),
             dest=paths["state_db"],
             mode="0600",
         )

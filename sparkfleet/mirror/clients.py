@@ -28,8 +28,8 @@ def answers(mirror: Mirror, service: str) -> StringCommand:
         what = f"HF mirror {mirror.hf_endpoint}"
     return remote.fail_unless(
         probe,
-        f"the mirror {mirror.host} does not answer ({what}): see its errors above, "
-        "or deploy with --data fleet_mirror=none to download from upstream",
+        f"the mirror {mirror.host} does not answer ({what}): see its errors above, set mirror_address "
+        "to an address of it this host reaches, or deploy with --data fleet_mirror=none to download from upstream",
     )
 
 

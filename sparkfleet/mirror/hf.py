@@ -19,6 +19,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+from itertools import chain
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -27,7 +28,7 @@ from pyinfra.api import FunctionCommand, StringCommand, operation
 from pyinfra.api.exceptions import OperationError
 from pyinfra.facts.files import FileContents
 
-from sparkfleet import remote
+from sparkfleet import olah_wheels, remote
 from sparkfleet.facts import HostPython
 from sparkfleet.hostpaths import OLAH_DIR, OLAH_MARKER
 
@@ -47,7 +48,8 @@ def controller_wheelhouse(requirement: str, python: dict) -> Path:
         platforms += ["manylinux1_x86_64", "manylinux2010_x86_64"]
     if re.match(r"^2\.\d+$", glibc):
         platforms += [f"manylinux_2_{m}_{machine}" for m in range(17, int(glibc.split(".")[1]) + 1)]
-    key = hashlib.sha256(json.dumps([requirement, tag, sorted(platforms), pip.__version__]).encode()).hexdigest()[:16]
+    inputs = [requirement, tag, sorted(platforms), pip.__version__, olah_wheels.WITHOUT_DEPS]
+    key = hashlib.sha256(json.dumps(inputs).encode()).hexdigest()[:16]
     final = WHEELHOUSE / f"{re.sub(r'[^A-Za-z0-9]+', '-', requirement)}-cp{tag}-{machine}-{key}"
     if (final / ".complete").exists():
         return final
@@ -56,7 +58,8 @@ def controller_wheelhouse(requirement: str, python: dict) -> Path:
     common = [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "-d", str(tmp)]
     target = ["--only-binary=:all:", "--python-version", f"{python['major']}.{python['minor']}",
               "--implementation", "cp", "--abi", f"cp{tag}", *[a for p in platforms for a in ("--platform", p)]]
-    for args in ([*common, *target, requirement], [*common, "--no-deps", f"pip=={pip.__version__}"]):
+    pip_wheel = [*common, "--no-deps", f"pip=={pip.__version__}"]
+    for args in chain(olah_wheels.downloads([*common, *target], requirement, tmp), [pip_wheel]):
         done = subprocess.run(args, capture_output=True, text=True, timeout=900)
         if done.returncode != 0:
             raise OperationError(
@@ -82,7 +85,7 @@ def _install_olah(state, host, requirement: str, python: dict) -> bool:  # pyinf
         f"set -e; cd {OLAH_DIR}; rm -rf wheels lib.new; mkdir wheels; tar xzf wheels.tar.gz -C wheels; "
         "pip=$(ls wheels/pip-*.whl | head -n 1); "
         f"python3 \"$pip/pip\" install -q --disable-pip-version-check --root-user-action=ignore --no-index "
-        f"--find-links wheels --target lib.new {q(requirement)}; "
+        "--no-deps --target lib.new $(ls wheels/*.whl | grep -v /pip-); "  # the set is the closure (olah_wheels)
         f"rm -rf lib; mv lib.new lib; rm -rf wheels wheels.tar.gz; echo {q(requirement)} > {OLAH_MARKER}"
     )
     done = remote.run(host, StringCommand("sh", "-c", q(script)), timeout=900)

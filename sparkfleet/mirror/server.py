@@ -59,7 +59,8 @@ def served(settings: Settings, mirror: Mirror) -> list:
     hf_config = files.template(
         name="HF mirror configuration", src=str(TEMPLATES / "hf-mirror.toml.j2"),
         dest=HF_MIRROR_CONFIG, mode="644", port=mirror.hf_port, repos=mirror_hf_cache(settings.mirror_dir),
-        scheme=scheme, netloc=netloc, lfs_netloc=lfs_netloc, address=mirror.address,
+        scheme=scheme, netloc=netloc, lfs_netloc=lfs_netloc, address=mirror.netloc_host,
+        listen="::" if ":" in str(mirror.address) else "0.0.0.0",
     )
     hf_unit = files.template(
         name=f"systemd unit {HF_MIRROR_UNIT}", src=str(TEMPLATES / "sparkfleet-hf-mirror.service.j2"),

@@ -5,11 +5,15 @@ restart."""
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 from pyinfra import host
 from pyinfra.api import FunctionCommand, operation
+from pyinfra.facts.files import Sha256File
 from pyinfra.operations import files
 
-from sparkfleet import secrets
+from sparkfleet import remote, secrets
 from sparkfleet.config import Mirror
 from sparkfleet.hostpaths import REGISTRY_CERT, REGISTRY_KEY, REGISTRY_USER, registry_ca_path
 
@@ -41,9 +45,28 @@ def on_registry(tls_dir: str, mirror: Mirror) -> list:
     # assume_exists: `made` creates them when the deploy executes, before these run.
     return [
         files.put(name="registry certificate", src=str(cert), dest=REGISTRY_CERT, mode="644", assume_exists=True),
-        files.put(name="registry key", src=str(key), dest=REGISTRY_KEY, user="root", group=REGISTRY_USER,
-                  mode="640", assume_exists=True),
+        key_installed(name="registry key", key_path=str(key)),
     ]
+
+
+def _install_key(state, host, key_path: str) -> bool:  # pyinfra passes state, host
+    return remote.uploaded(state, host, Path(key_path).read_bytes(), REGISTRY_KEY, "0640", f"root:{REGISTRY_USER}")
+
+
+@operation()
+def key_installed(key_path: str):
+    """
+    The registry's TLS key on the mirror host, 0640 root:docker-registry from its first byte.
+
+    + key_path: the key on the controller (made when the deploy executes, so read then)
+
+    Not ``files.put``: with sudo it passes through a world-readable file in /tmp.
+    """
+    path = Path(key_path)
+    if path.exists() and host.get_fact(Sha256File, path=REGISTRY_KEY) == hashlib.sha256(path.read_bytes()).hexdigest():
+        host.noop("the registry key is in place")
+        return
+    yield FunctionCommand(_install_key, (key_path,), {})
 
 
 def trusted(tls_dir: str, mirror: Mirror):

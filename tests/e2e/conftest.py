@@ -72,7 +72,10 @@ def testbed():
     tb = _reusable() if os.environ.get("SPARKFLEET_TESTBED_REUSE") == "1" else None
     owned = tb is None
     if owned:
-        tb = fleet.up(N_HOSTS)
+        # The session's fleet logs in as root with plain names; the mirror module's fleet
+        # (fleet4) and tests/testbed/test_dgx_os.py run as DGX OS does (a password-sudo user,
+        # names only the controller resolves).
+        tb = fleet.up(N_HOSTS, login_kind="root", names="plain")
     try:
         yield tb
     finally:

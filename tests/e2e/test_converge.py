@@ -16,7 +16,7 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 SERVE_ENV = "/etc/sparkfleet/serve.env"
-CHANGED = re.compile(r"\[(spark-\d+)\] (Success|Error)")
+CHANGED = re.compile(r"\[(spark-\d+)(?:\.local)?\] (Success|Error)")  # .local: --names alias
 
 
 def answer(testbed, name: str, port: int = 8000) -> str | None:
@@ -60,7 +60,7 @@ def test_a_change_that_breaks_the_engine_is_rolled_back_on_every_host(testbed, r
     assert result.returncode != 0
     for name in testbed.names:
         # Named: the host, the change, the outcome; the old settings serve again.
-        assert re.search(rf"\[{name}\].*rolled back: the last good settings serve again", out), out[-4000:]
+        assert re.search(rf"\[{name}(?:\.local)?\].*rolled back: the last good settings serve again", out), out[-4000:]
         assert "SF_TOOL_CALL_PARSER 'qwen3_xml' -> 'bogus'" in out
         assert "SF_TOOL_CALL_PARSER=qwen3_xml" in testbed.exec(name, f"cat {SERVE_ENV}").stdout
         assert "Paris" in (answer(testbed, name) or "")
@@ -76,7 +76,7 @@ def test_a_host_with_nothing_good_before_is_left_stopped_not_crash_looping(testb
     result = run_pyinfra("deploy.py", "--data", "tool_call_parser=bogus", "--data", "ready_timeout_s=120")
     out = result.stdout + result.stderr
     assert result.returncode != 0
-    assert re.search(rf"\[{fresh}\].*nothing else got READY on this host before, so sparkfleet-serve.service "
+    assert re.search(rf"\[{fresh}(?:\.local)?\].*nothing else got READY on this host before, so sparkfleet-serve.service "
                      r"is stopped", out), out[-4000:]
     time.sleep(15)  # longer than RestartSec: a crash loop would have started again
     assert unit(testbed, fresh)["ActiveState"] in ("inactive", "failed")
@@ -149,10 +149,10 @@ def test_a_truncated_weight_blob_is_seen_and_downloaded_again(testbed, run_pyinf
     result = run_pyinfra("deploy.py")
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
-    assert re.search(rf"\[{name}\].*corrupt: .* downloading again", out), out[-4000:]
+    assert re.search(rf"\[{name}(?:\.local)?\].*corrupt: .* downloading again", out), out[-4000:]
     assert _blob_matches(testbed, name, blob)
     for other in testbed.names[1:]:  # their caches were fine
-        assert not re.search(rf"\[{other}\].*corrupt", out)
+        assert not re.search(rf"\[{other}(?:\.local)?\].*corrupt", out)
 
 
 def test_a_bit_flip_is_found_with_verify_weights(testbed, run_pyinfra):
@@ -167,7 +167,7 @@ def test_a_bit_flip_is_found_with_verify_weights(testbed, run_pyinfra):
     result = run_pyinfra("deploy.py", "--data", "verify_weights=true")
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
-    assert re.search(rf"\[{name}\].*corrupt: .* downloading again", out), out[-4000:]
+    assert re.search(rf"\[{name}(?:\.local)?\].*corrupt: .* downloading again", out), out[-4000:]
     assert _blob_matches(testbed, name, blob)
 
 
@@ -183,7 +183,7 @@ def test_a_checkout_without_the_fleet_key_stops_instead_of_rekeying(testbed, run
         out = result.stdout + result.stderr
         assert result.returncode != 0
         for name in testbed.names:
-            assert re.search(rf"\[{name}\].*already serves with an API key", out), out[-3000:]
+            assert re.search(rf"\[{name}(?:\.local)?\].*already serves with an API key", out), out[-3000:]
         assert not key_file.exists()  # no new key made
         assert key.strip() in testbed.exec(testbed.names[0], "cat /etc/sparkfleet/secrets.env").stdout
     finally:

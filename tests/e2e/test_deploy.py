@@ -17,7 +17,7 @@ from sparkfleet.service import READY_PROMPT
 
 pytestmark = pytest.mark.e2e
 
-CHANGED = re.compile(r"\[(spark-\d+)\] (Success|Error)")
+CHANGED = re.compile(r"\[(spark-\d+)(?:\.local)?\] (Success|Error)")  # .local: --names alias
 
 
 def completion(testbed, name: str, timeout: float = 20) -> str | None:
@@ -61,7 +61,7 @@ def test_from_scratch_to_ready_on_every_host(testbed, run_pyinfra):
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     out = result.stdout + result.stderr
     for name in testbed.names:
-        assert re.search(rf"\[{name}\] READY in \d+ s", out), out[-3000:]
+        assert re.search(rf"\[{name}(?:\.local)?\] READY in \d+ s", out), out[-3000:]
         assert "Paris" in completion(testbed, name)
         assert unit(testbed, name)["UnitFileState"] == "enabled"
 
@@ -167,7 +167,7 @@ def test_wrong_gpu_fails_clearly_while_the_others_stay_ready(testbed, run_pyinfr
     assert result.returncode != 0
     assert "GPU is NVIDIA H100 80GB HBM3" in out and "force=true" in out
     for name in testbed.names[:2]:
-        assert f"[{name}] Error" not in out
+        assert not re.search(rf"\[{name}(?:\.local)?\] Error", out)
         assert "Paris" in completion(testbed, name)
 
 

@@ -91,7 +91,7 @@ def test_missing_anchor_fails_before_the_unit_changes(testbed, run_pyinfra, brok
     out = result.stdout + result.stderr
     assert result.returncode != 0, out[-4000:]
     for name in testbed.names:
-        assert re.search(rf"\[{name}\].*runtime patch kv_unify cannot apply to {re.escape(KV_FILE)}", out), out[-4000:]
+        assert re.search(rf"\[{name}(?:\.local)?\].*runtime patch kv_unify cannot apply to {re.escape(KV_FILE)}", out), out[-4000:]
         assert f"--data patches={REST}" in out and "--data image=name@sha256:" in out
         assert "missing anchor" in out
         # Nothing that feeds the service moved; the old server still answers.
@@ -108,7 +108,7 @@ def test_dropping_the_patch_as_data_deploys_the_image(testbed, run_pyinfra, brok
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     for name in testbed.names:
-        assert re.search(rf"\[{name}\] READY in \d+ s", out), out[-3000:]
+        assert re.search(rf"\[{name}(?:\.local)?\] READY in \d+ s", out), out[-3000:]
         assert f"SF_PATCHES={REST}\n" in testbed.exec(name, "cat /etc/sparkfleet/serve.env").stdout
         assert broken_image["digest"] in testbed.exec(
             name, "docker inspect -f '{{.Image}} {{.Config.Image}}' sparkfleet-serve").stdout

@@ -30,9 +30,9 @@ def olah_lib(tmp_path_factory):
     except Exception as exc:  # noqa: BLE001 - no index reachable: this test needs the network
         pytest.fail(f"olah wheels unavailable (this test needs the package index): {exc}")
     target = tmp_path_factory.mktemp("olah")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels),
-                    "--target", str(target), defaults()["mirror_olah"]], check=True, timeout=300,
-                   capture_output=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(target),
+                    *[str(w) for w in wheels.glob("*.whl") if not w.name.startswith("pip-")]],  # as the host does
+                   check=True, timeout=300, capture_output=True)
     return target
 
 
