@@ -7,32 +7,14 @@ The tests share the session's fleet and leave it serving the defaults.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 
 import pytest
 
+from tests.e2e.test_deploy import SERVE_ENV, changed_hosts, completion, unit
+
 pytestmark = pytest.mark.e2e
-
-SERVE_ENV = "/etc/sparkfleet/serve.env"
-CHANGED = re.compile(r"\[(spark-\d+)(?:\.local)?\] (Success|Error)")  # .local: --names alias
-
-
-def answer(testbed, name: str, port: int = 8000) -> str | None:
-    body = json.dumps({"model": "qwen", "prompt": "What is the capital of France?", "max_tokens": 8})
-    out = testbed.exec(name, f"curl -s -m 10 -H @/etc/sparkfleet/api-auth.header -H 'Content-Type: application/json' "
-                             f"-d '{body}' http://127.0.0.1:{port}/v1/completions").stdout
-    try:
-        return json.loads(out)["choices"][0]["text"]
-    except (ValueError, KeyError, IndexError):
-        return None
-
-
-def unit(testbed, name: str) -> dict[str, str]:
-    out = testbed.exec(name, "systemctl show sparkfleet-serve -p ActiveState -p SubState -p NRestarts "
-                             "-p ExecMainStartTimestampMonotonic").stdout
-    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
 
 def wait_until(predicate, timeout: float, what: str):
@@ -43,10 +25,6 @@ def wait_until(predicate, timeout: float, what: str):
             return value
         time.sleep(2)
     raise AssertionError(f"not within {timeout} s: {what}")
-
-
-def changed_hosts(output: str) -> set[str]:
-    return {m.group(1) for m in CHANGED.finditer(output)}
 
 
 def test_the_fleet_serves_the_defaults(testbed, run_pyinfra):
@@ -63,7 +41,7 @@ def test_a_change_that_breaks_the_engine_is_rolled_back_on_every_host(testbed, r
         assert re.search(rf"\[{name}(?:\.local)?\].*rolled back: the last good settings serve again", out), out[-4000:]
         assert "SF_TOOL_CALL_PARSER 'qwen3_xml' -> 'bogus'" in out
         assert "SF_TOOL_CALL_PARSER=qwen3_xml" in testbed.exec(name, f"cat {SERVE_ENV}").stdout
-        assert "Paris" in (answer(testbed, name) or "")
+        assert "Paris" in (completion(testbed, name) or "")
         assert unit(testbed, name)["ActiveState"] == "active"
     # What is on disk is what serves: the next deploy has nothing to do.
     again = run_pyinfra("deploy.py")
@@ -81,10 +59,10 @@ def test_a_host_with_nothing_good_before_is_left_stopped_not_crash_looping(testb
     time.sleep(15)  # longer than RestartSec: a crash loop would have started again
     assert unit(testbed, fresh)["ActiveState"] in ("inactive", "failed")
     for name in testbed.names[:2]:
-        assert "Paris" in (answer(testbed, name) or "")
+        assert "Paris" in (completion(testbed, name) or "")
     result = run_pyinfra("deploy.py")
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    assert "Paris" in (answer(testbed, fresh) or "")
+    assert "Paris" in (completion(testbed, fresh) or "")
     assert testbed.exec(fresh, "test -f /var/lib/sparkfleet/last-good/serving.rev && echo kept").stdout.strip() == "kept"
 
 
@@ -101,7 +79,7 @@ def test_a_crash_loop_ends_and_one_deploy_converges_the_host(testbed, run_pyinfr
     result = run_pyinfra("deploy.py")
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
-    assert "Paris" in (answer(testbed, name) or "")
+    assert "Paris" in (completion(testbed, name) or "")
     again = run_pyinfra("deploy.py")
     assert again.returncode == 0 and changed_hosts(again.stdout + again.stderr) == set(), again.stdout[-3000:]
 
@@ -126,7 +104,7 @@ def test_docker_stopped_and_started_brings_the_server_back_without_a_deploy(test
     testbed.exec(name, "systemctl stop docker.socket docker", check=True, timeout=120)
     assert unit(testbed, name)["ActiveState"] in ("inactive", "failed")
     testbed.exec(name, "systemctl start docker", check=True, timeout=120)
-    assert "Paris" in wait_until(lambda: answer(testbed, name), 180, "the server to answer after docker start")
+    assert "Paris" in wait_until(lambda: completion(testbed, name), 180, "the server to answer after docker start")
 
 
 def _biggest_blob(testbed, name: str) -> str:
