@@ -30,7 +30,7 @@ from pyinfra.facts.files import Sha256File
 from pyinfra.api.util import get_template
 from pyinfra.operations import files, server, systemd
 
-from sparkfleet import remote, secrets
+from sparkfleet import remote, rollout, secrets
 from sparkfleet.config import Settings
 from sparkfleet.hostpaths import (
     AUTH_HEADER,
@@ -387,12 +387,14 @@ def revision(settings: Settings, env_text: str, unit_text: str) -> str:
 
 
 @operation()
-def serving(revision: str, restart: bool):
+def serving(revision: str, restart: bool, rolling: Settings | None = None):
     """
     The service runs the settings on disk: (re)started unless it already runs exactly them.
 
     + revision: hash of everything the service runs (``revision()``)
     + restart: an input the hash does not cover changed (a rebuilt checkpoint)
+    + rolling: this serving host's settings when its restart rolls (rollout.py): it waits
+      for its batch, is drained, restarted, gated and put back
 
     One decision from the unit's own record of what it started with, so a host in any
     state (crash loop, failed, stopped, restarting on its own) converges in one run.
@@ -400,6 +402,10 @@ def serving(revision: str, restart: bool):
     unit = host.get_fact(UnitState)
     if not restart and unit.get("ActiveState") == "active" and unit.get("Started") == revision:
         host.noop(f"{UNIT} runs these settings")
+        return
+    if rolling is not None:
+        rollout.planned(rolling)
+        yield FunctionCommand(rollout.rolled, (rolling, revision), {})
         return
     yield StringCommand("echo", revision, ">", REVISION_FILE)
     # A crash loop's start limit must not block the deploy's own start.
@@ -477,12 +483,18 @@ def running(settings: Settings, also_restart_for: tuple = ()) -> None:
     )
     systemd.service(name=f"{UNIT} enabled", service=UNIT, running=None, enabled=True)
     wanted = revision(settings, env_text, unit_text)
+    # A host that serves now restarts in its turn of the rollout, which waits for READY
+    # and gates it itself (rollout.py); rollout=all restarts every host at once.
+    rolling = rollout.applies(settings, host.get_fact(UnitState),
+                              host.get_fact(ServedModels, address=local_address(settings), port=settings.port))
     started = serving(
         name=f"{UNIT} runs the settings on disk",
         revision=wanted,
         restart=any(op.will_change for op in (*also_restart_for, env, unit, compile_cache)),
+        rolling=settings if rolling else None,
     )
-    ready(name="READY: the served model answers", settings=settings, restarting=started.will_change)
+    ready(name="READY: the served model answers", settings=settings,
+          restarting=started.will_change and not rolling)
     last_good_kept(name="these settings kept as the last good ones", revision=wanted, hf_home=settings.hf_home)
 
 
