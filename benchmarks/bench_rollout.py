@@ -231,7 +231,7 @@ def report(phase: Phase, requests: list[Request], watch: Watch | None) -> list[R
     print(f"   requests sent {len(mine)}, failed {len(failed)}"
           + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(errors.items()))})" if errors else ""))
     for r in failed[:10]:
-        print(f"   failed at +{r.start - phase.start:.1f} s .. +{r.end - phase.start:.1f} s: {r.error}")
+        print(f"   failed: started {r.start - phase.start:+.1f} s, ended {r.end - phase.start:+.1f} s: {r.error}")
     print(f"   latency p50 {percentile(latencies, 0.5):.2f} s, p99 {percentile(latencies, 0.99):.2f} s")
     print(f"   per-host share: {share}")
     if watch is not None:
@@ -248,7 +248,8 @@ def fleet_for(reuse: bool):
     return fleet.up(3)
 
 
-def section_rollout(tb, ep: Endpoint, data: list[str], workers: int, max_tokens: int) -> int:
+def section_rollout(tb, ep: Endpoint, data: list[str], workers: int, max_tokens: int) -> tuple[int, str]:
+    """Returns the exit status and the summary line (printed last)."""
     rc, out = deploy(data, "profile=dense")
     if rc != 0:
         print(out[-4000:])
@@ -312,8 +313,8 @@ def section_rollout(tb, ep: Endpoint, data: list[str], workers: int, max_tokens:
     if not ok:
         print("   the refused rollout did not end with every host on the old settings")
     print(f"requests sent: {len(requests)}")
-    print(f"failed requests: {len(failed_switch) + len(failed_refused)}; failed after kill: {len(after)}")
-    return 0 if ok and not failed_switch and not failed_refused and not after else 1
+    summary = f"failed requests: {len(failed_switch) + len(failed_refused)}; failed after kill: {len(after)}"
+    return (0 if ok and not failed_switch and not failed_refused and not after else 1), summary
 
 
 def section_throughput(tb, ep: Endpoint, data: list[str], seconds: float, max_tokens: int) -> int:
@@ -362,9 +363,9 @@ def main() -> int:
     args = parser.parse_args()
     tb = fleet_for(args.reuse)
     ep = Endpoint(tb)
-    rc = 0
+    rc, summary = 0, None
     if args.section in ("rollout", "all"):
-        rc |= section_rollout(tb, ep, args.data, args.workers, args.max_tokens)
+        rc, summary = section_rollout(tb, ep, args.data, args.workers, args.max_tokens)
     if args.section in ("throughput", "all"):
         if args.section == "throughput":
             done, out = deploy(args.data)
@@ -372,6 +373,8 @@ def main() -> int:
                 print(out[-4000:])
                 raise SystemExit("the deploy failed")
         rc |= section_throughput(tb, ep, args.data, args.seconds, 256)
+    if summary:
+        print(summary)
     return rc
 
 
