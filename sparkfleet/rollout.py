@@ -104,10 +104,12 @@ def planned(settings: Settings) -> None:
         return
     ro.announced = True
     batches = ro.batches(state)
+    steps = ("drain, restart, gate, back in rotation" if endpoint.endpoint_name(state)
+             else "restart, gate (no fleet endpoint)")
     for number, names in enumerate(batches, 1):
         for name in names:
             logger.info(f"{state.inventory.get_host(name).print_prefix}rolls in batch {number} of {len(batches)} "
-                        f"(rollout_batch={settings.rollout_batch}): drain, restart, gate, back in rotation")
+                        f"(rollout_batch={settings.rollout_batch}): {steps}")
 
 
 # --- one host's turn (controller side, in the host's greenlet) -------------------------------
