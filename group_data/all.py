@@ -121,6 +121,20 @@ serving = True
 force = False
 # How long the first start may take (image load, weights to device, compile).
 ready_timeout_s = 1200
+# --- Rolling changes (sparkfleet/rollout.py) ----------------------------------------------
+# "rolling": a change that restarts the engine of a serving fleet rolls rollout_batch hosts at
+# a time (drain from the endpoint, restart, gate, back in rotation), so the rest keep serving
+# and a change that fails stops on its first host. "all": every host at once, for a fleet
+# that serves no one (a restart is then the whole time-to-READY, not N of them).
+rollout = "rolling"
+# One host at a time: the fleet loses at most one replica's capacity during a change.
+rollout_batch = 1
+# Time for a drained host's in-flight requests to finish before its restart cuts them: long
+# agent turns (minutes of decode at 262k context) finish within it.
+drain_timeout_s = 600
+# The gate's floor for a speculative profile's acceptance length (tokens per step, from
+# /metrics): a drafter that does not match its model accepts ~1 and only costs time.
+rollout_min_acceptance = 1.5
 
 # --- Host preparation ---------------------------------------------------------------------
 # NVIDIA's signed apt repository for the container toolkit ($(ARCH) is apt's own).

@@ -143,6 +143,11 @@ class Settings(BaseModel):
     serving: bool
     force: bool
     ready_timeout_s: int = Field(ge=10, le=7200)
+    # Rolling changes (sparkfleet/rollout.py)
+    rollout: Literal["rolling", "all"]
+    rollout_batch: int = Field(ge=1, le=1024)
+    drain_timeout_s: int = Field(ge=0, le=86400)
+    rollout_min_acceptance: float = Field(ge=1.0, le=17.0)
     # Host preparation
     nvidia_apt_repo: str
     nvidia_apt_key_url: str

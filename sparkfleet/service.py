@@ -26,7 +26,7 @@ from pyinfra.api.util import get_template
 from pyinfra.facts.systemd import SystemdStatus
 from pyinfra.operations import files, server, systemd
 
-from sparkfleet import remote, secrets
+from sparkfleet import remote, rollout, secrets
 from sparkfleet.bench.onhost.workloads import SMOKE_PROMPT as READY_PROMPT  # READY asks what smoke asks
 from sparkfleet.config import Settings
 from sparkfleet.facts import PortHolders, ServedAnswer, ServedModels, StartedRevision, UnitState
@@ -270,13 +270,21 @@ def _restore_last_good() -> str:
     ])
 
 
-def _endpoint_hint(settings: Settings) -> str:
+def ready_for(settings: Settings, target_host) -> tuple:
+    """The READY wait's arguments for ``settings`` on ``target_host``: (address, port,
+    model, timeout_s, hint), for ``_wait_ready`` / ``_await_ready`` outside ``running``."""
+    return (local_address(settings.bind_address), settings.port, settings.served_model_name,
+            settings.ready_timeout_s, _endpoint_hint(settings, target_host))
+
+
+def _endpoint_hint(settings: Settings, target_host=None) -> str:
     mode = settings.api_key.get_secret_value()
     key = (
         f"API key in {settings.api_key_file}" if mode == "auto"
         else "no API key (api_key=none)" if mode == "none" else "API key as configured"
     )
-    address = host.data.get("ssh_hostname") or host.name
+    target_host = target_host or host
+    address = target_host.data.get("ssh_hostname") or target_host.name
     return f"http://{address}:{settings.port}/v1 serves `{settings.served_model_name}` ({settings.profile}); {key}"
 
 
@@ -326,12 +334,14 @@ def revision(env_text: str, unit_text: str, compile_signature: str) -> str:
 
 
 @operation()
-def serving(revision: str, restart: bool):
+def serving(revision: str, restart: bool, rolling: Settings | None = None):
     """
     The service runs the settings on disk: (re)started unless it already runs exactly them.
 
     + revision: hash of everything the service runs (``revision()``)
     + restart: an input the hash does not cover changed (a rebuilt checkpoint)
+    + rolling: this serving host's settings when its restart rolls (rollout.py): it waits
+      for its batch, is drained, restarted, gated and put back
 
     One decision from the unit's own record of what it started with, so a host in any
     state (crash loop, failed, stopped, restarting on its own) converges in one run.
@@ -339,6 +349,10 @@ def serving(revision: str, restart: bool):
     active = host.get_fact(UnitState, unit=UNIT).get("ActiveState") == "active"
     if not restart and active and host.get_fact(StartedRevision, path=STARTED_FILE) == revision:
         host.noop(f"{UNIT} runs these settings")
+        return
+    if rolling is not None:
+        rollout.planned(rolling)
+        yield FunctionCommand(rollout.rolled, (rolling, revision), {})
         return
     yield StringCommand("echo", revision, ">", REVISION_FILE)
     # A crash loop's start limit must not block the deploy's own start.
@@ -424,15 +438,21 @@ def running(settings: Settings, also_restart_for: tuple = ()) -> None:
     )
     systemd.service(name=f"{UNIT} enabled", service=UNIT, running=None, enabled=True)
     wanted = revision(env_text, unit_text, settings.compile_signature)
+    # A host that serves now restarts in its turn of the rollout, which waits for READY
+    # and gates it itself (rollout.py); rollout=all restarts every host at once.
+    rolling = rollout.applies(settings, host.get_fact(UnitState, unit=UNIT),
+                              host.get_fact(ServedModels, address=local_address(settings.bind_address),
+                                            port=settings.port))
     started = serving(
         name=f"{UNIT} runs the settings on disk",
         revision=wanted,
         restart=any(op.will_change for op in feeds),
+        rolling=settings if rolling else None,
     )
     ready(
         name="READY: the served model answers",
         address=local_address(settings.bind_address), port=settings.port, model=settings.served_model_name,
-        timeout_s=settings.ready_timeout_s, restarting=started.will_change,
+        timeout_s=settings.ready_timeout_s, restarting=started.will_change and not rolling,
         hint=_endpoint_hint(settings),
     )
     last_good_kept(name="these settings kept as the last good ones", revision=wanted, hf_home=settings.hf_home)

@@ -33,7 +33,8 @@ def test_the_fleet_serves_the_defaults(testbed, run_pyinfra):
 
 
 def test_a_change_that_breaks_the_engine_is_rolled_back_on_every_host(testbed, run_pyinfra):
-    result = run_pyinfra("deploy.py", "--data", "tool_call_parser=bogus", "--data", "ready_timeout_s=120")
+    result = run_pyinfra("deploy.py", "--data", "tool_call_parser=bogus", "--data", "ready_timeout_s=120",
+                         "--data", "rollout=all")
     out = result.stdout + result.stderr
     assert result.returncode != 0
     for name in testbed.names:
@@ -51,7 +52,8 @@ def test_a_change_that_breaks_the_engine_is_rolled_back_on_every_host(testbed, r
 def test_a_host_with_nothing_good_before_is_left_stopped_not_crash_looping(testbed, run_pyinfra):
     fresh = testbed.names[2]
     testbed.exec(fresh, "rm -rf /var/lib/sparkfleet/last-good")  # as on a first deploy
-    result = run_pyinfra("deploy.py", "--data", "tool_call_parser=bogus", "--data", "ready_timeout_s=120")
+    result = run_pyinfra("deploy.py", "--data", "tool_call_parser=bogus", "--data", "ready_timeout_s=120",
+                         "--data", "rollout=all")
     out = result.stdout + result.stderr
     assert result.returncode != 0
     assert re.search(rf"\[{fresh}(?:\.local)?\].*nothing else got READY on this host before, so sparkfleet-serve.service "
