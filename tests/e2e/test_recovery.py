@@ -2,7 +2,8 @@
 that does not get READY is rolled back on that host, crash loops end, and docker's own
 stop/start brings the server back.
 
-The tests share the session's fleet and leave it serving the defaults.
+The tests share the session's fleet and leave it serving the defaults. (The module runs
+after test_deploy.py, whose first test wants a fleet nothing was deployed to.)
 """
 
 from __future__ import annotations
