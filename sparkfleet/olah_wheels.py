@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import re
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 #: Packages whose own dependencies are not installed, each with the reason.
 WITHOUT_DEPS = {

@@ -21,8 +21,8 @@ from pydantic import SecretStr
 from pyinfra import host, logger
 from pyinfra.api import FunctionCommand, StringCommand, deploy, operation
 from pyinfra.api.exceptions import OperationError
-from pyinfra.facts.files import FileContents, Sha256File
 from pyinfra.api.util import get_template
+from pyinfra.facts.files import FileContents, Sha256File
 from pyinfra.facts.systemd import SystemdStatus
 from pyinfra.operations import files, server, systemd
 

@@ -27,7 +27,7 @@ import re
 import shlex
 import signal
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import gevent
 from pyinfra import logger

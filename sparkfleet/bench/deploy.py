@@ -26,8 +26,8 @@ import shlex
 import shutil
 import sqlite3
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Union
 
 from pyinfra import state
 from pyinfra.api import StringCommand, deploy
@@ -65,7 +65,7 @@ HEARTBEAT_S = 15.0
 
 
 def program_settings(s: BenchSettings, names: Sequence[str], run_id: str, host_name: str,
-                     remote_result: str, remote_state_db: Optional[str], secrets_file: str) -> ProgramSettings:
+                     remote_result: str, remote_state_db: str | None, secrets_file: str) -> ProgramSettings:
     """The on-host program's one settings document, from the validated host settings."""
     return ProgramSettings(
         base_url=s.base_url, model=s.served_model_name, checks=list(names), out=remote_result, run_id=run_id,
@@ -77,7 +77,7 @@ def program_settings(s: BenchSettings, names: Sequence[str], run_id: str, host_n
     )
 
 
-def remote_paths(s: BenchSettings, run_id: str) -> Dict[str, str]:
+def remote_paths(s: BenchSettings, run_id: str) -> dict[str, str]:
     return {
         "code_root": f"{s.bench_dir}/code",
         "code": f"{s.bench_dir}/code/{REMOTE_PACKAGE}",
@@ -130,7 +130,7 @@ def bench_command(s: BenchSettings, names: Sequence[str], run_id: str, host_name
     return "\n".join(lines)
 
 
-def failure_reason(stdout: List[str], stderr: List[str]) -> str:
+def failure_reason(stdout: list[str], stderr: list[str]) -> str:
     """The last meaningful stderr lines of a run that left no result file."""
     lines = [ln.strip() for ln in stderr if ln.strip()] or [ln.strip() for ln in stdout if ln.strip()]
     tail = " | ".join(lines[-3:]) if lines else "no output"
@@ -139,7 +139,7 @@ def failure_reason(stdout: List[str], stderr: List[str]) -> str:
 
 # --- the state.db snapshot (controller side) ---------------------------------------------------
 
-_SNAPSHOTS: Dict[str, str] = {}
+_SNAPSHOTS: dict[str, str] = {}
 
 
 def snapshot_state_db(path: str) -> str:
@@ -178,14 +178,14 @@ def snapshot_state_db(path: str) -> str:
 class _Collector:
     """One per pyinfra run and run id: knows each host's fate and writes the report once."""
 
-    def __init__(self, pyinfra_state, results_dir: str, run_id: str, names: List[str]) -> None:
+    def __init__(self, pyinfra_state, results_dir: str, run_id: str, names: list[str]) -> None:
         self.state = pyinfra_state
         self.dir = run_dir(results_dir, run_id)
         self.run_id = run_id
         self.names = names
         self.expected = [h.name for h in pyinfra_state.inventory if pyinfra_state.is_host_in_limit(h)]
         # Hosts already failed at plan time failed to connect.
-        self.reasons: Dict[str, str] = {
+        self.reasons: dict[str, str] = {
             h.name: "unreachable: pyinfra could not connect to the host" for h in pyinfra_state.failed_hosts
         }
         self.written: set = set()
@@ -229,10 +229,10 @@ class _CollectorCallbacks(BaseStateCallback):
             self.collector.finish()
 
 
-_COLLECTORS: Dict[tuple, _Collector] = {}
+_COLLECTORS: dict[tuple, _Collector] = {}
 
 
-def _collector_for(s: BenchSettings, run_id: str, names: List[str]) -> _Collector:
+def _collector_for(s: BenchSettings, run_id: str, names: list[str]) -> _Collector:
     current = state._get_module()  # the State itself, not pyinfra's context proxy
     key = (id(current), run_id)
     if key not in _COLLECTORS:
@@ -253,7 +253,7 @@ def _collector_for(s: BenchSettings, run_id: str, names: List[str]) -> _Collecto
 # --- execute-time callback, per host ---------------------------------------------------------------
 
 
-def _run_and_collect(state, host, settings: BenchSettings, names: List[str],  # noqa: F811
+def _run_and_collect(state, host, settings: BenchSettings, names: list[str],  # noqa: F811
                      run_id: str, collector: _Collector) -> bool:
     """Run the bench on the host, fetch its result; on any failure write one with the reason.
 
@@ -266,7 +266,7 @@ def _run_and_collect(state, host, settings: BenchSettings, names: List[str],  # 
     done = host_commands.run(pyinfra_host, StringCommand(command), timeout=None, success_exit_codes=[0, 1],
                              print_output=True)
     remote = remote_paths(settings, run_id)["result"]
-    result: Optional[dict] = None
+    result: dict | None = None
     if done.ok:
         buffer = io.BytesIO()
         try:
@@ -290,7 +290,7 @@ def _run_and_collect(state, host, settings: BenchSettings, names: List[str],  # 
 
 
 @deploy("sparkfleet checks")
-def run_checks(names: Union[Sequence[str], str, None] = None) -> None:
+def run_checks(names: Sequence[str] | str | None = None) -> None:
     """Run the named checks (smoke, tools, decode, e2e, agent) on this host and collect the result.
 
     + names: the checks; None reads data ``checks`` (``--data checks=smoke,decode``)

@@ -12,9 +12,10 @@ import contextlib
 import fcntl
 import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from . import aptrepo, cleanup, hosts, hubservice, image, keys, login, network, paths, registry, rootfs, switches
 from .proc import TestbedError, log, pid_alive, pid_matches, require_root, require_tools, run
@@ -359,6 +360,7 @@ class Testbed:
     def kill_host(self, name: str) -> None:
         """Simulate a power cut: SIGKILL the host's container, no orderly shutdown."""
         import signal as _signal
+
         from .proc import kill_wait
 
         with locked():

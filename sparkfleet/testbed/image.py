@@ -26,9 +26,9 @@ import os
 import shutil
 import stat
 import tarfile
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable
 
 from . import paths, rootfs
 from .proc import TestbedError, log, run
@@ -342,7 +342,7 @@ def config_bytes(layers: list[Layer]) -> bytes:
             "WorkingDir": "/",
             "Labels": {"org.opencontainers.image.title": "sparkfleet simulated vLLM 0.23.0 serving image"},
         },
-        "rootfs": {"type": "layers", "diff_ids": [l.diff_id for l in layers]},
+        "rootfs": {"type": "layers", "diff_ids": [layer.diff_id for layer in layers]},
         "history": [
             {"created": CREATED, "created_by": "sparkfleet testbed: debian bookworm minbase + python3"},
             {"created": CREATED, "created_by": f"sparkfleet testbed: vllm {VLLM_VERSION} python source"},
@@ -365,7 +365,7 @@ def publish() -> dict:
     config, layers = build()
     client = RegistryClient(f"http://{paths.REGISTRY}")
     digest = push_image(client, paths.IMAGE_REPO, paths.IMAGE_TAG, config,
-                        [(l.blob, l.digest, l.size) for l in layers])
+                        [(layer.blob, layer.digest, layer.size) for layer in layers])
     if not digest.startswith("sha256:"):
         raise TestbedError(f"unexpected digest {digest!r}")
     return {
@@ -373,6 +373,6 @@ def publish() -> dict:
         "digest": digest,
         "pinned": f"{paths.REGISTRY}/{paths.IMAGE_REPO}:{paths.IMAGE_TAG}@{digest}",
         # What the image takes in docker's data root once pulled (unpacked layers).
-        "size_bytes": sum(l.uncompressed for l in layers),
-        "blob_bytes": sum(l.size for l in layers),
+        "size_bytes": sum(layer.uncompressed for layer in layers),
+        "blob_bytes": sum(layer.size for layer in layers),
     }

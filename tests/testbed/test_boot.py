@@ -14,7 +14,6 @@ import subprocess
 import time
 
 import pytest
-
 from pyinfra.facts.server import Arch as Architecture
 
 from sparkfleet.facts import Gpu
@@ -88,10 +87,11 @@ def test_docker_runs_the_registry_image_with_gpus(tb):
 
 def test_image_digest_is_stable(tb):
     config, layers = image.build()  # from the cache: same inputs, same bytes
-    from sparkfleet.testbed.registry import manifest_bytes
     import hashlib
 
-    digest = "sha256:" + hashlib.sha256(manifest_bytes(config, [(l.blob, l.digest, l.size) for l in layers])).hexdigest()
+    from sparkfleet.testbed.registry import manifest_bytes
+
+    digest = "sha256:" + hashlib.sha256(manifest_bytes(config, [(layer.blob, layer.digest, layer.size) for layer in layers])).hexdigest()
     assert digest == tb.image["digest"]
 
 
