@@ -78,7 +78,7 @@ def is_expert(name: str) -> bool:
 
 
 def is_mtp(name: str) -> bool:
-    # MTP tensors are kept as they are in the INT4 checkpoint: the seeds' builder
+    # MTP tensors are kept as they are in the INT4 checkpoint: the reference recipe's builder
     # dropped them (breaking the `mtp` profile on the hybrid), and swapping them
     # would need an FP8 dispatch for the MTP module that the serve patch lacks.
     return name.startswith("mtp.")

@@ -33,7 +33,7 @@ Design notes (why, not what):
 * The per-row scale is applied once to the fp32 accumulator (exact for a
   per-row scale), then cast to bf16.
 * The bf16 weight is never freed or modified: the DFlash drafter shares the
-  target's lm_head (the seeds saw garbage drafts when a port zeroed it).
+  target's lm_head (the reference recipe saw garbage drafts when a port zeroed it).
 
 torch and triton are imported lazily so this module imports anywhere (the
 runtime patch loader, CPU-only tests of other modules).

@@ -10,7 +10,7 @@ the serving container (Python 3.12 there, 3.11 here).
 Rules beyond the table:
 * every table variable the deploy always renders must be *present*; the ones whose
   empty value means "off" (parsers, speculative config) may be empty but not absent, so
-  a deploy that forgets to pass them (the seeds' bug) fails loudly instead of silently
+  a deploy that forgets to pass them (the reference recipe's bug) fails loudly instead of silently
   serving without tool calls;
 * secrets never reach argv: ``--api-key`` in the extra args is refused (vLLM reads
   ``VLLM_API_KEY`` from the environment).

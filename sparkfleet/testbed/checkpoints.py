@@ -269,7 +269,7 @@ def _bf16_linear(name: str, shape: tuple[int, int]) -> Tensor:
 
 def intel_quantized(name: str) -> bool:
     """Which Linears AutoRound quantized to INT4 in the Intel checkpoint:
-    routed experts and attention (the seeds: 'attention as INT4'); BF16 are the
+    routed experts and attention (the reference recipe: 'attention as INT4'); BF16 are the
     shared experts, the router `mlp.gate`, `shared_expert_gate`, embeddings,
     lm_head, MTP and vision.  GUESS: the tiny-output `in_proj_a/b` stay BF16."""
     if name.startswith(("mtp.", "model.visual.")):

@@ -162,7 +162,7 @@ def test_kv_unify_grows_the_padded_mamba_page(vllm_tree, fake_kv_interface) -> N
     specs["drafter.attn"] = replace(specs["drafter.attn"], block_size=2240)
     max_page = specs["drafter.attn"].page_size_bytes
 
-    # The 0.23 failure the seeds hit: a padded page ignores the scaled block size.
+    # The 0.23 failure the reference recipe hit: a padded page ignores the scaled block size.
     with pytest.raises(AssertionError):
         _unify_fns(pristine, patched=False)(specs)
 
