@@ -90,7 +90,9 @@ def test_the_tools_check_fails_naming_the_missing_parser(fleet_up, tmp_path):
         return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=1800, stdin=subprocess.DEVNULL)
 
     try:
-        proc = deploy("tool_call_parser=", "checks=smoke,tools")
+        # rollout=all: a rolling deploy's gate would catch it first and roll the host back
+        # (tests/e2e/test_rollout.py); here the check itself is under test.
+        proc = deploy("tool_call_parser=", "checks=smoke,tools", "rollout=all")
         out = proc.stdout + proc.stderr
         assert proc.returncode == 1, out[-6000:]
         r = json.loads((tmp_path / "tools" / "spark-1.json").read_text())
