@@ -91,7 +91,7 @@ def test_the_tools_check_fails_naming_the_missing_parser(fleet_up, tmp_path):
 
     try:
         # rollout=all: a rolling deploy's gate would catch it first and roll the host back
-        # (tests/e2e/test_rollout.py); here the check itself is under test.
+        # (tests/e2e/test_endpoint_rollout.py); here the check itself is under test.
         proc = deploy("tool_call_parser=", "checks=smoke,tools", "rollout=all")
         out = proc.stdout + proc.stderr
         assert proc.returncode == 1, out[-6000:]

@@ -105,7 +105,8 @@ def run_pyinfra_fixture(testbed):
 @pytest.fixture(scope="module")
 def fleet4():
     """A fresh fleet of 4 hosts for one module (nothing cached anywhere): it replaces the
-    session's fleet, which the session's teardown then removes. Removed at the module's
+    session's fleet, which the session's teardown then removes. So the module that uses
+    it (test_mirror_fleet.py) sorts after every module on the session's fleet. Removed at the module's
     end unless SPARKFLEET_KEEP_TESTBED=1."""
     problem = _environment_problem()
     if problem:
