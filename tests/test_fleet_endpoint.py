@@ -5,31 +5,16 @@ print."""
 from __future__ import annotations
 
 import re
-import runpy
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
+from support.fleetdata import defaults, fleet
 
 from sparkfleet import endpoint, status
 from sparkfleet.config import ConfigError, chosen_endpoint, validate_fleet, validate_host_data
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sf-0123456789abcdef_XYZ"
-
-
-def defaults() -> dict:
-    data = runpy.run_path(str(ROOT / "group_data" / "all.py"))
-    return {k: v for k, v in data.items() if not k.startswith("__")}
-
-
-def fleet(*hosts: tuple[str, dict], groups: dict[str, list[str]] | None = None):
-    out = []
-    for name, data in hosts:
-        merged = {**defaults(), **data}
-        out.append(SimpleNamespace(name=name, groups=[g for g, members in (groups or {}).items() if name in members],
-                                   data=SimpleNamespace(dict=lambda m=merged: m, get=merged.get)))
-    return out
 
 
 def chosen(hosts):
