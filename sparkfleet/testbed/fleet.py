@@ -303,6 +303,10 @@ class Testbed:
     def run_id(self) -> str:
         return self.state.run_id
 
+    def inventory_name(self, name: str) -> str:
+        """What the inventory (and pyinfra's output) calls host *name*."""
+        return login.inventory_name(name, self.state.names)
+
     def host(self, name: str) -> HostState:
         try:
             return self.state.hosts[name]

@@ -51,13 +51,16 @@ def _environment_problem() -> str | None:
 
 
 def _reusable():
-    from sparkfleet.testbed import fleet
+    from sparkfleet.testbed import fleet, login
 
     st = fleet.status()
     if not st or len(st["hosts"]) < N_HOSTS:
         return None
+    tb = fleet.load()
+    if (tb.state.login, tb.state.names) != (login.DEFAULT_LOGIN, login.DEFAULT_NAMES):
+        return None  # the session's fleet is as DGX OS sets a Spark up
     if all(h["pid"] and h["ssh"] for h in st["hosts"]) and all(s["pid"] for s in st["services"]):
-        return fleet.load()
+        return tb
     return None
 
 
@@ -72,10 +75,8 @@ def testbed():
     tb = _reusable() if os.environ.get("SPARKFLEET_TESTBED_REUSE") == "1" else None
     owned = tb is None
     if owned:
-        # The session's fleet logs in as root with plain names; the mirror module's fleet
-        # (fleet4) and tests/testbed/test_dgx_os.py run as DGX OS does (a password-sudo user,
-        # names only the controller resolves).
-        tb = fleet.up(N_HOSTS, login_kind="root", names="plain")
+        # As DGX OS sets a Spark up: a password-sudo user, names only the controller resolves.
+        tb = fleet.up(N_HOSTS)
     try:
         yield tb
     finally:

@@ -20,13 +20,16 @@ import pytest
 import requests
 
 from sparkfleet.endpoint import save_state_command
-from sparkfleet.testbed import paths
+from sparkfleet.testbed import login, paths
 
 pytestmark = pytest.mark.e2e
 
+# Tests speak of hosts by their testbed names; the inventory (and so the endpoint's
+# members, pyinfra's output and `sparkfleet status`) by what the session fleet's names are.
 ROUTER = "spark-1"
-DATA = f"fleet_endpoint={ROUTER}"
-CHANGED = re.compile(r"\[(spark-\d+)\] (Success|Error)")
+ROUTER_NAME = login.inventory_name(ROUTER, login.DEFAULT_NAMES)
+DATA = f"fleet_endpoint={ROUTER_NAME}"
+CHANGED = re.compile(r"\[(spark-\d+)(?:\.local)?\] (Success|Error)")
 REPO_ROOT = paths.REPO_ROOT
 INVENTORY = str(paths.INVENTORY.relative_to(REPO_ROOT))
 STATUS = re.compile(r'^haproxy_server_status\{proxy="members",server="([^"]+)",state="([A-Z]+)"\} 1$', re.M)
@@ -52,11 +55,13 @@ class Endpoint:
         self.auth = {"Authorization": f"Bearer {self.key}"}
 
     def states(self) -> dict[str, str]:
-        """Each member's state, from the endpoint's Prometheus exporter."""
+        """Each member's state (by testbed name), from the endpoint's Prometheus exporter."""
         text = session().get(self.metrics_url, headers=self.auth, timeout=5).text
-        return dict(STATUS.findall(text))
+        host = {self.testbed.inventory_name(n): n for n in self.testbed.names}
+        return {host.get(server, server): state for server, state in STATUS.findall(text)}
 
-    def counter(self, name: str, server: str) -> float:
+    def counter(self, name: str, member: str) -> float:
+        server = self.testbed.inventory_name(member)
         text = session().get(self.metrics_url, headers=self.auth, timeout=5).text
         m = re.search(rf'^{name}\{{proxy="members",server="{server}"\}} (\S+)$', text, re.M)
         return float(m.group(1)) if m else 0.0
@@ -136,7 +141,7 @@ def api(script: str) -> dict:
     code = (
         "import json\n"
         "from sparkfleet import endpoint, status\n"
-        f"state, settings = status.connect({INVENTORY!r}, {{'fleet_endpoint': {ROUTER!r}}})\n"
+        f"state, settings = status.connect({INVENTORY!r}, {{'fleet_endpoint': {ROUTER_NAME!r}}})\n"
         "ep = endpoint.endpoint_host(state, settings)\n" + script
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
@@ -145,7 +150,7 @@ def api(script: str) -> dict:
 
 
 def deploy(inventory: str = INVENTORY) -> subprocess.CompletedProcess:
-    """`pyinfra -y INVENTORY deploy.py --data fleet_endpoint=spark-1` from the repo root."""
+    """`pyinfra -y INVENTORY deploy.py --data fleet_endpoint=<spark-1>` from the repo root."""
     return subprocess.run(["pyinfra", "-y", inventory, "deploy.py", "--data", DATA], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
 
@@ -169,7 +174,7 @@ def test_deploy_prints_the_endpoint_and_the_key_stays_private(testbed, ep):
     assert ep.key not in out
     # Members at the addresses they have on the router's network, not inventory names.
     for h in testbed.hosts:
-        assert f"{h.name} {h.address}:8000" in out
+        assert f"{testbed.inventory_name(h.name)} {h.address}:8000" in out
     mode = testbed.exec(ROUTER, "stat -c '%a %U %G' /etc/haproxy/haproxy.cfg").stdout.split()
     assert mode == ["640", "root", "haproxy"]
     assert ep.key in testbed.exec(ROUTER, "cat /etc/haproxy/haproxy.cfg").stdout
@@ -246,6 +251,7 @@ def test_a_hung_engine_leaves_the_rotation_within_10_s(testbed, ep):
 
 def test_drain_waits_for_in_flight_requests_and_ready_puts_it_back(testbed, ep):
     member = testbed.names[2]
+    name = testbed.inventory_name(member)
     # A long stream on every member, then drain one: it returns once its stream ended.
     with Load(ep, workers=3, max_tokens=150):
         time.sleep(1.5)
@@ -253,11 +259,11 @@ def test_drain_waits_for_in_flight_requests_and_ready_puts_it_back(testbed, ep):
             "import time\n"
             "before = endpoint.members_of(ep)\n"
             "t = time.monotonic()\n"
-            f"left = endpoint.drain(ep, {member!r}, timeout_s=120)\n"
+            f"left = endpoint.drain(ep, {name!r}, timeout_s=120)\n"
             "took = time.monotonic() - t\n"
             "after = endpoint.members_of(ep)\n"
-            f"print(json.dumps({{'left': left, 'took': took, 'in_flight_before': before[{member!r}].sessions, "
-            f"'state': after[{member!r}].state, 'requests': after[{member!r}].requests}}))\n"
+            f"print(json.dumps({{'left': left, 'took': took, 'in_flight_before': before[{name!r}].sessions, "
+            f"'state': after[{name!r}].state, 'requests': after[{name!r}].requests}}))\n"
         )
         drained_requests = result["requests"]
         time.sleep(4)  # the load goes on: nothing new reaches the drained member
@@ -271,7 +277,7 @@ def test_drain_waits_for_in_flight_requests_and_ready_puts_it_back(testbed, ep):
     testbed.exec(ROUTER, f"{save_state_command()}; systemctl reload haproxy")
     time.sleep(2)
     assert ep.states()[member] == "DRAIN"
-    back = api(f"print(json.dumps({{'up': endpoint.ready(ep, {member!r}, timeout_s=10)}}))\n")
+    back = api(f"print(json.dumps({{'up': endpoint.ready(ep, {name!r}, timeout_s=10)}}))\n")
     assert back == {"up": True} and ep.states()[member] == "UP"
 
 
@@ -287,44 +293,32 @@ def test_status_shows_every_host_and_the_endpoint(testbed, ep):
         assert row["endpoint"] == "UP" and row["running"] == 0 and row["kv_cache"] is not None
         assert re.fullmatch(r"[0-9a-f]{40}", row["commit"] or "")
         assert row["uptime_s"] >= 0
-    assert doc["endpoint"]["host"] == ROUTER and doc["endpoint"]["url"] == f"{ep.url}/v1"
-    assert set(doc["endpoint"]["members"]) == set(testbed.names)
+    assert doc["endpoint"]["host"] == ROUTER_NAME and doc["endpoint"]["url"] == f"{ep.url}/v1"
+    assert set(doc["endpoint"]["members"]) == {testbed.inventory_name(n) for n in testbed.names}
     assert doc["endpoint"]["state"] == "running" and doc["endpoint"]["requests"] >= 0  # counted since the last reload
     table = subprocess.run(["sparkfleet", "status", INVENTORY, "--data", DATA], cwd=REPO_ROOT,
                            capture_output=True, text=True, timeout=120).stdout
-    assert re.search(r"^spark-2\s+dense\s+sha256:\w+\s+\w+\s+active\s+\S+\s+yes\s+UP", table, re.M), table
-    assert f"fleet endpoint {ep.url}/v1 on {ROUTER}: running, 3/3 members in rotation" in table
+    assert re.search(r"^spark-2(?:\.local)?\s+dense\s+sha256:\w+\s+\w+\s+active\s+\S+\s+yes\s+UP", table, re.M), table
+    assert f"fleet endpoint {ep.url}/v1 on {ROUTER_NAME}: running, 3/3 members in rotation" in table
     assert ep.key not in out.stdout + table
 
 
-def test_status_and_a_converged_deploy_as_a_sudo_user(testbed, ep):
-    # As on a Spark: an ordinary login in group sudo, sudo asks for a password.
-    for name in (ROUTER, testbed.names[1]):
-        testbed.exec(name, "id spark >/dev/null 2>&1 || useradd -m -s /bin/bash -G sudo spark; "
-                           "echo 'spark:sudo-pw-0123' | chpasswd; install -d -o spark -g spark -m 700 ~spark/.ssh; "
-                           "install -o spark -g spark -m 600 /root/.ssh/authorized_keys ~spark/.ssh/authorized_keys",
-                     via="nsenter", check=True)
-    sudo = Path(paths.INVENTORY).with_name("inventory-sudo.py")
-    sudo.write_text(
-        "from pathlib import Path\n"
-        "from sparkfleet.testbed.state import inventory_hosts\n"
-        f"sparks = ([(n, {{**d, 'ssh_user': 'spark', '_sudo': True, '_sudo_password': 'sudo-pw-0123'}} "
-        f"if n in {(ROUTER, testbed.names[1])!r} else d) for n, d in inventory_hosts(Path({str(paths.HOSTS_JSON)!r}))], {{}})\n"
-    )
-    try:
-        inventory = str(sudo.relative_to(REPO_ROOT))
-        out = subprocess.run(["sparkfleet", "status", inventory, "--data", DATA, "--json"], cwd=REPO_ROOT,
-                             capture_output=True, text=True, timeout=120)
-        result = deploy(inventory)
-    finally:
-        sudo.unlink()
+def test_status_and_a_converged_deploy_as_the_fleet_login(testbed, ep):
+    # The session fleet logs in as DGX OS sets a Spark up: an ordinary user in group sudo
+    # whose sudo asks for a password, not in group docker.
+    assert testbed.state.login == "dgx"
+    whoami = testbed.exec(ROUTER, "id -un; id -Gn", as_root=False).stdout.split("\n")
+    assert whoami[0] == login.LOGIN_USER and "sudo" in whoami[1].split() and "docker" not in whoami[1].split()
+    out = subprocess.run(["sparkfleet", "status", INVENTORY, "--data", DATA, "--json"], cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=120)
+    result = deploy()
     assert out.returncode == 0, out.stderr[-2000:]
     doc = json.loads(out.stdout)
     assert all(r["ready"] and r["image_digest"] and r["endpoint"] == "UP" for r in doc["hosts"]), doc["hosts"]
     assert doc["endpoint"]["state"] == "running" and len(doc["endpoint"]["members"]) == 3
     combined = result.stdout + result.stderr
     assert result.returncode == 0 and changed_hosts(combined) == set(), combined[-3000:]
-    assert "sudo-pw-0123" not in combined + out.stdout
+    assert login.password() not in combined + out.stdout + out.stderr
 
 
 def test_converged_rerun_changes_nothing_on_the_router_host(testbed, ep):
@@ -346,7 +340,7 @@ def test_an_unreachable_member_keeps_its_place_and_the_others_serve(testbed, ep)
     assert result.returncode != 0  # the unreachable host fails, the others go on
     assert not re.search(r"\[spark-1(?:\.local)?\] Success", out), out[-3000:]  # membership and config unchanged
     # Still a member, at the address it had (not dropped, not its inventory name).
-    assert re.search(rf"over 3 member\(s\):.* {gone} {re.escape(testbed.host(gone).address)}:8000 ", out), out[-3000:]
+    assert re.search(rf"over 3 member\(s\):.* {re.escape(testbed.inventory_name(gone))} {re.escape(testbed.host(gone).address)}:8000 ", out), out[-3000:]
     ep.wait_state(gone, {"UP"}, timeout=15)
 
 
@@ -356,7 +350,8 @@ def test_membership_changes_by_reload_and_drops_no_request(testbed, ep):
     smaller.write_text(
         "from pathlib import Path\n"
         "from sparkfleet.testbed.state import inventory_hosts\n"
-        f"sparks = ([h for h in inventory_hosts(Path({str(paths.HOSTS_JSON)!r})) if h[0] != {gone!r}], {{}})\n"
+        f"sparks = ([h for h in inventory_hosts(Path({str(paths.HOSTS_JSON)!r})) "
+        f"if h[0] != {testbed.inventory_name(gone)!r}], {{}})\n"
     )
     master, _ = haproxy_pids(testbed)
     try:

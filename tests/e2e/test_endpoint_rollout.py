@@ -15,12 +15,12 @@ import time
 import pytest
 import requests
 
-from sparkfleet.testbed import paths
+from sparkfleet.testbed import login, paths
 
 pytestmark = pytest.mark.e2e
 
-ROUTER = "spark-1"
-DATA = ("--data", f"fleet_endpoint={ROUTER}")
+ROUTER = "spark-1"  # its testbed name; the inventory's is what the session fleet's names are
+DATA = ("--data", f"fleet_endpoint={login.inventory_name(ROUTER, login.DEFAULT_NAMES)}")
 SERVE_ENV = "/etc/sparkfleet/serve.env"
 REPO_ROOT = paths.REPO_ROOT
 STATUS = re.compile(r'^haproxy_server_status\{proxy="members",server="([^"]+)",state="([A-Z]+)"\} 1$', re.M)
@@ -37,13 +37,16 @@ class Watcher:
 
     def __init__(self, testbed):
         self.url = f"http://{testbed.host(ROUTER).address}:8405/metrics"
+        self.host = {testbed.inventory_name(n): n for n in testbed.names}
         self.auth = {"Authorization": f"Bearer {(REPO_ROOT / '.sparkfleet' / 'api-key').read_text().strip()}"}
         self.samples: list[dict[str, str]] = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def states(self) -> dict[str, str]:
-        return dict(STATUS.findall(session().get(self.url, headers=self.auth, timeout=5).text))
+        """Each member's state, by testbed name."""
+        found = STATUS.findall(session().get(self.url, headers=self.auth, timeout=5).text)
+        return {self.host.get(server, server): state for server, state in found}
 
     def _run(self):
         deadline = time.monotonic() + 1500  # bounded: longer than any rollout here
@@ -83,7 +86,7 @@ def test_dry_shows_the_batches_and_changes_nothing(testbed, run_pyinfra):
     result = run_pyinfra("deploy.py", *DATA, "--data", "profile=dflash", "--data", "rollout_batch=2", "--dry")
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
-    batches = dict(re.findall(r"\[(spark-\d)\] rolls in batch (\d)", out))
+    batches = dict(re.findall(r"\[(spark-\d)(?:\.local)?\] rolls in batch (\d)", out))
     assert batches == {"spark-1": "1", "spark-2": "1", "spark-3": "2"}, out[-4000:]
     assert {n: started_at(testbed, n) for n in testbed.names} == before
 

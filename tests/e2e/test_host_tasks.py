@@ -1,15 +1,12 @@
 """Long host steps as transient systemd units: progress, failure log tails, re-attaching,
 results kept for the next run, sudo, and secrets kept out of the unit.
 
-The steps need a host's systemd, so they run on a simulated Spark (marked e2e; fails -
-does not skip - without root). A fleet that is already up is used (its spark-1, the
-units cleaned up after each test); otherwise one of 1 host is booted for the module and
-removed at its end.
+The steps need a host's systemd, so they run on spark-1 of the session's simulated
+fleet (tests/e2e/conftest.py), the units cleaned up after each test.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from types import SimpleNamespace
@@ -20,29 +17,12 @@ from pyinfra.api.exceptions import OperationError
 from sparkfleet import remote, tasks
 from sparkfleet.hostpaths import TASK_UNIT_PREFIX
 
-pytestmark = pytest.mark.e2e
-
 HOST = "spark-1"
 
 
 @pytest.fixture(scope="module")
-def tb():
-    if os.geteuid() != 0:
-        pytest.fail("the task tests need root (they run on a simulated Spark)", pytrace=False)
-    from sparkfleet.testbed import fleet
-    from sparkfleet.testbed.proc import missing_tools
-
-    if missing_tools():
-        pytest.fail(f"missing tools for the testbed: {missing_tools()}", pytrace=False)
-    status = fleet.status()
-    if status and any(h["name"] == HOST and h["pid"] and h["ssh"] for h in status["hosts"]):
-        yield fleet.load()
-        return
-    bed = fleet.up(1, login_kind="root", names="plain")
-    try:
-        yield bed
-    finally:
-        fleet.down()
+def tb(testbed):
+    return testbed
 
 
 class FleetHost:
@@ -209,22 +189,22 @@ def test_the_secret_a_task_reads_stays_out_of_the_unit(host, tb):
 
 
 def test_tasks_run_with_the_hosts_sudo(tb, monkeypatch):
-    """Through a real pyinfra host that logs in as a plain user and uses sudo: without
-    the connector arguments systemd-run would be refused."""
+    """Through a real pyinfra host that logs in as the fleet's login (an ordinary user whose
+    sudo asks for a password): without the connector arguments systemd-run is refused."""
     monkeypatch.setattr(tasks, "POLL_EVERY_S", 0.05)
-    address = next(h["address"] for h in tb.status()["hosts"] if h["name"] == HOST)
-    sh(tb, "id deployer >/dev/null 2>&1 || useradd -m -s /bin/sh deployer; "
-           "install -d -o deployer -m 700 ~deployer/.ssh && install -o deployer -m 600 /root/.ssh/authorized_keys ~deployer/.ssh/; "
-           "echo 'deployer ALL=(ALL) NOPASSWD: ALL' > /etc/sudoers.d/deployer; rm -f /tmp/tasks-sudo")
     from pyinfra.api import Config, Inventory, State
     from pyinfra.api.connect import connect_all
 
-    data = {"ssh_hostname": address, "ssh_user": "deployer", "ssh_key": str(tb.ssh_key),
-            "ssh_strict_host_key_checking": "no", "ssh_known_hosts_file": "/dev/null"}
+    from sparkfleet.testbed import paths
+    from sparkfleet.testbed.state import inventory_hosts
+
+    name, data = next((n, d) for n, d in inventory_hosts(paths.HOSTS_JSON) if n == tb.inventory_name(HOST))
+    assert data.get("_sudo") and data.get("_sudo_password")  # as DGX OS: password sudo
+    sh(tb, "rm -f /tmp/tasks-sudo")
     for sudo in (False, True):
-        state = State(Inventory(([(HOST, {**data, "_sudo": sudo})], {})), Config())
+        state = State(Inventory(([(name, {**data, "_sudo": sudo})], {})), Config())
         connect_all(state)
-        pyhost = state.inventory.get_host(HOST)
+        pyhost = state.inventory.get_host(name)
         try:
             if sudo:
                 tasks.run_detached(pyhost, "as-root", "id -u > /tmp/tasks-sudo")
@@ -234,4 +214,4 @@ def test_tasks_run_with_the_hosts_sudo(tb, monkeypatch):
         finally:
             pyhost.disconnect()
     assert sh(tb, "cat /tmp/tasks-sudo").strip() == "0"
-    sh(tb, "userdel -r deployer 2>/dev/null; rm -f /etc/sudoers.d/deployer /tmp/tasks-sudo")
+    sh(tb, "rm -f /tmp/tasks-sudo")

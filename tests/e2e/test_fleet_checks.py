@@ -2,14 +2,12 @@
 
     pyinfra -y inventory/testbed.py deploy.py --data checks='["smoke","decode","e2e"]'
 
-Uses a fleet that is already up and healthy (left as it was found), else boots one for
-this module and removes it afterwards. Marked e2e: needs root and the testbed's tools.
+Runs on the session's fleet (tests/e2e/conftest.py).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import time
@@ -17,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from sparkfleet.testbed import paths
 from sparkfleet.testbed.engine import perf
 
-pytestmark = pytest.mark.e2e
-
 REPO = Path(__file__).resolve().parents[2]
+INVENTORY = str(paths.INVENTORY.relative_to(REPO))
 N_HOSTS = 3
 # The dense profile on the simulated engine: DFlash n=12 with both dense levers (the int8
 # lm-head patch lands in the image's real vLLM source; the hybrid checkpoint is served).
@@ -29,30 +27,14 @@ DENSE = perf.perf_model("dflash", 12, perf.Levers(fp8_shared_experts=True, int8_
 
 
 @pytest.fixture(scope="module")
-def fleet_up():
-    if os.geteuid() != 0:
-        pytest.fail("the checks' e2e test needs root (it runs on the simulated fleet)", pytrace=False)
-    from sparkfleet.testbed import fleet
-
-    status = fleet.status()
-    # A fleet counts only if this checkout's inventory describes it (another checkout's
-    # fleet shares the machine but not .testbed/hosts.json).
-    healthy = bool(status) and len(status["hosts"]) >= N_HOSTS and all(
-        h["pid"] and h["ssh"] for h in status["hosts"]
-    ) and (REPO / ".testbed" / "hosts.json").exists()
-    if not healthy:
-        fleet.up(N_HOSTS, login_kind="root", names="plain")  # the mirror tests run as DGX OS
-    try:
-        yield
-    finally:
-        if not healthy and os.environ.get("SPARKFLEET_KEEP_TESTBED") != "1":
-            fleet.down()
+def fleet_up(testbed):
+    return testbed
 
 
 def test_one_command_deploys_checks_and_reports_three_hosts(fleet_up, tmp_path):
     run_id = f"e2e-checks-{int(time.time())}"
     proc = subprocess.run(
-        ["pyinfra", "-y", "inventory/testbed.py", "deploy.py",
+        ["pyinfra", "-y", INVENTORY, "deploy.py",
          "--data", 'checks=["smoke","decode","e2e"]', "--data", f"run_id={run_id}",
          "--data", f"results_dir={tmp_path}", "--data", "bench_runs=2", "--data", "bench_max_tokens=64"],
         cwd=REPO, capture_output=True, text=True, timeout=1800, stdin=subprocess.DEVNULL,
@@ -61,7 +43,7 @@ def test_one_command_deploys_checks_and_reports_three_hosts(fleet_up, tmp_path):
     assert proc.returncode == 0, out[-6000:]
     run_dir = tmp_path / run_id
     hosts = sorted(p.stem for p in run_dir.glob("spark-*.json"))
-    assert hosts == [f"spark-{i}" for i in range(1, N_HOSTS + 1)]
+    assert hosts == [fleet_up.inventory_name(f"spark-{i}") for i in range(1, N_HOSTS + 1)]
     for name in hosts:
         r = json.loads((run_dir / f"{name}.json").read_text())
         assert r["status"] == "ok", r.get("reason")
@@ -83,7 +65,7 @@ def test_one_command_deploys_checks_and_reports_three_hosts(fleet_up, tmp_path):
 def test_the_tools_check_fails_naming_the_missing_parser(fleet_up, tmp_path):
     """A host deployed without a tool-call parser serves, answers Paris, and cannot call tools."""
     def deploy(*data: str) -> subprocess.CompletedProcess:
-        args = ["pyinfra", "-y", "inventory/testbed.py", "deploy.py", "--limit", "spark-1",
+        args = ["pyinfra", "-y", INVENTORY, "deploy.py", "--limit", fleet_up.inventory_name("spark-1"),
                 "--data", f"results_dir={tmp_path}", "--data", "run_id=tools"]
         for d in data:
             args += ["--data", d]
@@ -95,7 +77,7 @@ def test_the_tools_check_fails_naming_the_missing_parser(fleet_up, tmp_path):
         proc = deploy("tool_call_parser=", "checks=smoke,tools", "rollout=all")
         out = proc.stdout + proc.stderr
         assert proc.returncode == 1, out[-6000:]
-        r = json.loads((tmp_path / "tools" / "spark-1.json").read_text())
+        r = json.loads((tmp_path / "tools" / f"{fleet_up.inventory_name('spark-1')}.json").read_text())
         assert r["checks"]["smoke"]["status"] == "ok"
         tools = r["checks"]["tools"]
         assert tools["status"] == "failed" and "no tool-call parser" in tools["reason"]
@@ -104,5 +86,5 @@ def test_the_tools_check_fails_naming_the_missing_parser(fleet_up, tmp_path):
     finally:
         restored = deploy("checks=smoke,tools", "run_id=tools-restored")
     assert restored.returncode == 0, (restored.stdout + restored.stderr)[-6000:]
-    ok = json.loads((tmp_path / "tools-restored" / "spark-1.json").read_text())
+    ok = json.loads((tmp_path / "tools-restored" / f"{fleet_up.inventory_name('spark-1')}.json").read_text())
     assert ok["checks"]["tools"]["passed"] and ok["checks"]["tools"]["arguments"]["city"] == "Paris"

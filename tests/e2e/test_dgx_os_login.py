@@ -1,38 +1,25 @@
 """A fleet as strict as DGX OS: a password-sudo login user, no root SSH, and inventory
 names that only the controller resolves (`sparkfleet testbed up --login dgx --names alias`).
 
-Needs root (marked e2e); fails - does not skip - without it. Boots its own 2-host fleet
-(which replaces any fleet that is up) and removes it at the end of the module.
+Runs on the session's fleet (tests/e2e/conftest.py), which is booted that way.
 """
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from sparkfleet.testbed import fleet, login, paths
-from sparkfleet.testbed.proc import missing_tools
-
-pytestmark = pytest.mark.e2e
+from sparkfleet.testbed import login, paths
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def tb():
-    if os.geteuid() != 0:
-        pytest.fail("the testbed tests need root", pytrace=False)
-    if missing_tools():
-        pytest.fail(f"missing tools for the testbed: {missing_tools()}", pytrace=False)
-    bed = fleet.up(2, login_kind="dgx", names="alias")
-    try:
-        yield bed
-    finally:
-        fleet.down()
+def tb(testbed):
+    return testbed
 
 
 def ssh(target: str, command: str, *, user: str | None = None, stdin: str | None = None,
