@@ -542,8 +542,12 @@ def fleet_settings() -> Settings:
         check_sudo(host)
         _SUDO_CHECKED.add((key, host.name))
     if key not in _FLEET_CACHE:
-        _FLEET_CACHE[key] = validate_fleet(state.inventory)
-        _MIRROR_CACHE[key] = fleet_mirrors(state.inventory, _FLEET_CACHE[key])
+        fleet = validate_fleet(state.inventory)
+        # Hosts outside --limit are not connected to, and count as reachable.
+        unreachable = {h.name for h in state.inventory
+                       if state.is_host_in_limit(h) and h not in state.activated_hosts}
+        _MIRROR_CACHE[key] = fleet_mirrors(state.inventory, fleet, unreachable)
+        _FLEET_CACHE[key] = fleet
     return _FLEET_CACHE[key][host.name]
 
 
@@ -595,10 +599,25 @@ class Mirror:
         return f"{self.netloc_host}:{self.registry_port}"
 
 
-def _chosen_mirrors(hosts: list[Any], settings: dict[str, Settings]) -> tuple[dict[str, str | None], list[str]]:
+def _auto_mirror(hosts: list[Any], unreachable: set[str]) -> str | None:
+    """``fleet_mirror=auto``: the first reachable host of group ``mirror``, else of the
+    inventory. A host the controller cannot reach is never chosen: its peers could not
+    reach it either, and every one of them would fail at its first download."""
     names = [h.name for h in hosts]
     grouped = [h.name for h in hosts if MIRROR_GROUP in (getattr(h, "groups", None) or ())]
-    auto = (grouped or names or [None])[0]
+    up = [n for n in names if n not in unreachable]
+    chosen = next((n for n in grouped if n in up), None) or next(iter(up), None)
+    first = (grouped or names or [None])[0]
+    if chosen != first and first is not None:
+        log.warning("%s is unreachable, so %s serves the mirror (fleet_mirror=auto) in this run",
+                    first, chosen or "no host")
+    return chosen
+
+
+def _chosen_mirrors(hosts: list[Any], settings: dict[str, Settings],
+                    unreachable: frozenset[str] | set[str] = frozenset()) -> tuple[dict[str, str | None], list[str]]:
+    names = [h.name for h in hosts]
+    auto = _auto_mirror(hosts, set(unreachable)) if any(settings[n].fleet_mirror == "auto" for n in names) else None
     chosen: dict[str, str | None] = {}
     problems: list[str] = []
     for name in names:
@@ -619,6 +638,13 @@ def _chosen_mirrors(hosts: list[Any], settings: dict[str, Settings]) -> tuple[di
                 f"{mirror}: serves the mirror for {users}, so it must use it too, but its own "
                 f"`fleet_mirror` = {settings[mirror].fleet_mirror!r}. Fix: give every host the same fleet_mirror"
             )
+        elif mirror in unreachable:
+            users = ", ".join(n for n, m in chosen.items() if m == mirror and n != mirror)
+            problems.append(
+                f"{mirror}: `fleet_mirror` names it as the mirror of {users}, but it is unreachable. "
+                "Fix: bring it back, or deploy with --data fleet_mirror=auto (a reachable host serves "
+                "the mirror) or --data fleet_mirror=none (every host downloads from upstream)"
+            )
     return chosen, problems
 
 
@@ -626,11 +652,14 @@ def _mirror_problems(hosts: list[Any], settings: dict[str, Settings]) -> list[st
     return _chosen_mirrors(hosts, settings)[1]
 
 
-def fleet_mirrors(hosts: Iterable[Any], settings: dict[str, Settings]) -> dict[str, Mirror | None]:
-    """Each host's mirror, from fleet_mirror: ``"auto"`` is the first host of the
-    inventory group ``mirror`` if there is one, else the first host of the inventory."""
+def fleet_mirrors(hosts: Iterable[Any], settings: dict[str, Settings],
+                  unreachable: frozenset[str] | set[str] = frozenset()) -> dict[str, Mirror | None]:
+    """Each host's mirror, from fleet_mirror: ``"auto"`` is the first reachable host of
+    the inventory group ``mirror`` if there is one, else of the inventory. A named mirror
+    that is ``unreachable`` (the controller could not connect to it) stops the run before
+    any host changes."""
     hosts = list(hosts)
-    chosen, problems = _chosen_mirrors(hosts, settings)
+    chosen, problems = _chosen_mirrors(hosts, settings, unreachable)
     if problems:
         raise ConfigError("\n  ".join(["invalid configuration, nothing was changed on any host:", *problems]))
     sources: dict[str, Mirror | None] = {}

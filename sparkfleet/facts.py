@@ -311,6 +311,22 @@ class SshServerAddress(FactBase[str]):
         return fields[2] if len(fields) >= 3 else ""
 
 
+class MirrorTrust(FactBase["list[str]"]):
+    """The registries (``host:port``) whose certificate sparkfleet placed in docker's
+    certs.d here, known by the marker beside it."""
+
+    @staticmethod
+    def default():
+        return []
+
+    def command(self) -> str:
+        return (f"for m in {hostpaths.DOCKER_CERTS_DIR}/*/{hostpaths.MIRROR_TRUST_MARKER}; do "
+                '[ -e "$m" ] && basename "$(dirname "$m")"; done; true')
+
+    def process(self, output):
+        return [line.strip() for line in output if line.strip()]
+
+
 class RouteSource(FactBase[str]):
     """This host's source address on its route to ``address`` ("" when it has none)."""
 

@@ -67,6 +67,12 @@ def mirror_registry_storage(mirror_dir: str) -> str:
     return f"{mirror_dir}/registry"
 
 
+DOCKER_CERTS_DIR = "/etc/docker/certs.d"
+#: Beside a mirror registry's ca.crt: says the directory is sparkfleet's, to remove when
+#: the mirror moves (docker reads only *.crt, *.cert and *.key there).
+MIRROR_TRUST_MARKER = "sparkfleet-mirror.txt"
+
+
 def registry_ca_path(registry: str) -> str:
     """Where docker looks for a registry's certificate (read per pull: no restart)."""
-    return f"/etc/docker/certs.d/{registry}/ca.crt"
+    return f"{DOCKER_CERTS_DIR}/{registry}/ca.crt"

@@ -94,6 +94,35 @@ def mirror_tls_paths(tls_dir: str, mirror: Mirror) -> tuple[Path, Path]:
     return directory / f"{stem}.crt", directory / f"{stem}.key"
 
 
+def names_mirror(certificate_pem: bytes, mirror: Mirror) -> bool:
+    """Whether a registry certificate is one made for ``mirror``'s address."""
+    from cryptography import x509
+
+    try:
+        cert = x509.load_pem_x509_certificate(certificate_pem)
+        alt = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (ValueError, x509.ExtensionNotFound):
+        return False
+    try:
+        wanted: object = ipaddress.ip_address(mirror.address)
+        return wanted in alt.get_values_for_type(x509.IPAddress)
+    except ValueError:
+        return mirror.address in alt.get_values_for_type(x509.DNSName)
+
+
+def keep_mirror_tls(tls_dir: str, mirror: Mirror, certificate_pem: bytes, key_pem: bytes) -> None:
+    """Keep a certificate and key the mirror already serves with (a second checkout adopts
+    them instead of making new ones: that would restart the registry under every pull)."""
+    cert, key = mirror_tls_paths(tls_dir, mirror)
+    cert.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = key.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(key_pem)
+    tmp.replace(key)
+    cert.write_bytes(certificate_pem)
+
+
 def mirror_tls(tls_dir: str, mirror: Mirror) -> tuple[Path, Path]:
     """The certificate and key, made once (like the API key) if they are missing."""
     cert, key = mirror_tls_paths(tls_dir, mirror)

@@ -38,10 +38,11 @@ def configured(settings: Settings) -> list:
                             tls_dir=settings.mirror_tls_dir, mirror=mirror))
         # Trusted first: the mirror host's own image copy into its registry checks it too.
         ops.append(tls.trusted(settings.mirror_tls_dir, mirror))
+    tls.former_trust_removed(mirror)
     if mirror and mirror.is_self:
         ops += server.served(settings, mirror)
     else:
-        ops += clients.former_mirror_stopped()
+        ops.append(clients.former_mirror_stopped(name="former mirror: its services stopped", mirror=mirror))
     return ops
 
 

@@ -6,26 +6,27 @@ from __future__ import annotations
 import shlex
 
 from pyinfra import host
-from pyinfra.api import StringCommand
+from pyinfra.api import StringCommand, operation
 from pyinfra.facts.files import FileContents
 from pyinfra.facts.systemd import SystemdEnabled, SystemdStatus
-from pyinfra.operations import systemd
 
 from sparkfleet import remote
 from sparkfleet.config import Mirror
 from sparkfleet.hostpaths import HF_MIRROR_UNIT, REGISTRY_CONFIG, REGISTRY_UNIT, registry_ca_path
 
 
+def _probe(mirror: Mirror, service: str) -> tuple[str, str]:
+    """(a command that succeeds when the mirror's ``service`` answers this host, what it is)."""
+    if service == "registry":
+        return (f"curl -sf -m 10 --cacert {shlex.quote(registry_ca_path(mirror.registry))} "
+                f"https://{mirror.registry}/v2/ >/dev/null"), f"registry {mirror.registry}"
+    return f"curl -s -m 10 -o /dev/null {mirror.hf_endpoint}/", f"HF mirror {mirror.hf_endpoint}"
+
+
 def answers(mirror: Mirror, service: str) -> StringCommand:
     """A command that fails this host, saying so, when the mirror's ``service``
     ("registry" or "hf") does not answer it."""
-    if service == "registry":
-        probe = (f"curl -sf -m 10 --cacert {shlex.quote(registry_ca_path(mirror.registry))} "
-                 f"https://{mirror.registry}/v2/ >/dev/null")
-        what = f"registry {mirror.registry}"
-    else:
-        probe = f"curl -s -m 10 -o /dev/null {mirror.hf_endpoint}/"
-        what = f"HF mirror {mirror.hf_endpoint}"
+    probe, what = _probe(mirror, service)
     return remote.fail_unless(
         probe,
         f"the mirror {mirror.host} does not answer ({what}): see its errors above, set mirror_address "
@@ -45,7 +46,23 @@ def _former_units() -> list[str]:
     return [unit for unit in units if active.get(unit) or enabled.get(unit)]
 
 
-def former_mirror_stopped() -> list:
-    """A host that was the mirror before (fleet_mirror moved or off): its services stopped."""
-    return [systemd.service(name=f"former mirror: {unit} stopped", service=unit, running=False, enabled=False)
-            for unit in _former_units()]
+@operation()
+def former_mirror_stopped(mirror: Mirror | None):
+    """
+    A host that was the mirror before (fleet_mirror moved or off): its services stopped,
+    once the new mirror answers this host. Until then they keep serving whoever still
+    pulls from them, and the next run tries again.
+
+    + mirror: the mirror this host uses now (None: fleet_mirror=none)
+    """
+    units = _former_units()
+    if not units:
+        host.noop("this host serves no mirror")
+        return
+    stop = f"systemctl disable --now {' '.join(units)}"
+    if mirror is None:
+        yield stop
+        return
+    probes = " && ".join(_probe(mirror, service)[0] for service in ("registry", "hf"))
+    kept = f"the new mirror {mirror.host} does not answer yet: {', '.join(units)} kept running here"
+    yield StringCommand("if", probes + ";", "then", stop + ";", "else", "echo", shlex.quote(kept), ">&2;", "fi")

@@ -6,16 +6,25 @@ restart."""
 from __future__ import annotations
 
 import hashlib
+import io
 from pathlib import Path
 
 from pyinfra import host
 from pyinfra.api import FunctionCommand, operation
-from pyinfra.facts.files import Sha256File
+from pyinfra.facts.files import FileContents, Sha256File
 from pyinfra.operations import files
 
 from sparkfleet import remote, secrets
 from sparkfleet.config import Mirror
-from sparkfleet.hostpaths import REGISTRY_CERT, REGISTRY_KEY, REGISTRY_USER, registry_ca_path
+from sparkfleet.facts import MirrorTrust
+from sparkfleet.hostpaths import (
+    DOCKER_CERTS_DIR,
+    MIRROR_TRUST_MARKER,
+    REGISTRY_CERT,
+    REGISTRY_KEY,
+    REGISTRY_USER,
+    registry_ca_path,
+)
 
 
 def _make(state, host, tls_dir: str, mirror: Mirror) -> bool:  # pyinfra passes state, host
@@ -23,10 +32,20 @@ def _make(state, host, tls_dir: str, mirror: Mirror) -> bool:  # pyinfra passes 
     return True
 
 
+def _adopt(state, host, tls_dir: str, mirror: Mirror) -> bool:  # pyinfra passes state, host
+    cert, key = io.BytesIO(), io.BytesIO()
+    remote.get(host, REGISTRY_CERT, cert)
+    remote.get(host, REGISTRY_KEY, key)
+    secrets.keep_mirror_tls(tls_dir, mirror, cert.getvalue(), key.getvalue())
+    return True
+
+
 @operation()
 def made(tls_dir: str, mirror: Mirror):
     """
-    Make the mirror registry's certificate and key on the controller unless they exist.
+    The mirror registry's certificate and key on the controller: the ones the mirror host
+    already serves with when they name its address (another checkout made them), else
+    new ones. The mirror host's run makes them, before any host trusts them.
 
     + tls_dir: the controller's directory for them (``mirror_tls_dir``)
     + mirror: the mirror (its address is the certificate's name)
@@ -35,8 +54,21 @@ def made(tls_dir: str, mirror: Mirror):
     if cert.exists() and key.exists():
         host.noop(f"the mirror registry's certificate is in {cert.parent}")
         return
+    if not mirror.is_self:
+        if mirror.host not in {h.name for h in host.state.active_hosts}:
+            yield remote.fail(
+                f"the mirror registry's certificate for {mirror.registry} is not in {cert.parent}, and the "
+                f"mirror {mirror.host} is not in this run. Fix: deploy with {mirror.host} in the run (its "
+                "certificate is adopted), or copy the mirror_tls_dir of the checkout that made it")
+            return
+        host.noop(f"the mirror {mirror.host} provides the registry certificate")
+        return
     # Runs on the controller when the deploy executes; planning writes nothing.
-    yield FunctionCommand(_make, (tls_dir, mirror), {})
+    serving = "\n".join(host.get_fact(FileContents, path=REGISTRY_CERT) or []).encode()
+    if serving and secrets.names_mirror(serving + b"\n", mirror):
+        yield FunctionCommand(_adopt, (tls_dir, mirror), {})
+    else:
+        yield FunctionCommand(_make, (tls_dir, mirror), {})
 
 
 def on_registry(tls_dir: str, mirror: Mirror) -> list:
@@ -72,5 +104,21 @@ def key_installed(key_path: str):
 def trusted(tls_dir: str, mirror: Mirror):
     """Docker on this host trusts the mirror registry's certificate (read per pull: no restart)."""
     cert, _ = secrets.mirror_tls_paths(tls_dir, mirror)
-    return files.put(name="its registry certificate trusted by docker", src=str(cert),
-                     dest=registry_ca_path(mirror.registry), mode="644", assume_exists=True)
+    trust = files.put(name="its registry certificate trusted by docker", src=str(cert),
+                      dest=registry_ca_path(mirror.registry), mode="644", assume_exists=True)
+    files.put(name="its trust marked as sparkfleet's", src=io.StringIO(
+        f"sparkfleet placed ca.crt here for the mirror registry {mirror.registry}; "
+        "the deploy removes this directory when the mirror moves\n"),
+        dest=f"{DOCKER_CERTS_DIR}/{mirror.registry}/{MIRROR_TRUST_MARKER}", mode="644")
+    return trust
+
+
+def former_trust_removed(mirror: Mirror | None) -> None:
+    """The certificates of registries this host trusted for a former mirror (another
+    address, or fleet_mirror=none) removed: a mirror address that moves on leaves
+    nothing behind."""
+    keep = mirror.registry if mirror else None
+    for registry in host.get_fact(MirrorTrust):
+        if registry != keep:
+            files.directory(name=f"trust of the former mirror registry {registry} removed",
+                            path=f"{DOCKER_CERTS_DIR}/{registry}", present=False)

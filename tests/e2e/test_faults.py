@@ -172,3 +172,65 @@ def test_a_checkout_without_the_fleet_key_stops_instead_of_rekeying(testbed, run
     finally:
         aside.rename(key_file)
     assert run_pyinfra("deploy.py").returncode == 0
+
+
+def registry_pid(testbed, name: str) -> str:
+    return testbed.exec(name, "systemctl show docker-registry -p MainPID --value").stdout.strip()
+
+
+def trusted_registries(testbed, name: str) -> set[str]:
+    return set(testbed.exec(name, "ls /etc/docker/certs.d").stdout.split())
+
+
+def test_a_checkout_without_the_mirror_certificate_adopts_the_mirrors(testbed, run_pyinfra):
+    from pathlib import Path
+
+    tls_dir = Path(__file__).resolve().parents[2] / ".sparkfleet" / "mirror-tls"
+    before = {p.name: p.read_bytes() for p in tls_dir.iterdir()}
+    aside = tls_dir.with_name("mirror-tls.aside")
+    tls_dir.rename(aside)
+    pid = registry_pid(testbed, testbed.names[0])
+    try:
+        result = run_pyinfra("deploy.py")
+        out = result.stdout + result.stderr
+        assert result.returncode == 0, out[-4000:]
+        # The same certificate and key, not new ones: nothing to restart or re-trust anywhere.
+        adopted = {p.name: p.read_bytes() for p in tls_dir.iterdir()}
+        assert len(adopted) == 2 and all(before.get(name) == data for name, data in adopted.items()), adopted.keys()
+        assert all(p.stat().st_mode & 0o077 == 0 for p in tls_dir.glob("*.key"))
+        assert registry_pid(testbed, testbed.names[0]) == pid
+        assert changed_hosts(out) <= {testbed.names[0]}, out[-3000:]  # only the adoption ran, on the mirror
+    finally:
+        import shutil
+
+        shutil.rmtree(tls_dir, ignore_errors=True)
+        aside.rename(tls_dir)
+
+
+def test_an_unreachable_mirror_host_hands_the_mirror_to_a_reachable_one(testbed, run_pyinfra):
+    first, second, third = testbed.names
+    with testbed.unreachable(first):
+        moved = run_pyinfra("deploy.py")
+    out = moved.stdout + moved.stderr
+    assert moved.returncode != 0  # the unreachable host fails; the others go on with another mirror
+    assert re.search(rf"{first}(?:\.local)? is unreachable, so {second}(?:\.local)? serves the mirror", out), out[-4000:]
+    for name in (second, third):
+        assert not re.search(rf"\[{name}(?:\.local)?\] Error", out), out[-4000:]
+        assert "Paris" in completion(testbed, name)
+    second_registry = next(iter(trusted_registries(testbed, second) - trusted_registries(testbed, first)))
+    assert testbed.exec(second, "systemctl is-active docker-registry sparkfleet-hf-mirror").stdout.split() == \
+        ["active", "active"]
+
+    back = run_pyinfra("deploy.py")
+    out = back.stdout + back.stderr
+    assert back.returncode == 0, out[-4000:]
+    # The first host serves the mirror again; the stand-in stopped its services only once
+    # it answered, and no host keeps trusting the stand-in's address.
+    state = testbed.exec(second, "systemctl is-active docker-registry sparkfleet-hf-mirror; "
+                                 "systemctl is-enabled docker-registry sparkfleet-hf-mirror").stdout.split()
+    assert state == ["inactive", "inactive", "disabled", "disabled"], state
+    for name in testbed.names:
+        assert second_registry not in trusted_registries(testbed, name), name
+        assert "Paris" in completion(testbed, name)
+    again = run_pyinfra("deploy.py")
+    assert again.returncode == 0 and changed_hosts(again.stdout + again.stderr) == set()

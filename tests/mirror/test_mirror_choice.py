@@ -64,3 +64,28 @@ def test_an_unknown_mirror_or_a_mirror_that_does_not_use_itself_is_refused():
 def test_mirror_settings_are_validated(key, value, needle):
     with pytest.raises(ConfigError, match=needle):
         validate_host_data("spark-1", {**defaults(), key: value})
+
+
+def test_auto_skips_a_host_the_controller_cannot_reach(caplog):
+    hosts = fleet(("spark-1", {}), ("spark-2", {}), ("spark-3", {}))
+    got = fleet_mirrors(hosts, validate_fleet(hosts), unreachable={"spark-1"})
+    assert {m.host for m in got.values()} == {"spark-2"} and got["spark-2"].is_self
+    assert "spark-1 is unreachable, so spark-2 serves the mirror" in caplog.text
+    grouped = fleet(("spark-1", {}), ("spark-2", {}), ("spark-3", {}), groups={"mirror": ["spark-2", "spark-3"]})
+    got = fleet_mirrors(grouped, validate_fleet(grouped), unreachable={"spark-2"})
+    assert {m.host for m in got.values()} == {"spark-3"}  # the group's next reachable host first
+    # Every host of the group gone: any reachable host, rather than none.
+    got = fleet_mirrors(grouped, validate_fleet(grouped), unreachable={"spark-2", "spark-3"})
+    assert got["spark-3"].host == "spark-1"
+
+
+def test_a_named_mirror_that_is_unreachable_stops_the_run_naming_the_key():
+    named = fleet(*[(n, {"fleet_mirror": "spark-1"}) for n in ("spark-1", "spark-2", "spark-3")])
+    with pytest.raises(ConfigError) as caught:
+        fleet_mirrors(named, validate_fleet(named), unreachable={"spark-1"})
+    message = str(caught.value)
+    assert "nothing was changed on any host" in message
+    assert "spark-1: `fleet_mirror` names it as the mirror of spark-2, spark-3, but it is unreachable" in message
+    assert "fleet_mirror=auto" in message and "fleet_mirror=none" in message
+    # An unreachable host that is no one's mirror changes nothing.
+    assert fleet_mirrors(named, validate_fleet(named), unreachable={"spark-3"})["spark-2"].host == "spark-1"
