@@ -18,6 +18,7 @@ truncated one by its size alone.
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import os
 import sys
@@ -70,6 +71,30 @@ def corrupt_files(snapshot: Path, hf_home: str, recheck: bool) -> list[tuple[str
     return bad
 
 
+def explain(exc: BaseException, repo: str, revision: str, endpoint: str) -> str | None:
+    """What went wrong and what to do, for the failures a download is expected to meet
+    (by class name: huggingface_hub's errors moved between modules across versions);
+    None for anything else, which is a bug and keeps its traceback."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    if "RevisionNotFoundError" in names:
+        return f"{repo} has no revision {revision!r} at {endpoint} — fix model_revisions (a branch, tag or commit of it)"
+    if "GatedRepoError" in names:
+        return (f"{repo} is gated and the HF token has no access — accept its terms on the Hub with the "
+                "token's account, or set hf_token")
+    if "RepositoryNotFoundError" in names:
+        return f"{repo} does not exist at {endpoint}, or the HF token cannot see it — check the repo id and hf_token"
+    if status in (401, 403):
+        return f"{endpoint} refused the HF token (HTTP {status}) — set a valid hf_token, or none for public repos"
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return "the disk that holds hf_home is full — free space there, or set hf_home to a larger disk"
+    if names & {"LocalEntryNotFoundError", "ConnectError", "ConnectionError", "TimeoutException", "Timeout",
+                "ReadTimeout", "ConnectTimeout", "RemoteProtocolError"} or status in (500, 502, 503, 504):
+        return (f"{endpoint} did not answer ({type(exc).__name__}) — check the host's network and proxy "
+                "(with the mirror: that it runs); a re-run resumes")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("repo_id")
@@ -82,11 +107,22 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_home = os.environ.get("HF_HOME", "/hf")
     started = time.monotonic()
-    print(f"fetching {args.repo_id}@{args.revision} from {os.environ.get('HF_ENDPOINT', 'the hub')}", flush=True)
+    endpoint = os.environ.get("HF_ENDPOINT", "the hub")
+    print(f"fetching {args.repo_id}@{args.revision} from {endpoint}", flush=True)
+
     def download() -> Path:
-        return Path(snapshot_download(
-            repo_id=args.repo_id, revision=args.revision, allow_patterns=args.allow, max_workers=4,
-        ))
+        try:
+            return Path(snapshot_download(
+                repo_id=args.repo_id, revision=args.revision, allow_patterns=args.allow, max_workers=4,
+            ))
+        except Exception as exc:
+            what = explain(exc, args.repo_id, args.revision, endpoint)
+            if what is None:
+                raise
+            # "error: " is the step's diagnosis in the deploy's output (sparkfleet/tasks.py).
+            print(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", flush=True)
+            print(f"error: {what}", flush=True)
+            raise SystemExit(2) from None
 
     path = download()
     bad = corrupt_files(path, hf_home, recheck=args.verify)

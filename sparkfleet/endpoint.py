@@ -36,7 +36,7 @@ from pathlib import Path
 import gevent
 import jinja2
 from pyinfra import host, logger
-from pyinfra.api import FactBase, FileUploadCommand, FunctionCommand, StringCommand, operation
+from pyinfra.api import FactBase, FileUploadCommand, StringCommand, operation
 from pyinfra.api.exceptions import OperationError
 from pyinfra.facts.files import Sha256File
 from pyinfra.operations import systemd
@@ -263,7 +263,7 @@ def announced(settings: Settings, members: list[Target], changed: bool):
         # Printed on every run (a noop's text shows only with -v): the user's way in.
         host.log(_hint(host, settings, members, _states_now(host)), logger.info)
         return
-    yield FunctionCommand(_announce_after_checks, (settings, members), {})
+    yield remote.callback(_announce_after_checks, settings, members)
 
 
 def _announce_after_checks(state, host, settings: Settings, members: list[Target]) -> bool:  # noqa: ARG001

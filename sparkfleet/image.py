@@ -12,7 +12,7 @@ import json
 import shlex
 
 from pyinfra import host
-from pyinfra.api import FunctionCommand, deploy, operation
+from pyinfra.api import deploy, operation
 from pyinfra.api.exceptions import OperationError
 from pyinfra.facts.docker import DockerImage
 
@@ -100,6 +100,25 @@ def _verify(state, host, ref: str, expected: str | None, mirror_ref: str | None)
     return True
 
 
+def pull_failure(tail: list[str], reference: str, used, target_host) -> str | None:
+    """What a failed ``docker pull`` means and what to do ("what — fix"), from its output."""
+    text = "\n".join(tail).lower()
+    if used and not used.is_self and any(h.name == used.host for h in target_host.state.failed_hosts):
+        return (f"the mirror {used.host} failed before it held the image (its error is above) — fix that "
+                "host, or deploy with --data fleet_mirror=none")
+    if "no space left on device" in text:
+        return "the disk of docker's data root is full — free space there (the preflight lists the need)"
+    if "manifest unknown" in text or "not found" in text:
+        where = f"the mirror registry {used.registry}" if used else "its registry"
+        return f"{where} has no image {reference} — fix `image` (its tag or digest)"
+    if "unauthorized" in text or "denied" in text:
+        return f"the registry refused the pull of {reference} — log docker in on the host, or fix `image`"
+    if any(word in text for word in ("timeout", "connection refused", "no such host", "network is unreachable",
+                                     "i/o timeout", "tls handshake")):
+        return "the host cannot reach the registry — check its network and proxy (with the mirror: that it runs)"
+    return None
+
+
 @operation()
 def pulled(reference: str):
     """
@@ -118,9 +137,10 @@ def pulled(reference: str):
         return
     if used:
         yield mirror.answers(used, "registry")
-    yield detached("image-pull", f"docker pull {shlex.quote(reference)}")
+    yield detached("image-pull", f"docker pull {shlex.quote(reference)}",
+                   diagnose=lambda tail: pull_failure(tail, reference, used, host))
     check_tag = reference if used and not pinned_digest(reference) else None
-    yield FunctionCommand(_verify, (reference, pinned_digest(reference), check_tag), {})
+    yield remote.callback(_verify, reference, pinned_digest(reference), check_tag)
 
 
 @deploy("Serving image")

@@ -22,7 +22,7 @@ import shlex
 from pathlib import Path
 
 from pyinfra import host, logger
-from pyinfra.api import FactBase, FunctionCommand, operation
+from pyinfra.api import FactBase, operation
 
 from sparkfleet import remote
 from sparkfleet.config import Settings
@@ -156,4 +156,4 @@ def checked(settings: Settings):
     if cached is not None and cached.get("ok"):
         host.noop(f"runtime patches checked against {reference}: {summary(cached)}")
         return
-    yield FunctionCommand(_check, (reference, patches, key), {})
+    yield remote.callback(_check, reference, patches, key)

@@ -1,4 +1,5 @@
-"""One way to act on a host from inside a callback, and one way to fail a host.
+"""One way to act on a host from inside a callback, one way to run a callback, and one
+way to fail a host.
 
 pyinfra hands a ``python.call`` / ``FunctionCommand`` callback the host but none of the
 connector arguments (``_sudo``, ``_sudo_user``, ``_sudo_password``, ``_use_sudo_login``,
@@ -11,17 +12,47 @@ Uploads never pass through a file another user could read: pyinfra's own sudo up
 (``files.put``) lands as ``/tmp/pyinfra-<sha1>`` with the SFTP server's default mode
 (0644 under sshd's umask 022) before it is copied; :func:`put` uploads into a 0700
 directory of the SSH user and copies into place under umask 077.
+
+A callback that fails as expected raises :class:`OperationError`; :func:`callback` shows
+that as one message, ``[host] step: what went wrong — what to do`` with any log tail
+below it, and no traceback (``-v`` shows it). Anything else is a bug and keeps
+pyinfra's traceback.
 """
 
 from __future__ import annotations
 
 import io
+import logging
 import shlex
+import traceback
 from dataclasses import dataclass
 
-from pyinfra.api import StringCommand
+from pyinfra.api import FunctionCommand, StringCommand
 from pyinfra.api.arguments import CONNECTOR_ARGUMENT_KEYS, pop_global_arguments
 from pyinfra.api.exceptions import OperationError
+
+logger = logging.getLogger("pyinfra")
+
+
+def callback(function, *args, **kwargs) -> FunctionCommand:
+    """``function(state, host, *args, **kwargs)`` as an operation's command, its expected
+    failures (OperationError) reported as one message naming the step."""
+
+    def run_step(state, host, *args, **kwargs) -> bool:
+        try:
+            return function(state, host, *args, **kwargs)
+        except OperationError as exc:
+            meta = state.get_op_meta(host.current_op_hash) if host.current_op_hash else None
+            step = ", ".join(sorted(meta.names)) if meta and meta.names else "step"
+            headline, _, detail = str(exc).partition("\n")
+            host.log_styled(f"{step}: {headline}", fg="red", log_func=logger.error)
+            for line in detail.splitlines():
+                logger.error(line)
+            if state.print_fact_info:  # -v
+                logger.warning(traceback.format_exc())
+            return False
+
+    return FunctionCommand(run_step, args, kwargs)
 
 
 def connector_arguments(host) -> dict:

@@ -160,7 +160,7 @@ def rolled(state, host, settings: Settings, revision: str) -> bool:
                        else f"the rollback did not get READY either ({again})")
             raise OperationError(
                 f"rollout stopped at {host.name}, step gate: {problem}; {outcome}. Changed: {change} — fix that "
-                f"and deploy again. Last log lines of the new settings:\n{journal}")
+                f"and deploy again\n    last lines of journalctl -u {UNIT} from the new settings:\n{journal}")
         step = "back in rotation"
         if ep is not None:
             _back(ep, host)

@@ -19,7 +19,7 @@ from pathlib import Path
 import gevent
 from pydantic import SecretStr
 from pyinfra import host, logger
-from pyinfra.api import FunctionCommand, StringCommand, deploy, operation
+from pyinfra.api import StringCommand, deploy, operation
 from pyinfra.api.exceptions import OperationError
 from pyinfra.api.util import get_template
 from pyinfra.facts.files import FileContents, Sha256File
@@ -88,7 +88,7 @@ def _private_file(path: str, content: str):
     directory = path.rsplit("/", 1)[0]
     yield f"install -d -m 0755 {directory}"
     # 0600 from the first byte, never a world-readable upload in /tmp (remote.put).
-    yield FunctionCommand(remote.uploaded, (io.BytesIO(content.encode()), path, "0600"), {})
+    yield remote.callback(remote.uploaded, io.BytesIO(content.encode()), path, "0600")
 
 
 def _api_key_files(api_key: str | None) -> dict[str, str]:
@@ -120,7 +120,7 @@ def api_key_written(api_key: SecretStr, key_file: Path):
     try:
         key = secrets.existing_api_key(api_key, key_file)
     except secrets.NotYetMade:  # made when the deploy executes, never while it plans
-        yield FunctionCommand(_write_new_api_key, (api_key, key_file), {})
+        yield remote.callback(_write_new_api_key, api_key, key_file)
         return
     for path, content in _api_key_files(key).items():
         yield from _private_file(path, content)
@@ -174,13 +174,15 @@ def _wait_ready(state, host, address: str, port: int, model: str, timeout_s: int
         return True
     journal = _journal_tail(host)
     if not restarting:  # not our change: report, touch nothing
-        raise OperationError(f"service: {failure}. Last log lines:\n{journal}")
+        raise OperationError(f"{failure} — its journal says why (below); fix that and deploy again\n"
+                             f"    last lines of journalctl -u {UNIT}:\n{journal}")
     last_good = remote.run(host, f"cat {LAST_GOOD_DIR}/serving.rev").stdout
     if not last_good or last_good == remote.run(host, f"cat {REVISION_FILE}").stdout:
         remote.run(host, f"systemctl stop {UNIT}")
         raise OperationError(
-            f"service: {failure}; nothing else got READY on this host before, so {UNIT} is stopped "
-            f"(not left crash-looping) — fix the settings and deploy again. Last log lines:\n{journal}"
+            f"{failure}; nothing else got READY on this host before, so {UNIT} is stopped "
+            f"(not left crash-looping) — fix the settings and deploy again\n"
+            f"    last lines of journalctl -u {UNIT}:\n{journal}"
         )
     change = _change_from_last_good(host)
     host.log(f"{failure}: rolling back to the last good settings ({change})", logger.warning)
@@ -192,8 +194,8 @@ def _wait_ready(state, host, address: str, port: int, model: str, timeout_s: int
         else f"the rollback did not get READY either ({again})"
     )
     raise OperationError(
-        f"service: the new settings did not get READY ({failure}); {outcome}. Changed: {change} — "
-        f"fix that and deploy again. Last log lines of the failed start:\n{journal}"
+        f"the new settings did not get READY ({failure}); {outcome}. Changed: {change} — "
+        f"fix that and deploy again\n    last lines of journalctl -u {UNIT} from the failed start:\n{journal}"
     )
 
 
@@ -309,7 +311,7 @@ def ready(address: str, port: int, model: str, timeout_s: int, restarting: bool,
     if model in host.get_fact(ServedModels, address=address, port=port) and not restarting:
         host.noop(f"READY — {hint}")
         return
-    yield FunctionCommand(_wait_ready, (address, port, model, timeout_s, hint, restarting), {})
+    yield remote.callback(_wait_ready, address, port, model, timeout_s, hint, restarting)
 
 
 def _render(template: str, **context) -> str:
@@ -352,7 +354,7 @@ def serving(revision: str, restart: bool, rolling: Settings | None = None):
         return
     if rolling is not None:
         rollout.planned(rolling)
-        yield FunctionCommand(rollout.rolled, (rolling, revision), {})
+        yield remote.callback(rollout.rolled, rolling, revision)
         return
     yield StringCommand("echo", revision, ">", REVISION_FILE)
     # A crash loop's start limit must not block the deploy's own start.

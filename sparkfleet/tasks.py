@@ -59,12 +59,16 @@ def run_detached(
     command: str,
     describe_progress: Callable[[object], str] | None = None,
     timeout_s: float = 6 * 3600,
+    diagnose: Callable[[list[str]], str | None] | None = None,
 ) -> None:
     """Run ``command`` on ``host`` as task ``name`` and wait for it, printing progress.
 
     ``command`` is a shell command whose every variable part the caller has quoted. A
     unit of the same command that is running is waited on; one that ended while no run
     watched reports its result here (and is then cleared).
+
+    A failure says what went wrong and what to do: the step's own last ``error: `` line
+    (ERROR_PREFIX), else what ``diagnose`` makes of the log's tail, above that tail.
     """
     unit = unit_name(name, command)
     q = shlex.quote
@@ -99,10 +103,14 @@ def run_detached(
             logger.info(f"{host.print_prefix}{name}: running for {now - started:.0f} s — {detail}")
         gevent.sleep(POLL_EVERY_S)  # yields to the other hosts' greenlets
     if state["ActiveState"] == "failed":
-        tail = _journal(host, unit, state, TAIL_LINES)
+        lines = _journal(host, unit, state, 500)
         remote.run(host, f"systemctl reset-failed {unit}")
+        said = [line[len(ERROR_PREFIX):] for line in lines if line.startswith(ERROR_PREFIX)]
+        tail = [line for line in lines if not line.startswith(ERROR_PREFIX)][-TAIL_LINES:]
+        what = said[-1] if said else (diagnose(tail) if diagnose else None)
         raise OperationError(
-            f"{name} failed ({_why(state)}); last lines of journalctl -u {unit}:\n    " + "\n    ".join(tail)
+            f"{name} failed ({_why(state)}){': ' + what if what else ''}\n"
+            f"    last lines of journalctl -u {unit}:\n    " + "\n    ".join(tail)
         )
     _print_reports(host, name, unit, state)
     remote.run(host, f"systemctl stop {unit}")
@@ -112,6 +120,8 @@ def run_detached(
 #: A step's output lines that begin so are shown in the deploy's output when it ends
 #: (what a step found and did that the operator must know, e.g. a repaired file).
 REPORT_PREFIX = "report: "
+#: A failing step's line that begins so is its own diagnosis: "what went wrong — what to do".
+ERROR_PREFIX = "error: "
 
 
 def _print_reports(host, name: str, unit: str, state: dict[str, str]) -> None:
@@ -153,11 +163,12 @@ def _why(state: dict[str, str]) -> str:
     return f"{result}, status {status}"
 
 
-def detached(name: str, command: str, describe_progress=None, timeout_s: float = 6 * 3600) -> FunctionCommand:
+def detached(name: str, command: str, describe_progress=None, timeout_s: float = 6 * 3600,
+             diagnose=None) -> FunctionCommand:
     """The pyinfra command that runs :func:`run_detached` on the current host."""
 
     def _run(state, host):
-        run_detached(host, name, command, describe_progress, timeout_s)
+        run_detached(host, name, command, describe_progress, timeout_s, diagnose)
         return True
 
-    return FunctionCommand(_run, (), {})
+    return remote.callback(_run)

@@ -7,6 +7,8 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -124,3 +126,47 @@ def test_fail_names_the_problem_and_exits_non_zero():
     assert "model_dir /x holds no checkpoint" in text and text.endswith("exit 1")
     probe = str(remote.fail_unless("curl -sf http://m/", "the mirror does not answer"))
     assert probe.startswith("curl -sf http://m/ ||") and "exit 1" in probe
+
+
+FAILING_DEPLOY = '''
+from pyinfra.api import operation
+from pyinfra.api.exceptions import OperationError
+
+from sparkfleet import remote
+
+
+def expected(state, host):
+    raise OperationError("the thing is missing — set thing_key\\n    log line 1\\n    log line 2")
+
+
+def bug(state, host):
+    raise KeyError("a bug")
+
+
+@operation(is_idempotent=False)
+def step(kind: str):
+    yield remote.callback(expected if kind == "expected" else bug)
+
+
+step(name="the failing step", kind=KIND)
+'''
+
+
+@pytest.mark.parametrize("kind", ["expected", "bug"])
+def test_a_callback_failure_is_one_message_and_a_bug_keeps_its_traceback(tmp_path, kind):
+    deploy = tmp_path / "deploy.py"
+    deploy.write_text(FAILING_DEPLOY.replace("KIND", repr(kind)))
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    pyinfra = str(Path(sys.executable).with_name("pyinfra"))
+    runs = {flag: subprocess.run([pyinfra, "-y", *flag, "@local", str(deploy)], capture_output=True, text=True,
+                                 timeout=120, cwd=tmp_path, env=env) for flag in ((), ("-v",))}
+    quiet, verbose = (r.stdout + r.stderr for r in runs.values())
+    assert all(r.returncode != 0 for r in runs.values()), quiet
+    if kind == "expected":
+        assert "[@local] the failing step: the thing is missing — set thing_key" in quiet, quiet
+        assert "    log line 2" in quiet
+        assert "Traceback" not in quiet and "Unexpected error" not in quiet
+        assert "Traceback" in verbose  # -v shows where it came from
+    else:
+        assert "Traceback" in quiet and "KeyError" in quiet

@@ -24,7 +24,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from pyinfra import host
-from pyinfra.api import FunctionCommand, StringCommand, operation
+from pyinfra.api import StringCommand, operation
 from pyinfra.api.exceptions import OperationError
 from pyinfra.facts.files import FileContents
 
@@ -112,7 +112,7 @@ def installed(requirement: str):
         yield remote.fail("the HF mirror (olah) needs python3 3.10 or newer on the mirror host; "
                           "install it, or pick another fleet_mirror")
         return
-    yield FunctionCommand(_install_olah, (requirement, python), {})
+    yield remote.callback(_install_olah, requirement, python)
 
 
 def upstream_hub(hf_endpoint: str | None) -> tuple[str, str, str]:

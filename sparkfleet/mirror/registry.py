@@ -20,7 +20,7 @@ import shlex
 from urllib.parse import urlsplit
 
 from pyinfra import host
-from pyinfra.api import FunctionCommand, operation
+from pyinfra.api import operation
 from pyinfra.facts.server import Which
 
 from sparkfleet import remote
@@ -70,6 +70,20 @@ def installed(apt_repo: str | None, apt_key_url: str | None):
     )
 
 
+def copy_failure(tail: list[str], image: str, upstream: str) -> str | None:
+    """What a failed copy into the mirror means and what to do, from skopeo's output."""
+    text = "\n".join(tail).lower()
+    if "manifest unknown" in text or "not found" in text:
+        return f"{upstream} has no image {image} — fix `image` (its tag or digest)"
+    if "no space left on device" in text:
+        return "the disk of mirror_dir is full — free space there, or set mirror_dir to a larger disk"
+    if "unauthorized" in text or "denied" in text:
+        return f"{upstream} refused the copy of {image} — fix `image`, or set image_registry_url"
+    if any(word in text for word in ("timeout", "connection refused", "no such host", "network is unreachable")):
+        return f"the mirror cannot reach {upstream} — check its network and proxy"
+    return None
+
+
 @operation()
 def image_copied(image: str, upstream: str, result_dir: str, mirror: Mirror):
     """
@@ -94,8 +108,9 @@ def image_copied(image: str, upstream: str, result_dir: str, mirror: Mirror):
     # each in a file named data.
     stored = f"find {storage} -type f -name data -printf '%s\\n' | awk '{{s += $1}} END {{print s + 0}}'"
     yield detached("image-copy", f"rm -f {result}; before=$({stored}) && {copy} && "
-                                 f"echo $(( $({stored}) - before )) > {result}")
-    yield FunctionCommand(_record_copy, (result,), {})
+                                 f"echo $(( $({stored}) - before )) > {result}",
+                   diagnose=lambda tail: copy_failure(tail, image, upstream))
+    yield remote.callback(_record_copy, result)
 
 
 def copy_command(upstream_url: str, name: ImageName, registry: str, cert_dir: str) -> str:

@@ -10,7 +10,7 @@ import io
 from pathlib import Path
 
 from pyinfra import host
-from pyinfra.api import FunctionCommand, operation
+from pyinfra.api import operation
 from pyinfra.facts.files import FileContents, Sha256File
 from pyinfra.operations import files
 
@@ -66,9 +66,9 @@ def made(tls_dir: str, mirror: Mirror):
     # Runs on the controller when the deploy executes; planning writes nothing.
     serving = "\n".join(host.get_fact(FileContents, path=REGISTRY_CERT) or []).encode()
     if serving and secrets.names_mirror(serving + b"\n", mirror):
-        yield FunctionCommand(_adopt, (tls_dir, mirror), {})
+        yield remote.callback(_adopt, tls_dir, mirror)
     else:
-        yield FunctionCommand(_make, (tls_dir, mirror), {})
+        yield remote.callback(_make, tls_dir, mirror)
 
 
 def on_registry(tls_dir: str, mirror: Mirror) -> list:
@@ -98,7 +98,7 @@ def key_installed(key_path: str):
     if path.exists() and host.get_fact(Sha256File, path=REGISTRY_KEY) == hashlib.sha256(path.read_bytes()).hexdigest():
         host.noop("the registry key is in place")
         return
-    yield FunctionCommand(_install_key, (key_path,), {})
+    yield remote.callback(_install_key, key_path)
 
 
 def trusted(tls_dir: str, mirror: Mirror):

@@ -19,7 +19,7 @@ from support.fleetdata import free_port
 from sparkfleet import secrets
 from sparkfleet.config import Mirror
 from sparkfleet.mirror.names import ImageName
-from sparkfleet.mirror.registry import copy_command
+from sparkfleet.mirror.registry import copy_command, copy_failure
 
 BLOB_GET = re.compile(r'"GET /v2/\S+/blobs/(sha256:[0-9a-f]+) [^"]*" 200 (\d+)')
 
@@ -137,6 +137,16 @@ def test_a_wrong_pin_is_refused(registries):
     command = copy_command(upstream, ImageName.parse("registry.example/org/img@sha256:" + "0" * 64), mirror, cert_dir)
     done = subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "manifest unknown" in (done.stdout + done.stderr)
+
+
+def test_a_tag_missing_upstream_is_named_with_its_fix(registries):
+    upstream, mirror, cert_dir, _ = registries
+    image = "registry.example/org/img:missing"
+    done = subprocess.run(["sh", "-c", copy_command(upstream, ImageName.parse(image), mirror, cert_dir)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    what = copy_failure((done.stdout + done.stderr).splitlines()[-20:], image, upstream)
+    assert what == f"{upstream} has no image {image} — fix `image` (its tag or digest)"
 
 
 def test_an_index_is_copied_whole_with_its_digest(registries):

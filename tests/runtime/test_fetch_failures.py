@@ -1,0 +1,76 @@
+"""runtime/fetch_weights.py's failures as the deploy shows them: one ``error:`` line that
+says what went wrong and what to do, exit 2, no traceback; driven through the real
+huggingface_hub against the testbed's hub."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sparkfleet.testbed.hub import HubServer
+
+FETCH = Path(__file__).resolve().parents[2] / "runtime" / "fetch_weights.py"
+REPO, GATED, REV = "acme/tiny", "acme/locked", "1" * 40
+TOKEN = "hf_testbed_secret"
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    root = tmp_path_factory.mktemp("repos")
+    for repo in (REPO, GATED):
+        (root / repo / REV).mkdir(parents=True)
+        (root / repo / REV / "config.json").write_text("{}")
+        (root / repo / "refs.json").write_text(json.dumps({"main": REV}))
+    (root / GATED / ".gated").touch()
+    with HubServer(root, "127.0.0.1", 0, token=TOKEN) as server:
+        yield server
+
+
+def fetch(endpoint: str, tmp_path: Path, repo: str, revision: str, token: str | None = None):
+    env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_DISABLE_XET": "1",
+           "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_ETAG_TIMEOUT": "3", "HF_HUB_DOWNLOAD_TIMEOUT": "3"}
+    env.pop("HF_TOKEN", None)
+    if token:
+        env["HF_TOKEN"] = token
+    return subprocess.run([sys.executable, str(FETCH), repo, "--revision", revision], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("case,needle,key", [
+    ("revision", "has no revision 'v9'", "model_revisions"),
+    ("repo", "acme/missing does not exist", "hf_token"),
+    ("gated", "is gated and the HF token has no access", "hf_token"),
+    ("token", "refused the HF token", "hf_token"),
+    ("network", "did not answer", "network"),
+])
+def test_an_expected_failure_is_one_line_with_its_fix(hub, tmp_path, case, needle, key):
+    endpoint = f"http://127.0.0.1:{closed_port()}" if case == "network" else hub.url
+    repo = {"repo": "acme/missing", "gated": GATED}.get(case, REPO)
+    revision = "v9" if case == "revision" else "main"
+    token = "hf_wrong_token_0123456789" if case == "token" else None
+    done = fetch(endpoint, tmp_path, repo, revision, token)
+    out = done.stdout + done.stderr
+    assert done.returncode == 2, out
+    errors = [line for line in done.stdout.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and needle in errors[0] and key in errors[0] and " — " in errors[0], out
+    assert "Traceback" not in out
+    if token:
+        assert token not in out
+
+
+def test_a_complete_download_still_succeeds(hub, tmp_path):
+    done = fetch(hub.url, tmp_path, REPO, "main")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "complete: acme/tiny@" in done.stdout
