@@ -81,5 +81,5 @@ def checkpoint(settings: Settings):
     return built(
         name="hybrid INT4+FP8 checkpoint", hybrid_dir=settings.hybrid_dir, hf_home=settings.hf_home,
         int4_revision=settings.revision(INTEL_INT4), donor_revision=settings.revision(FP8_DONOR),
-        image=mirror.image_reference(settings), hf_endpoint=mirror.hf_endpoint(settings),
+        image=mirror.local_image(settings), hf_endpoint=mirror.hf_endpoint(settings),
     )

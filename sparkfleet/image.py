@@ -1,9 +1,11 @@
 """The serving image: pulled when absent, pinnable by digest, nothing done when present.
 
 With a mirror (``fleet_mirror``) every host pulls the mirror registry's byte-exact copy
-of ``image`` (same digest) and runs that reference; without, ``image`` itself. A pull is
-checked: the host must end with the fleet's digest, or it fails saying which. One-shot
-runs of the image (downloads, builds) are made by :func:`one_shot`.
+of ``image`` (same digest); without, ``image`` itself. A pull is checked: the host must
+end with the fleet's digest, or it fails saying which. The host then names the image
+locally (:func:`sparkfleet.mirror.names.local_image`) and runs it only by that name, so
+where it was pulled from is not part of what runs. One-shot runs of the image
+(downloads, builds) are made by :func:`one_shot`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from sparkfleet import mirror, remote
 from sparkfleet.config import Settings, host_mirror
 from sparkfleet.facts import MANIFEST_ACCEPT, docker_info
 from sparkfleet.hostpaths import HF_ENV, RUNTIME_DIR, registry_ca_path
-from sparkfleet.mirror import ImageName, image_reference
+from sparkfleet.mirror import ImageName, image_reference, local_image
 from sparkfleet.tasks import detached
 
 
@@ -48,7 +50,7 @@ def disk_needs(settings: Settings) -> dict[str, float]:
     """What the image still needs on this host: {docker's data root: GiB} (nothing when it
     is there or docker does not answer, which the preflight reports on its own)."""
     root = docker_info().get("DockerRootDir")
-    if not root or is_present(settings.image):
+    if not root or _present(local_image(settings)) or is_present(settings.image):
         return {}
     return {root: settings.image_size_gib}
 
@@ -120,20 +122,24 @@ def pull_failure(tail: list[str], reference: str, used, target_host) -> str | No
 
 
 @operation()
-def pulled(reference: str):
+def pulled(reference: str, local: str):
     """
-    Pull the serving image unless this exact reference is already on the host.
+    Pull the serving image unless the host has it, and name it ``local``.
 
-    + reference: what to pull and run (the mirror registry's copy of ``image``, or ``image``;
+    + reference: what to pull (the mirror registry's copy of ``image``, or ``image``;
       pin it as ``name@sha256:...`` for a fleet)
+    + local: the name the host runs it by (``local_image``)
 
     A tag that moved upstream is not re-pulled: pin a digest to change what runs. With a
     mirror the pull comes from its registry, and a host left with another digest than the
     fleet's fails with both digests named.
     """
     used = host_mirror()
+    if _present(local):
+        host.noop(f"image {local} is present")
+        return
     if _present(reference):
-        host.noop(f"image {reference} is present")
+        yield f"docker tag {shlex.quote(reference)} {shlex.quote(local)}"
         return
     if used:
         yield mirror.answers(used, "registry")
@@ -141,9 +147,10 @@ def pulled(reference: str):
                    diagnose=lambda tail: pull_failure(tail, reference, used, host))
     check_tag = reference if used and not pinned_digest(reference) else None
     yield remote.callback(_verify, reference, pinned_digest(reference), check_tag)
+    yield f"docker tag {shlex.quote(reference)} {shlex.quote(local)}"
 
 
 @deploy("Serving image")
 def present(settings: Settings):
     """The serving image on this host. Returns the pull operation (for the download report)."""
-    return pulled(name="serving image present", reference=image_reference(settings))
+    return pulled(name="serving image present", reference=image_reference(settings), local=local_image(settings))

@@ -27,7 +27,7 @@ from pyinfra.api import FactBase, operation
 from sparkfleet import remote
 from sparkfleet.config import Settings
 from sparkfleet.hostpaths import RUNTIME_DIR
-from sparkfleet.mirror import image_reference
+from sparkfleet.mirror import local_image
 
 VERDICT_DIR = "/var/lib/sparkfleet/patch-verdicts"
 CONTAINER = "sparkfleet-patch-check"
@@ -150,7 +150,7 @@ def checked(settings: Settings):
     if not patches:
         host.noop("no runtime patches in the plan")
         return
-    reference = image_reference(settings)
+    reference = local_image(settings)
     key = plan_key(",".join(patches))
     cached = host.get_fact(CachedVerdict, reference=reference, key=key)
     if cached is not None and cached.get("ok"):

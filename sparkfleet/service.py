@@ -44,7 +44,7 @@ from sparkfleet.hostpaths import (
     UNIT,
     UNIT_PATH,
 )
-from sparkfleet.mirror import image_reference
+from sparkfleet.mirror import local_image
 
 PROJECT = Path(__file__).resolve().parents[1]
 TEMPLATES = PROJECT / "templates"
@@ -424,7 +424,7 @@ def running(settings: Settings, also_restart_for: tuple = ()) -> None:
         runtime_dir=RUNTIME_DIR,
         revision_file=REVISION_FILE,
         started_file=STARTED_FILE,
-        image=image_reference(settings),
+        image=local_image(settings),
     )
     env = files.put(name="serving settings (serve.env)", src=io.StringIO(env_text), dest=SERVE_ENV, mode="644")
     unit = files.put(name=f"systemd unit {UNIT}", src=io.StringIO(unit_text), dest=UNIT_PATH, mode="644")

@@ -93,5 +93,5 @@ def cached(repos: dict[str, str], hf_home: str, image: str, hf_endpoint: str | N
 def fetched(settings: Settings):
     """The profile's weights in the HF cache. Returns the download operation (for the report)."""
     return cached(name="weights in the HF cache", repos=wanted(settings), hf_home=settings.hf_home,
-                  image=mirror.image_reference(settings), hf_endpoint=mirror.hf_endpoint(settings),
+                  image=mirror.local_image(settings), hf_endpoint=mirror.hf_endpoint(settings),
                   sizes_gib=settings.artifact_sizes_gib, verify=settings.verify_weights)

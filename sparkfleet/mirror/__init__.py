@@ -21,10 +21,11 @@ from pyinfra.api import deploy
 from sparkfleet.config import Settings, host_mirror
 from sparkfleet.mirror import clients, server, tls
 from sparkfleet.mirror.clients import answers
-from sparkfleet.mirror.names import ImageName, hf_endpoint, image_reference
+from sparkfleet.mirror.names import ImageName, hf_endpoint, image_reference, local_image
 from sparkfleet.mirror.report import track
 
-__all__ = ["ImageName", "answers", "configured", "disk_needs", "hf_endpoint", "image_reference", "track"]
+__all__ = ["ImageName", "answers", "configured", "disk_needs", "hf_endpoint", "image_reference", "local_image",
+           "track"]
 
 
 @deploy("Mirror")

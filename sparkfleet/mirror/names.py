@@ -4,6 +4,7 @@ reads from."""
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -114,6 +115,20 @@ def image_reference(settings: Settings, mirror: Mirror | None = None) -> str:
     """The reference hosts pull and run: the mirror registry's copy, or ``image`` itself."""
     mirror = mirror if mirror is not None else host_mirror()
     return ImageName.parse(settings.image).at(mirror.registry) if mirror else settings.image
+
+
+#: The repository hosts run the serving image by (see :func:`local_image`).
+LOCAL_REPOSITORY = "localhost/sparkfleet/serve"
+
+
+def local_image(settings: Settings) -> str:
+    """The name a host runs the serving image by, whichever registry it came from: its
+    digest for a pinned image, else a hash of ``image``. The unit and every one-shot run
+    use it, so a mirror that moves (a new address in the pull reference) changes nothing
+    that runs, and restarts nothing."""
+    digest = ImageName.parse(settings.image).digest
+    tag = digest.replace(":", "-") if digest else "ref-" + hashlib.sha256(settings.image.encode()).hexdigest()[:20]
+    return f"{LOCAL_REPOSITORY}:{tag}"
 
 
 def hf_endpoint(settings: Settings, mirror: Mirror | None = None) -> str | None:

@@ -209,6 +209,7 @@ def test_a_checkout_without_the_mirror_certificate_adopts_the_mirrors(testbed, r
 
 def test_an_unreachable_mirror_host_hands_the_mirror_to_a_reachable_one(testbed, run_pyinfra):
     first, second, third = testbed.names
+    started = {n: unit(testbed, n)["ExecMainStartTimestampMonotonic"] for n in testbed.names}
     with testbed.unreachable(first):
         moved = run_pyinfra("deploy.py")
     out = moved.stdout + moved.stderr
@@ -220,6 +221,8 @@ def test_an_unreachable_mirror_host_hands_the_mirror_to_a_reachable_one(testbed,
     second_registry = next(iter(trusted_registries(testbed, second) - trusted_registries(testbed, first)))
     assert testbed.exec(second, "systemctl is-active docker-registry sparkfleet-hf-mirror").stdout.split() == \
         ["active", "active"]
+    # Hosts run the image by a local name: where it is pulled from is not part of what runs.
+    assert {n: unit(testbed, n)["ExecMainStartTimestampMonotonic"] for n in testbed.names} == started
 
     back = run_pyinfra("deploy.py")
     out = back.stdout + back.stderr
@@ -232,5 +235,6 @@ def test_an_unreachable_mirror_host_hands_the_mirror_to_a_reachable_one(testbed,
     for name in testbed.names:
         assert second_registry not in trusted_registries(testbed, name), name
         assert "Paris" in completion(testbed, name)
+    assert {n: unit(testbed, n)["ExecMainStartTimestampMonotonic"] for n in testbed.names} == started
     again = run_pyinfra("deploy.py")
     assert again.returncode == 0 and changed_hosts(again.stdout + again.stderr) == set()
