@@ -32,33 +32,19 @@ import argparse
 import re
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx2 as httpx  # what this openai client is built on
-import openai
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from sparkfleet import endpoint  # noqa: E402
-from sparkfleet.testbed import fleet, paths  # noqa: E402
+from sparkfleet.testbed import fleet, login, paths  # noqa: E402
+from sparkfleet.testbed.traffic import Endpoint, Load, Request, Watch  # noqa: E402
 
-ROUTER = "spark-1"
+ROUTER = "spark-1"  # testbed names; the inventory's are what the fleet's --names make them
+ROUTER_NAME = login.inventory_name(ROUTER, login.DEFAULT_NAMES)
 VICTIM = "spark-3"
-STATUS = re.compile(r'^haproxy_server_status\{proxy="members",server="([^"]+)",state="([A-Z]+)"\} 1$', re.M)
-SESSIONS = re.compile(r'^haproxy_server_sessions_total\{proxy="members",server="([^"]+)"\} (\S+)$', re.M)
-MAX_RUN_S = 1800  # every load and watch loop ends by then
-
-
-@dataclass
-class Request:
-    start: float
-    end: float
-    error: str | None
-    tokens: int = 0
 
 
 @dataclass
@@ -71,137 +57,8 @@ class Phase:
     note: str = ""
 
 
-class Endpoint:
-    def __init__(self, tb):
-        self.tb = tb
-        self.address = tb.host(ROUTER).address
-        self.key = (REPO / ".sparkfleet" / "api-key").read_text().strip()
-        self.http = httpx.Client(trust_env=False, timeout=5)  # the testbed's addresses only
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"http://{self.address}:8080/v1", api_key=self.key, max_retries=0,
-                             timeout=120, http_client=httpx.Client(trust_env=False, timeout=120))
-
-    def metrics(self) -> str:
-        return self.http.get(f"http://{self.address}:8405/metrics",
-                             headers={"Authorization": f"Bearer {self.key}"}).text
-
-    def states(self) -> dict[str, str]:
-        return dict(STATUS.findall(self.metrics()))
-
-    def counters(self) -> dict[str, float]:
-        return {name: float(value) for name, value in SESSIONS.findall(self.metrics())}
-
-    def set_state(self, member: str, state: str) -> None:
-        self.tb.exec(ROUTER, endpoint._runtime_shell(f"set server {endpoint.BACKEND}/{member} state {state}"),
-                     check=True)
-
-
-class Load:
-    """``workers`` concurrent streaming chats through the endpoint until stopped."""
-
-    def __init__(self, ep: Endpoint, workers: int, max_tokens: int, prompt: str = "Tell me about Paris."):
-        self.ep, self.max_tokens, self.prompt = ep, max_tokens, prompt
-        self.requests: list[Request] = []
-        self.lock = threading.Lock()
-        self.stop = threading.Event()
-        self.deadline = time.monotonic() + MAX_RUN_S
-        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(workers)]
-
-    def _one(self, client: openai.OpenAI) -> Request:
-        start = time.monotonic()
-        tokens, content = 0, 0
-        try:
-            stream = client.chat.completions.create(
-                model="qwen", messages=[{"role": "user", "content": self.prompt}], max_tokens=self.max_tokens,
-                stream=True, stream_options={"include_usage": True})
-            finished = False
-            for chunk in stream:
-                if chunk.usage:
-                    tokens = chunk.usage.completion_tokens
-                for choice in chunk.choices:
-                    delta = choice.delta
-                    content += bool(delta and (delta.content or getattr(delta, "reasoning_content", None)))
-                    finished = finished or choice.finish_reason is not None
-            error = None if finished else f"stream cut after {content} chunks"
-        except openai.APIStatusError as exc:
-            error = f"HTTP {exc.status_code}"
-        except openai.APIError as exc:
-            cause = exc.__cause__
-            error = type(exc).__name__ + (f" ({type(cause).__name__}: {str(cause)[:80]})" if cause else "")
-        return Request(start, time.monotonic(), error, tokens)
-
-    def _run(self):
-        client = self.ep.client()
-        while not self.stop.is_set() and time.monotonic() < self.deadline:
-            done = self._one(client)
-            with self.lock:
-                self.requests.append(done)
-            if done.error:
-                time.sleep(0.05)  # a failing endpoint is not hammered
-
-    def __enter__(self):
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=180)
-
-
-class Watch:
-    """Every member's state at the endpoint, every 0.25 s."""
-
-    def __init__(self, ep: Endpoint):
-        self.ep = ep
-        self.samples: list[tuple[float, dict[str, str]]] = []
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        deadline = time.monotonic() + MAX_RUN_S
-        while not self.stop.is_set() and time.monotonic() < deadline:
-            try:
-                self.samples.append((time.monotonic(), self.ep.states()))
-            except httpx.HTTPError:
-                self.samples.append((time.monotonic(), {}))
-            time.sleep(0.25)
-
-    def out_of_rotation(self, start: float, end: float) -> dict[str, float]:
-        """Seconds each member was not UP between start and end."""
-        out: dict[str, float] = {}
-        window = [(t, s) for t, s in self.samples if start <= t <= end]
-        for (t, s), (t_next, _) in zip(window, window[1:]):
-            for name, state in s.items():
-                out.setdefault(name, 0.0)
-                if state != "UP":
-                    out[name] += t_next - t
-        return out
-
-    def first_out(self, name: str, after: float) -> float | None:
-        return next((t for t, s in self.samples if t >= after and s.get(name) not in (None, "UP")), None)
-
-    def wait(self, predicate, timeout: float) -> float | None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.samples and predicate(self.samples[-1][1]):
-                return self.samples[-1][0]
-            time.sleep(0.1)
-        return None
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.thread.join(timeout=10)
-
-
 def deploy(data: list[str], *extra: str) -> tuple[int, str]:
-    cmd = ["pyinfra", "-y", str(paths.INVENTORY), "deploy.py", "--data", f"fleet_endpoint={ROUTER}"]
+    cmd = ["pyinfra", "-y", str(paths.INVENTORY), "deploy.py", "--data", f"fleet_endpoint={ROUTER_NAME}"]
     for item in [*data, *extra]:
         cmd += ["--data", item]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1500, stdin=subprocess.DEVNULL)
@@ -289,7 +146,7 @@ def section_rollout(tb, ep: Endpoint, data: list[str], workers: int, max_tokens:
         rc, out = deploy(data, "profile=dflash", "tool_call_parser=bogus", "ready_timeout_s=60")
         time.sleep(3)
         end(phase)
-        stopped = re.search(r"rollout stopped at (spark-\d), step (READY|gate|back in rotation)", out)
+        stopped = re.search(r"rollout stopped at (spark-\d)(?:\.local)?, step (READY|gate|back in rotation)", out)
         serving_old = all(
             "SF_TOOL_CALL_PARSER=qwen3_xml" in tb.exec(n, "cat /etc/sparkfleet/serve.env").stdout
             and "SF_PROFILE=dflash" in tb.exec(n, "cat /etc/sparkfleet/serve.env").stdout for n in tb.names)
@@ -361,7 +218,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=30, help="length of each throughput measurement")
     args = parser.parse_args()
     tb = fleet_for(args.reuse)
-    ep = Endpoint(tb)
+    ep = Endpoint(tb, ROUTER, REPO / ".sparkfleet" / "api-key")
     rc, summary = 0, None
     if args.section in ("rollout", "all"):
         rc, summary = section_rollout(tb, ep, args.data, args.workers, args.max_tokens)

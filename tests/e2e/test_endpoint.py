@@ -12,7 +12,6 @@ import json
 import re
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import pytest
 import requests
 
 from sparkfleet.endpoint import save_state_command
-from sparkfleet.testbed import login, paths
+from sparkfleet.testbed import login, paths, traffic
 
 pytestmark = pytest.mark.e2e
 
@@ -32,7 +31,6 @@ DATA = f"fleet_endpoint={ROUTER_NAME}"
 CHANGED = re.compile(r"\[(spark-\d+)(?:\.local)?\] (Success|Error)")
 REPO_ROOT = paths.REPO_ROOT
 INVENTORY = str(paths.INVENTORY.relative_to(REPO_ROOT))
-STATUS = re.compile(r'^haproxy_server_status\{proxy="members",server="([^"]+)",state="([A-Z]+)"\} 1$', re.M)
 
 
 def changed_hosts(output: str) -> set[str]:
@@ -45,39 +43,16 @@ def session() -> requests.Session:
     return s
 
 
-class Endpoint:
+class Endpoint(traffic.Endpoint):
     def __init__(self, testbed):
-        self.testbed = testbed
-        address = testbed.host(ROUTER).address
-        self.url = f"http://{address}:8080"
-        self.metrics_url = f"http://{address}:8405/metrics"
-        self.key = (REPO_ROOT / ".sparkfleet" / "api-key").read_text().strip()
-        self.auth = {"Authorization": f"Bearer {self.key}"}
-
-    def states(self) -> dict[str, str]:
-        """Each member's state (by testbed name), from the endpoint's Prometheus exporter."""
-        text = session().get(self.metrics_url, headers=self.auth, timeout=5).text
-        host = {self.testbed.inventory_name(n): n for n in self.testbed.names}
-        return {host.get(server, server): state for server, state in STATUS.findall(text)}
+        super().__init__(testbed, ROUTER, REPO_ROOT / ".sparkfleet" / "api-key")
 
     def counter(self, name: str, member: str) -> float:
-        server = self.testbed.inventory_name(member)
-        text = session().get(self.metrics_url, headers=self.auth, timeout=5).text
-        m = re.search(rf'^{name}\{{proxy="members",server="{server}"\}} (\S+)$', text, re.M)
-        return float(m.group(1)) if m else 0.0
-
-    def wait_state(self, member: str, want: set[str], timeout: float) -> float:
-        """Seconds until ``member`` is in one of the states ``want``."""
-        start = time.monotonic()
-        while time.monotonic() - start < timeout:
-            if self.states().get(member) in want:
-                return time.monotonic() - start
-            time.sleep(0.2)
-        raise AssertionError(f"{member} not {want} within {timeout} s: {self.states()}")
+        return self.counters(name).get(member, 0.0)
 
     def chat(self, max_tokens: int = 20, headers: dict | None = None, timeout: float = 60) -> str | None:
-        """A streaming chat through the endpoint on a new connection; None when it completed
-        ([DONE] after content), else what went wrong."""
+        """A streaming chat through the endpoint on a new connection, with any headers;
+        None when it completed ([DONE] after content), else what went wrong."""
         body = {"model": "qwen", "messages": [{"role": "user", "content": "Tell me about Paris."}],
                 "stream": True, "max_tokens": max_tokens}
         try:
@@ -89,37 +64,6 @@ class Endpoint:
         except requests.RequestException as exc:
             return type(exc).__name__
         return None if lines and lines[-1] == b"data: [DONE]" and len(lines) > 2 else f"cut after {len(lines)} lines"
-
-
-class Load:
-    """Concurrent streaming chats through the endpoint until stopped; counts the outcomes."""
-
-    def __init__(self, ep: Endpoint, workers: int = 6, max_tokens: int = 20):
-        self.ep, self.max_tokens = ep, max_tokens
-        self.ok = 0
-        self.failed: list[str] = []
-        self.stop = threading.Event()
-        self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(workers)]
-
-    def _run(self):
-        while not self.stop.is_set():
-            error = self.ep.chat(self.max_tokens)
-            with self.lock:
-                if error is None:
-                    self.ok += 1
-                else:
-                    self.failed.append(error)
-
-    def __enter__(self):
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=120)
 
 
 def haproxy_pids(testbed) -> tuple[str, list[str]]:
@@ -203,7 +147,7 @@ def test_clients_without_the_fleet_key_are_refused_at_the_endpoint(testbed, ep):
 
 def test_requests_are_spread_over_every_member(testbed, ep):
     before = {n: ep.counter("haproxy_server_sessions_total", n) for n in testbed.names}
-    with Load(ep, workers=6) as load:
+    with traffic.Load(ep, workers=6) as load:
         time.sleep(8)
     assert load.failed == [] and load.ok >= 6
     spread = {n: ep.counter("haproxy_server_sessions_total", n) - before[n] for n in testbed.names}
@@ -213,7 +157,7 @@ def test_requests_are_spread_over_every_member(testbed, ep):
 
 def test_a_dead_engine_leaves_the_rotation_within_10_s_and_comes_back(testbed, ep):
     member = testbed.names[1]
-    with Load(ep, workers=3) as load:
+    with traffic.Load(ep, workers=3) as load:
         time.sleep(2)
         testbed.exec(member, "docker kill --signal KILL sparkfleet-serve")
         killed = time.monotonic()
@@ -253,7 +197,7 @@ def test_drain_waits_for_in_flight_requests_and_ready_puts_it_back(testbed, ep):
     member = testbed.names[2]
     name = testbed.inventory_name(member)
     # A long stream on every member, then drain one: it returns once its stream ended.
-    with Load(ep, workers=3, max_tokens=150):
+    with traffic.Load(ep, workers=3, max_tokens=150):
         time.sleep(1.5)
         result = api(
             "import time\n"
@@ -355,7 +299,7 @@ def test_membership_changes_by_reload_and_drops_no_request(testbed, ep):
     )
     master, _ = haproxy_pids(testbed)
     try:
-        with Load(ep, workers=6) as load:
+        with traffic.Load(ep, workers=6) as load:
             removed = deploy(str(smaller.relative_to(REPO_ROOT)))
             time.sleep(1)
             states_without = ep.states()
@@ -377,7 +321,7 @@ def test_membership_changes_by_reload_and_drops_no_request(testbed, ep):
 
 def test_reloads_under_load_drop_no_connection(testbed, ep):
     master, _ = haproxy_pids(testbed)
-    with Load(ep, workers=8, max_tokens=10) as load:
+    with traffic.Load(ep, workers=8, max_tokens=10) as load:
         for _ in range(20):
             testbed.exec(ROUTER, "systemctl reload haproxy")
             time.sleep(0.5)

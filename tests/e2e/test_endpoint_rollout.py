@@ -9,13 +9,10 @@ the others untouched; the last test leaves the fleet serving the defaults.
 from __future__ import annotations
 
 import re
-import threading
-import time
 
 import pytest
-import requests
 
-from sparkfleet.testbed import login, paths
+from sparkfleet.testbed import login, paths, traffic
 
 pytestmark = pytest.mark.e2e
 
@@ -23,47 +20,10 @@ ROUTER = "spark-1"  # its testbed name; the inventory's is what the session flee
 DATA = ("--data", f"fleet_endpoint={login.inventory_name(ROUTER, login.DEFAULT_NAMES)}")
 SERVE_ENV = "/etc/sparkfleet/serve.env"
 REPO_ROOT = paths.REPO_ROOT
-STATUS = re.compile(r'^haproxy_server_status\{proxy="members",server="([^"]+)",state="([A-Z]+)"\} 1$', re.M)
 
 
-def session() -> requests.Session:
-    s = requests.Session()
-    s.trust_env = False  # test traffic goes to the testbed's addresses only
-    return s
-
-
-class Watcher:
-    """Samples every member's state at the endpoint's exporter until stopped."""
-
-    def __init__(self, testbed):
-        self.url = f"http://{testbed.host(ROUTER).address}:8405/metrics"
-        self.host = {testbed.inventory_name(n): n for n in testbed.names}
-        self.auth = {"Authorization": f"Bearer {(REPO_ROOT / '.sparkfleet' / 'api-key').read_text().strip()}"}
-        self.samples: list[dict[str, str]] = []
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def states(self) -> dict[str, str]:
-        """Each member's state, by testbed name."""
-        found = STATUS.findall(session().get(self.url, headers=self.auth, timeout=5).text)
-        return {self.host.get(server, server): state for server, state in found}
-
-    def _run(self):
-        deadline = time.monotonic() + 1500  # bounded: longer than any rollout here
-        while not self.stop.is_set() and time.monotonic() < deadline:
-            try:
-                self.samples.append(self.states())
-            except requests.RequestException:
-                self.samples.append({})
-            time.sleep(0.25)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.thread.join(timeout=10)
+def watcher(testbed) -> traffic.Watch:
+    return traffic.Watch(traffic.Endpoint(testbed, ROUTER, REPO_ROOT / ".sparkfleet" / "api-key"))
 
 
 def started_at(testbed, name: str) -> str:
@@ -93,7 +53,7 @@ def test_dry_shows_the_batches_and_changes_nothing(testbed, run_pyinfra):
 
 def test_a_rolling_switch_keeps_the_fleet_in_rotation_and_restarts_each_host_once(testbed, run_pyinfra):
     before = {n: started_at(testbed, n) for n in testbed.names}
-    with Watcher(testbed) as watcher:
+    with watcher(testbed) as watch:
         result = run_pyinfra("deploy.py", *DATA, "--data", "profile=dflash")
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
@@ -103,8 +63,8 @@ def test_a_rolling_switch_keeps_the_fleet_in_rotation_and_restarts_each_host_onc
         assert "dflash" in serve_env(testbed, name)
         assert started_at(testbed, name) != before[name]
     # The watcher saw every host out of rotation at some point, and never all at once.
-    full = [s for s in watcher.samples if len(s) == 3]
-    assert len(full) > 20, watcher.samples[-5:]
+    full = [s for _, s in watch.samples if len(s) == 3]
+    assert len(full) > 20, watch.samples[-5:]
     for name in testbed.names:
         assert any(s[name] != "UP" for s in full), f"{name} never left the rotation"
     assert all(any(state == "UP" for state in s.values()) for s in full), [s for s in full if "UP" not in s.values()]
@@ -120,7 +80,7 @@ def test_a_rolling_switch_keeps_the_fleet_in_rotation_and_restarts_each_host_onc
 def test_a_failed_rollout_is_rolled_back_on_the_first_host_and_stops(testbed, run_pyinfra):
     first, *others = testbed.names
     before = {n: started_at(testbed, n) for n in testbed.names}
-    with Watcher(testbed) as watcher:
+    with watcher(testbed) as watch:
         result = run_pyinfra("deploy.py", *DATA, "--data", "profile=dflash", "--data", "tool_call_parser=bogus",
                              "--data", "ready_timeout_s=120")
     out = result.stdout + result.stderr
@@ -133,13 +93,13 @@ def test_a_failed_rollout_is_rolled_back_on_the_first_host_and_stops(testbed, ru
     # The first host is rolled back and serving, back in rotation.
     assert "SF_TOOL_CALL_PARSER=qwen3_xml" in serve_env(testbed, first)
     assert started_at(testbed, first) != before[first]
-    assert watcher.states().get(first) == "UP"
+    assert watch.ep.states().get(first) == "UP"
     for name in others:
         # Untouched: not restarted, its files put back to what it runs, never out of rotation.
         assert re.search(rf"\[{name}(?:\.local)?\].*not changed — the rollout stopped at {first}(?:\.local)? \(READY\)", out), out[-4000:]
         assert started_at(testbed, name) == before[name]
         assert "SF_TOOL_CALL_PARSER=qwen3_xml" in serve_env(testbed, name)
-        assert all(s.get(name) == "UP" for s in watcher.samples if s), name
+        assert all(s.get(name) == "UP" for _, s in watch.samples if s), name
     # Fixed data: the next run has nothing to roll (every host runs dflash), then back to defaults.
     again = run_pyinfra("deploy.py", *DATA, "--data", "profile=dflash")
     assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
