@@ -16,6 +16,7 @@ import pytest
 
 from sparkfleet.patchcheck import plan_key
 from sparkfleet.testbed import variants
+from tests.e2e.test_deploy import completion
 
 pytestmark = pytest.mark.e2e
 
@@ -24,20 +25,6 @@ SERVED = ("/etc/systemd/system/sparkfleet-serve.service", "/etc/sparkfleet/serve
 KV_FILE = "vllm/v1/core/kv_cache_utils.py"
 DENSE = "kv_unify,inc_fp8_shared,int8_lmhead,fla_shmem"  # the default profile's patch plan
 REST = "inc_fp8_shared,int8_lmhead,fla_shmem"  # the same without kv_unify
-
-
-def completion(testbed, name: str) -> str | None:
-    body = json.dumps({"model": "qwen", "prompt": "What is the capital of France? Answer in one word.",
-                       "max_tokens": 8, "temperature": 0})
-    result = testbed.exec(
-        name,
-        "curl -s -m 10 -H @/etc/sparkfleet/api-auth.header -H 'Content-Type: application/json' "
-        f"-d '{body}' http://127.0.0.1:8000/v1/completions",
-    )
-    try:
-        return json.loads(result.stdout)["choices"][0]["text"]
-    except (ValueError, KeyError, IndexError):
-        return None
 
 
 def serving_state(testbed, name: str) -> dict[str, str]:
