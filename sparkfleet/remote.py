@@ -25,6 +25,8 @@ import io
 import logging
 import shlex
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from pyinfra.api import FunctionCommand, StringCommand
@@ -95,6 +97,19 @@ def run(host, command: str | StringCommand, timeout: int | None = 60, success_ex
     return Result(ok, output.stdout_lines, output.stderr_lines)
 
 
+@contextmanager
+def _private_directory(host) -> Iterator[str]:
+    """A 0700 directory of the SSH user on ``host`` (mktemp's), removed afterwards."""
+    made = run(host, "mktemp -d", as_login=True)
+    if not made.ok or not made.stdout:
+        raise OperationError(f"could not make a private directory: {' '.join(made.stderr)}")
+    private = made.stdout[0].strip()
+    try:
+        yield private
+    finally:
+        run(host, f"rm -rf {shlex.quote(private)}", as_login=True)
+
+
 def put(host, source: str | bytes | io.IOBase, dest: str, mode: str = "0644", owner: str | None = None) -> None:
     """Upload a local file (path), bytes or a file object to ``dest`` on ``host``, with
     ``mode`` (and ``owner``, user[:group]) from the first byte on: through a 0700 directory
@@ -102,11 +117,7 @@ def put(host, source: str | bytes | io.IOBase, dest: str, mode: str = "0644", ow
     if isinstance(source, bytes):
         source = io.BytesIO(source)
     q = shlex.quote
-    made = run(host, "mktemp -d", as_login=True)
-    if not made.ok or not made.stdout:
-        raise OperationError(f"could not make a private upload directory: {' '.join(made.stderr)}")
-    private = made.stdout[0].strip()
-    try:
+    with _private_directory(host) as private:
         if not host.put_file(source, f"{private}/upload", print_output=False,
                              **_unprivileged(connector_arguments(host))):
             raise OperationError(f"could not upload {dest}")
@@ -116,8 +127,6 @@ def put(host, source: str | bytes | io.IOBase, dest: str, mode: str = "0644", ow
                            f"{chown} && mv -f {q(new)} {q(dest)}")
         if not placed.ok:
             raise OperationError(f"could not put {dest} in place: {' '.join(placed.stderr)}")
-    finally:
-        run(host, f"rm -rf {q(private)}", as_login=True)
 
 
 def uploaded(state, host, source: str | bytes, dest: str, mode: str = "0644", owner: str | None = None) -> bool:
@@ -130,17 +139,11 @@ def get(host, remote: str, dest: str | io.IOBase) -> None:
     """Download ``remote`` from ``host`` to a local path or file object, through a 0700
     directory of the SSH user (pyinfra's sudo download leaves a world-readable copy in /tmp)."""
     q = shlex.quote
-    made = run(host, "mktemp -d", as_login=True)
-    if not made.ok or not made.stdout:
-        raise OperationError(f"could not make a private download directory: {' '.join(made.stderr)}")
-    private = made.stdout[0].strip()
-    try:
+    with _private_directory(host) as private:
         copied = run(host, f"cp {q(remote)} {q(private + '/download')} && chmod 0644 {q(private + '/download')}")
         if not copied.ok or not host.get_file(f"{private}/download", dest, print_output=False,
                                               **_unprivileged(connector_arguments(host))):
             raise OperationError(f"could not download {remote}: {' '.join(copied.stderr)}")
-    finally:
-        run(host, f"rm -rf {q(private)}", as_login=True)
 
 
 def check_sudo(host) -> None:
