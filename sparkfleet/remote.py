@@ -130,7 +130,7 @@ def put(host, source: str | bytes | io.IOBase, dest: str, mode: str = "0644", ow
 
 
 def uploaded(state, host, source: str | bytes, dest: str, mode: str = "0644", owner: str | None = None) -> bool:
-    """:func:`put` as an operation's command: ``yield FunctionCommand(remote.uploaded, (...), {})``."""
+    """:func:`put` as an operation's command: ``yield remote.callback(remote.uploaded, ...)``."""
     put(host, source, dest, mode, owner)
     return True
 
