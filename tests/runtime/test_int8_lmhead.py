@@ -102,6 +102,27 @@ def test_batch_above_one_tile():
     torch.testing.assert_close(m.int8_logits(x, q, s).float(), ref, rtol=ULP, atol=1e-3)
 
 
+@pytest.mark.parametrize("b", [5, 20, 40])
+def test_f16_path_exact_over_any_row_magnitude(b):
+    # The 32/64-row tiles cast the activations to fp16 first, each row scaled
+    # by a power of two: rows far outside fp16's range (1e5 overflows it,
+    # 1e-6 is subnormal there) still match the fp32 reference.
+    w = _weight(700, 96, seed=b)
+    q, s = m.quantize_rows(w)
+    mags = torch.tensor([1e5, 1e-6, 1.0, 300.0] * 10)[:b, None]
+    x = (_hidden(b, 96, seed=b).float() * mags).bfloat16()
+    x[0, 3] = 0  # a zero inside a row
+    if b > 6:
+        x[6] = 0  # an all-zero row
+    ref = x.float() @ m.dequantize_rows(q, s).t()
+    y = m.int8_logits(x, q, s, config=m.KernelConfig.parse("V64_K32_w4_s1_f16"))
+    assert torch.isfinite(y.float()).all()
+    if b > 6:
+        assert not y[6].any()
+    # rows span 11 decades: compare each in units of its own magnitude
+    torch.testing.assert_close(y.float() / mags, ref / mags, rtol=ULP, atol=1e-3)
+
+
 def test_fp16_hidden():
     w = _weight(500, 64)
     q, s = m.quantize_rows(w)
@@ -164,6 +185,8 @@ def test_config_parse_and_env_override(monkeypatch):
     assert repr(m.KernelConfig.parse("V128_K64_w8_s2_cvt")) == "V128_K64_w8_s2_cvt"
     assert m.KernelConfig.parse("V32_K256_w4_s3_gemv").gemv
     assert repr(m.KernelConfig.parse("V32_K256_w4_s3_gemv")) == "V32_K256_w4_s3_gemv"
+    assert m.KernelConfig.parse("V128_K128_w4_s3_f16").f16
+    assert repr(m.KernelConfig.parse("V128_K128_w4_s3_f16")) == "V128_K128_w4_s3_f16"
     monkeypatch.setenv("SF_INT8_LMHEAD_CONFIG", "V32_K32_w4_s1")
     assert repr(m.pick_config(13)) == "V32_K32_w4_s1"
     w = _weight(100, 40)
@@ -181,6 +204,9 @@ def test_dispatch_by_batch():
     tiles = {b: m.batch_tile(b) for b in (1, 2, 13, 16, 17, 32, 33, 64, 70)}
     assert tiles == {1: 1, 2: 16, 13: 16, 16: 16, 17: 32, 32: 32, 33: 64, 64: 64, 70: 64}
     assert m._TUNED[1].gemv and not any(m._TUNED[t].gemv for t in (16, 32, 64))
+    # fp16 activations where the decode, not DRAM, sets the time; not at
+    # B <= 16, where the extra cast launch costs more than it saves
+    assert [m._TUNED[t].f16 for t in (1, 16, 32, 64)] == [False, False, True, True]
 
 
 def test_same_source_compiles_for_gb10_without_hopper_instructions():
