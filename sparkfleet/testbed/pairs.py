@@ -147,12 +147,6 @@ def set_up(hosts: dict[str, HostState], pairs: list[Pair]) -> None:
         log(f"pair {' + '.join(pair.members)}: {', '.join(CABLED)} (MTU {MTU})")
 
 
-def set_link(name: str, up: bool) -> None:
-    """Pull (or plug back) the cable at *name*'s end: its cabled netdevs down (up)."""
-    for netdev in CABLED:
-        run([*_ns(name), "link", "set", netdev, "up" if up else "down"], timeout=15)
-
-
 def remove_all() -> None:
     """Delete every link of ours by name, in every namespace of ours."""
     for ns in network.our_netns():

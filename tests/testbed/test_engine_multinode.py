@@ -338,3 +338,18 @@ def test_a_pair_decodes_faster_than_one_spark():
         for w in perf.WORKLOADS:
             assert 1.5 < b.speed(w).tok_s / a.speed(w).tok_s < 2.0
             assert b.speed(w).accept == a.speed(w).accept
+
+
+def test_sigterm_before_every_node_joined_is_a_clean_stop(hf_home):
+    http, rdv = free_port(HEAD_IP), free_port(HEAD_IP)
+    for argv in (["--host", HEAD_IP, "--port", str(http), *pair_flags(0, rdv)],  # waits for node 1
+                 pair_flags(1, free_port(HEAD_IP))):  # nobody listens there
+        proc = engine(hf_home, *argv)
+        try:
+            time.sleep(1.0)
+            assert proc.poll() is None
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(5) == 0
+            assert "Shutting down before startup completed." in proc.communicate()[0]
+        finally:
+            stop(proc)

@@ -353,6 +353,12 @@ class Group:
                 pass
 
 
+def _stopped() -> None:
+    """SIGTERM before every node joined: a clean stop, as before the model loaded."""
+    log("INFO", "launcher.py:110", "Shutting down before startup completed.")
+    raise SystemExit(0)
+
+
 def _listen(node: Node) -> socket.socket:
     srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -387,7 +393,7 @@ def _serve_rendezvous(node: Node, stop: threading.Event) -> dict[int, socket.soc
                     f"clients. {len(peers) + 1}/{node.nnodes} clients joined (node_rank {missing} did not connect "
                     f"to {node.master_addr}:{node.master_port})")
             if stop.is_set():
-                raise StartupError("KeyboardInterrupt: stopped while waiting for the other nodes")
+                _stopped()
             srv.settimeout(min(left, 0.5))
             try:
                 conn, addr = srv.accept()
@@ -445,7 +451,7 @@ def _connect(node: Node, stop: threading.Event) -> socket.socket:
                 f"torch.distributed.DistNetworkError: The client socket has timed out after {node.timeout_s:g}s "
                 f"while trying to connect to ({node.master_addr}, {node.master_port}). Last error: {last or 'none'}")
         if stop.is_set():
-            raise StartupError("KeyboardInterrupt: stopped while connecting to node 0")
+            _stopped()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.settimeout(min(left, 2.0))
         try:
