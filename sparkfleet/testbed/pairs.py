@@ -13,7 +13,9 @@ paired host here gets:
 * ``/usr/bin/ibdev2netdev`` printing the four RoCE devices as mlx5's tool does, each with
   its netdev's live state (``(Up)`` / ``(Down)``);
 * ``/dev/infiniband/`` (``uverbs0..3``, ``rdma_cm``: character devices with the kernel's
-  numbers, made at boot by ``sparkfleet-sim-rdma.service``) for ``docker run --device``.
+  numbers, made at boot by ``sparkfleet-sim-cx7.service``) for ``docker run --device``, and
+  the cabled netdevs' ``/sys/class/net/<netdev>/speed`` reading 200000 (bound over the
+  veth's 10000 on the host; containers and ``ethtool`` still see the veth's).
   Nothing behind them: no process here opens them, NCCL's traffic is the sockets of the
   veth link.
 
@@ -57,9 +59,9 @@ for pair in {pairs}; do
 done
 """.format(pairs=" ".join(f"{d}:{n}" for d, n in ROCE_NETDEVS))
 
-RDMA_DEVICES = """#!/bin/sh
-# Simulated /dev/infiniband (sparkfleet testbed): the nodes a ConnectX-7 host has (uverbs
-# char major 231, minors from 192; rdma_cm misc 10:58), for `docker run --device`.
+CX7_STAND_INS = """#!/bin/sh
+# Simulated ConnectX-7 (sparkfleet testbed). /dev/infiniband: the nodes a ConnectX-7 host
+# has (uverbs char major 231, minors from 192; rdma_cm misc 10:58), for `docker run --device`.
 mkdir -p /dev/infiniband
 i=0
 while [ $i -lt 4 ]; do
@@ -67,10 +69,17 @@ while [ $i -lt 4 ]; do
     i=$((i + 1))
 done
 [ -e /dev/infiniband/rdma_cm ] || mknod -m 0666 /dev/infiniband/rdma_cm c 10 58
-"""
+# The cabled netdevs' link speed as a ConnectX-7 reports it in sysfs (a veth says 10000).
+mkdir -p /run/sparkfleet-sim
+for net in {cabled}; do
+    [ -e /sys/class/net/$net/speed ] || continue
+    echo {speed} > /run/sparkfleet-sim/speed-$net
+    mountpoint -q /sys/class/net/$net/speed || mount --bind /run/sparkfleet-sim/speed-$net /sys/class/net/$net/speed
+done
+""".format(cabled=" ".join(CABLED), speed=LINK_SPEED_MBPS)
 
-RDMA_UNIT = """[Unit]
-Description=sparkfleet testbed: simulated /dev/infiniband of the ConnectX-7
+CX7_UNIT = """[Unit]
+Description=sparkfleet testbed: simulated ConnectX-7 (/dev/infiniband, link speed)
 DefaultDependencies=no
 After=local-fs.target
 Before=docker.service multi-user.target
@@ -78,7 +87,7 @@ Before=docker.service multi-user.target
 [Service]
 Type=oneshot
 RemainAfterExit=yes
-ExecStart=/usr/lib/sparkfleet-sim/rdma-devices
+ExecStart=/usr/lib/sparkfleet-sim/cx7-stand-ins
 
 [Install]
 WantedBy=multi-user.target
@@ -128,14 +137,14 @@ def provision(h: HostState) -> None:
     """The paired host's stand-ins, written into its root before it boots."""
     simhw.write_files(h.mnt, {
         "usr/bin/ibdev2netdev": (IBDEV2NETDEV, 0o755),
-        "usr/lib/sparkfleet-sim/rdma-devices": (RDMA_DEVICES, 0o755),
-        "etc/systemd/system/sparkfleet-sim-rdma.service": (RDMA_UNIT, 0o644),
+        "usr/lib/sparkfleet-sim/cx7-stand-ins": (CX7_STAND_INS, 0o755),
+        "etc/systemd/system/sparkfleet-sim-cx7.service": (CX7_UNIT, 0o644),
     })
     wants = h.mnt / "etc/systemd/system/multi-user.target.wants"
     wants.mkdir(parents=True, exist_ok=True)
-    link = wants / "sparkfleet-sim-rdma.service"
+    link = wants / "sparkfleet-sim-cx7.service"
     if not link.is_symlink():
-        link.symlink_to("/etc/systemd/system/sparkfleet-sim-rdma.service")
+        link.symlink_to("/etc/systemd/system/sparkfleet-sim-cx7.service")
 
 
 def set_up(hosts: dict[str, HostState], pairs: list[Pair]) -> None:

@@ -72,6 +72,8 @@ def test_the_link_is_cabled_as_on_a_spark(tb):
         assert sh(tb, host, "ibdev2netdev").splitlines() == [
             "rocep1s0f0 port 1 ==> enp1s0f0np0 (Down)", "rocep1s0f1 port 1 ==> enp1s0f1np1 (Up)",
             "roceP2p1s0f0 port 1 ==> enP2p1s0f0np0 (Down)", "roceP2p1s0f1 port 1 ==> enP2p1s0f1np1 (Up)"]
+        assert sh(tb, host, "cat /sys/class/net/enp1s0f1np1/speed /sys/class/net/enP2p1s0f1np1/speed").split() == [
+            "200000"] * 2
         assert sh(tb, host, "stat -c %F /dev/infiniband/uverbs0 /dev/infiniband/rdma_cm").split("\n")[:2] == [
             "character special file"] * 2
 
