@@ -45,7 +45,8 @@ def callback(function, *args, **kwargs) -> FunctionCommand:
             return function(state, host, *args, **kwargs)
         except OperationError as exc:
             meta = state.get_op_meta(host.current_op_hash) if host.current_op_hash else None
-            step = ", ".join(sorted(meta.names)) if meta and meta.names else "step"
+            # The operation's own name, without the deploy group's "Group | " prefix.
+            step = ", ".join(sorted({n.rsplit(" | ", 1)[-1] for n in meta.names})) if meta and meta.names else "step"
             headline, _, detail = str(exc).partition("\n")
             host.log_styled(f"{step}: {headline}", fg="red", log_func=logger.error)
             for line in detail.splitlines():

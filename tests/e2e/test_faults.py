@@ -238,3 +238,23 @@ def test_an_unreachable_mirror_host_hands_the_mirror_to_a_reachable_one(testbed,
     assert {n: unit(testbed, n)["ExecMainStartTimestampMonotonic"] for n in testbed.names} == started
     again = run_pyinfra("deploy.py")
     assert again.returncode == 0 and changed_hosts(again.stdout + again.stderr) == set()
+
+
+def test_a_revision_that_does_not_exist_is_one_line_with_its_fix(testbed, run_pyinfra):
+    import json
+
+    from sparkfleet.profiles import PROFILES
+
+    repo = PROFILES["dense"].model
+    revisions = {**testbed.data["model_revisions"], repo: "v9"}
+    started = {n: unit(testbed, n)["ExecMainStartTimestampMonotonic"] for n in testbed.names}
+    result = run_pyinfra("deploy.py", "--data", f"model_revisions={json.dumps(revisions)}")
+    out = result.stdout + result.stderr
+    assert result.returncode != 0
+    for name in testbed.names:
+        assert re.search(rf"\[{name}(?:\.local)?\] weights in the HF cache: fetch-\S+ failed \(exit 2\): {repo} has no "
+                         r"revision 'v9' at \S+ — fix model_revisions", out), out[-4000:]
+    assert "Traceback" not in out and "Unexpected error" not in out
+    # Nothing that serves was touched.
+    assert {n: unit(testbed, n)["ExecMainStartTimestampMonotonic"] for n in testbed.names} == started
+    assert all("Paris" in completion(testbed, n) for n in testbed.names)
