@@ -174,6 +174,14 @@ def test_a_checkout_without_the_fleet_key_stops_instead_of_rekeying(testbed, run
     assert run_pyinfra("deploy.py").returncode == 0
 
 
+def failures(out: str) -> str:
+    """The lines of a deploy's output that say what failed, and what came just before."""
+    lines = out.splitlines()
+    keep = {i + d for i, line in enumerate(lines) if re.search(r"Error|error|failed|Traceback", line)
+            and "|" not in line for d in range(-3, 4)}
+    return "\n".join(lines[i] for i in sorted(keep) if 0 <= i < len(lines))[-6000:]
+
+
 def registry_pid(testbed, name: str) -> str:
     return testbed.exec(name, "systemctl show docker-registry -p MainPID --value").stdout.strip()
 
@@ -216,7 +224,7 @@ def test_an_unreachable_mirror_host_hands_the_mirror_to_a_reachable_one(testbed,
     assert moved.returncode != 0  # the unreachable host fails; the others go on with another mirror
     assert re.search(rf"{first}(?:\.local)? is unreachable, so {second}(?:\.local)? serves the mirror", out), out[-4000:]
     for name in (second, third):
-        assert not re.search(rf"\[{name}(?:\.local)?\] Error", out), out[-4000:]
+        assert not re.search(rf"\[{name}(?:\.local)?\] Error", out), failures(out)
         assert "Paris" in completion(testbed, name)
     second_registry = next(iter(trusted_registries(testbed, second) - trusted_registries(testbed, first)))
     assert testbed.exec(second, "systemctl is-active docker-registry sparkfleet-hf-mirror").stdout.split() == \
