@@ -111,6 +111,8 @@ def teardown(state: State | None = None, *, remove_hosts_json: bool = True) -> N
         shutil.rmtree(paths.STATE_DIR)
     if remove_hosts_json:
         paths.HOSTS_JSON.unlink(missing_ok=True)
+        paths.SUDO_PASSWORD_FILE.unlink(missing_ok=True)
+        paths.SSH_CONFIG.unlink(missing_ok=True)
         if paths.INSTANCE:
             paths.INVENTORY.unlink(missing_ok=True)
     dt = time.monotonic() - t0

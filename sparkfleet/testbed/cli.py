@@ -1,6 +1,6 @@
 """`sparkfleet testbed up|down|status|exec|restart` (run as root).
 
-    sparkfleet testbed up --hosts 3 [--switch 'spark-2:gpu=NVIDIA H100 80GB HBM3'] ...
+    sparkfleet testbed up --hosts 3 [--switch 'spark-2:gpu=NVIDIA H100 80GB HBM3'] [--login dgx] [--names alias] ...
     sparkfleet testbed status [--json]
     sparkfleet testbed exec spark-1 -- nvidia-smi
     sparkfleet testbed restart spark-2
@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 
+from . import login
 from .proc import TestbedError
 
 
@@ -27,6 +28,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     up.add_argument("--switch", action="append", default=[], metavar="HOST:KEY[=VALUE]",
                     help="simulated hardware switch: gpu=NAME, compute_cap=X.Y, arch=x86_64, "
                          "disk_full, no_nvidia_runtime (repeatable)")
+    up.add_argument("--login", choices=login.LOGINS, default=login.DEFAULT_LOGIN,
+                    help=f"root, or dgx: a password-sudo user '{login.LOGIN_USER}' and no root SSH, as on DGX OS "
+                         f"(default {login.DEFAULT_LOGIN})")
+    up.add_argument("--names", choices=login.NAMES, default=login.DEFAULT_NAMES,
+                    help="plain (inventory names with addresses), or alias: <name>.local names that only the "
+                         f"controller resolves, through a generated ssh_config (default {login.DEFAULT_NAMES})")
     up.add_argument("--keep-on-failure", action="store_true", help="leave a failed fleet for inspection")
     up.set_defaults(func=_handled(_cmd_up))
 
@@ -73,7 +80,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         sw = switches.parse_specs(args.switch, names)
     except ValueError as exc:
         raise TestbedError(str(exc)) from None
-    tb = fleet.up(args.hosts, sw, keep_on_failure=args.keep_on_failure)
+    tb = fleet.up(args.hosts, sw, keep_on_failure=args.keep_on_failure, login_kind=args.login, names=args.names)
     _print_status(tb.status())
     print(f"\ninventory: {tb.inventory_path.relative_to(paths.REPO_ROOT)}  (hosts: {tb.hosts_json})")
     return 0

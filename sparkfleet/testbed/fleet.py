@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator
 
-from . import aptrepo, cleanup, hosts, hubservice, image, keys, network, paths, registry, rootfs, switches
+from . import aptrepo, cleanup, hosts, hubservice, image, keys, login, network, paths, registry, rootfs, switches
 from .proc import TestbedError, log, pid_alive, pid_matches, require_root, require_tools, run
 from .services import port_open
 from .state import HostState, State, write_hosts_json
@@ -60,14 +60,18 @@ def _check_env() -> None:
 
 
 def up(n_hosts: int, host_switches: dict[str, dict[str, Any]] | None = None, *,
-       keep_on_failure: bool = False) -> "Testbed":
-    """Boot a fresh fleet of *n_hosts* hosts (spark-1..N); return it."""
+       keep_on_failure: bool = False, login_kind: str = login.DEFAULT_LOGIN,
+       names: str = login.DEFAULT_NAMES) -> "Testbed":
+    """Boot a fresh fleet of *n_hosts* hosts (spark-1..N); return it. *login_kind* and
+    *names* say how the controller logs in and what the inventory calls the hosts
+    (login.py)."""
     if not 1 <= n_hosts <= 50:
         raise TestbedError(f"--hosts must be 1..50, not {n_hosts}")
+    login.check(login_kind, names)
     _check_env()
     host_switches = host_switches or {}
-    names = [paths.host_name(i) for i in range(1, n_hosts + 1)]
-    unknown = set(host_switches) - set(names)
+    host_names = [paths.host_name(i) for i in range(1, n_hosts + 1)]
+    unknown = set(host_switches) - set(host_names)
     if unknown:
         raise TestbedError(f"switches for hosts that are not in the fleet: {', '.join(sorted(unknown))}")
     with locked():
@@ -82,11 +86,11 @@ def up(n_hosts: int, host_switches: dict[str, dict[str, Any]] | None = None, *,
         cleanup.teardown()
         t = mark("cleanup", t0)
         _mount_state_tmpfs()
-        state = State()
+        state = State(login=login_kind, names=names)
         paths.LOG_DIR.mkdir(parents=True, exist_ok=True)
         state.save()
         try:
-            _up(state, names, host_switches, mark, t)
+            _up(state, host_names, host_switches, mark, t)
         except BaseException:
             state.save()
             if keep_on_failure:
@@ -135,6 +139,7 @@ def _up(state: State, names: list[str], host_switches: dict[str, dict[str, Any]]
     state.rootfs = str(host_root)
     t = mark("rootfs", t)
     pubkey = keys.ensure_ssh_key()
+    sudo_password = login.new_password() if state.login == "dgx" else None
     network.ensure_bridge()
     deb = aptrepo.build_repo()
     t = mark("apt_repo_build", t)
@@ -146,7 +151,7 @@ def _up(state: State, names: list[str], host_switches: dict[str, dict[str, Any]]
         state.hosts[name] = h
         state.save()
         network.create_host_net(name, h.address)
-        hosts.provision(h, host_root, pubkey, deb)
+        hosts.provision(h, host_root, pubkey, deb, state.login, sudo_password)
     t = mark("provision", t)
     for h in state.hosts.values():
         hosts.boot(h)
@@ -315,9 +320,11 @@ class Testbed:
     # --- host operations ----------------------------------------------------------
 
     def exec(self, name: str, command: str | list[str], *, via: str = "ssh", timeout: float = 60,
-             check: bool = False):
-        """Run a shell command on a host, over real SSH (default) or nsenter."""
-        return hosts.exec_cmd(self.host(name), self.ssh_key, command, via=via, timeout=timeout, check=check)
+             check: bool = False, as_root: bool = True):
+        """Run a shell command on a host, over real SSH (default) or nsenter; as root
+        (through sudo with a dgx login) unless *as_root* is False (SSH only)."""
+        return hosts.exec_cmd(self.host(name), self.ssh_key, command, via=via, timeout=timeout, check=check,
+                              as_root=as_root)
 
     def stop_host(self, name: str, grace: float = 60) -> None:
         """Power the host off (its overlay, docker data and netns stay): unreachable

@@ -17,7 +17,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from . import cgroups, paths, simhw
+from . import cgroups, login, paths, simhw
 from .proc import TestbedError, kill_wait, log, pid_alive, pid_matches, run, start_detached, wait_until
 from .state import HostState
 
@@ -74,7 +74,7 @@ SSH_OPTS = [
 
 def mount_overlay(h: HostState, rootfs: Path) -> None:
     d = h.dir
-    for sub in ("upper", "work", "root", "docker"):
+    for sub in ("upper", "work", "root", "docker", "containerd"):
         (d / sub).mkdir(parents=True, exist_ok=True)
     if not _is_mountpoint(h.mnt):
         run(
@@ -96,21 +96,19 @@ def write_switches(h: HostState) -> None:
     (sim / "switches.json").write_text(json.dumps(h.switches, indent=1, sort_keys=True) + "\n")
 
 
-def provision(h: HostState, rootfs: Path, pubkey: str, toolkit_deb: Path) -> None:
+def provision(h: HostState, rootfs: Path, pubkey: str, toolkit_deb: Path, login_kind: str = "root",
+              sudo_password: str | None = None) -> None:
     """Prepare a host's root before its first boot (overlay mounted, files written)."""
     mount_overlay(h, rootfs)
     root = h.mnt
     (root / "etc/hostname").write_text(h.name + "\n")
+    # Only its own name: a host never resolves another's (nor a name only the controller knows).
     (root / "etc/hosts").write_text(
         f"127.0.0.1\tlocalhost\n127.0.1.1\t{h.name}\n{h.address}\t{h.name}\n"
         "::1\tlocalhost ip6-localhost ip6-loopback\n"
     )
-    ssh_dir = root / "root/.ssh"
-    ssh_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    ssh_dir.chmod(0o700)
-    ak = ssh_dir / "authorized_keys"
-    ak.write_text(pubkey.strip() + "\n")
-    ak.chmod(0o600)
+    login.provision(root, login_kind, pubkey, sudo_password)
+    h.user = login.user(login_kind)
     # Unique sshd host keys per host (the cached root has none).
     run(["chroot", root, "ssh-keygen", "-A"], timeout=60)
     docker_dir = root / "etc/docker"
@@ -149,6 +147,9 @@ def nspawn_argv(h: HostState) -> list[str]:
         "--capability=all",
         "--system-call-filter=@mount @keyring bpf",
         f"--bind={h.dir / 'docker'}:/var/lib/docker",
+        # Docker's containerd image store keeps its overlay snapshots here: like docker's
+        # own overlay2, they cannot live on the host's overlayfs root.
+        f"--bind={h.dir / 'containerd'}:/var/lib/containerd",
         f"--network-namespace-path=/run/netns/{h.netns}",
         "--resolv-conf=off", "--link-journal=no",
         "-D", str(h.mnt), "-M", h.name,
@@ -173,11 +174,13 @@ def boot(h: HostState) -> int:
 
 
 def ssh_argv(h: HostState, key: Path, command: str) -> list[str]:
-    return ["ssh", "-i", str(key), *SSH_OPTS, f"root@{h.address}", command]
+    return ["ssh", "-i", str(key), *SSH_OPTS, f"{h.user}@{h.address}", command]
 
 
-def ssh(h: HostState, key: Path, command: str, timeout: float = 60, check: bool = False) -> subprocess.CompletedProcess[str]:
-    return run(ssh_argv(h, key, command), timeout=timeout, check=check)
+def ssh(h: HostState, key: Path, command: str, timeout: float = 60, check: bool = False,
+        input: str | None = None) -> subprocess.CompletedProcess[str]:
+    """*command* on *h* over SSH as its login user (see exec_cmd for root)."""
+    return run(ssh_argv(h, key, command), timeout=timeout, check=check, input=input)
 
 
 def probe(h: HostState, key: Path) -> dict[str, str]:
@@ -270,12 +273,14 @@ def nsenter_exec(h: HostState, command: str, timeout: float = 60, check: bool = 
 
 
 def exec_cmd(h: HostState, key: Path, command: str | list[str], *, via: str = "ssh",
-             timeout: float = 60, check: bool = False) -> subprocess.CompletedProcess[str]:
-    """Run a shell command (or argv, quoted for the shell) on host *h*."""
+             timeout: float = 60, check: bool = False, as_root: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run a shell command (or argv, quoted for the shell) on host *h*: as root (over SSH
+    as the login user, through sudo where that is not root), or as the login user."""
     if not isinstance(command, str):
         command = shlex.join(command)
     if via == "ssh":
-        return ssh(h, key, command, timeout=timeout, check=check)
+        command, stdin = login.as_root(command, h.user) if as_root else (command, None)
+        return ssh(h, key, command, timeout=timeout, check=check, input=stdin)
     if via == "nsenter":
         return nsenter_exec(h, command, timeout=timeout, check=check)
     raise ValueError(f"via must be 'ssh' or 'nsenter', not {via!r}")

@@ -3,7 +3,15 @@
 ``huggingface_hub`` on the simulated hosts points ``HF_ENDPOINT`` here and runs its
 real download path (``snapshot_download`` / ``hf_hub_download``): repo info, the tree
 listing, ``HEAD``/``GET`` on ``/resolve`` with HTTP Range resume. Only what the client
-needs is implemented, and never the Xet headers, so the plain HTTP path is taken.
+needs is implemented.
+
+Xet, like the Hub: LFS files carry a ``xetHash`` in tree and paths-info entries and
+``X-Xet-Hash`` + ``Link: <.../xet-read-token/<sha>>; rel="xet-auth"`` on ``/resolve``;
+``GET /api/models/{repo}/xet-read-token/{rev}`` gives a token and a CAS URL on this
+server (``/_testbed/cas``). The CAS holds nothing: it counts every request
+(``cas_requests`` in the stats) and answers 403, so a client that takes the Xet path
+(huggingface_hub with hf_xet, unless ``HF_HUB_DISABLE_XET=1``) fails loudly and the
+counter shows that a download bypassed ``HF_ENDPOINT`` and any mirror in front of it.
 
 Layout on disk::
 
@@ -24,7 +32,8 @@ configured one is refused on every endpoint (401 "Invalid credentials").
 ``POST /api/models/{repo}/paths-info/{revision}`` answers like the Hub (mirrors such as
 olah ask it for a file's size and LFS oid before serving it).
 
-Testbed endpoints: ``GET /_testbed/stats`` (body bytes served, per repo and client IP),
+Testbed endpoints: ``GET /_testbed/stats`` (body bytes served, per repo and client IP;
+``cas_requests`` and ``xet_token_requests``),
 ``POST /_testbed/reset``, ``GET /_testbed/requests`` (recent request log) and
 ``POST /_testbed/fault`` (``{"repo", "path", "abort_after", "times"}``: the next GETs of
 that file send their headers, then only ``abort_after`` body bytes, then drop the
@@ -66,6 +75,8 @@ _LFS_MIN_SIZE = 10 * 1024 * 1024
 _LFS_POINTER_SIZE = 134
 _CHUNK = 1 << 20
 _REQUEST_LOG_LEN = 2000
+#: What the CAS answers: a client error, which hf_xet does not retry (a 503 it retries for minutes).
+_CAS_STATUS = 403
 
 
 class HubError(Exception):
@@ -94,6 +105,12 @@ class FileInfo:
     @property
     def etag(self) -> str:
         return self.sha256 or self.blob_id
+
+    @property
+    def xet_hash(self) -> str | None:
+        """The file's Xet content hash (64 hex) where the Hub would keep it in Xet: LFS files.
+        Made from the content sha256 (a real one hashes Xet chunks; no client checks it)."""
+        return hashlib.sha256(b"sparkfleet-xet\0" + bytes.fromhex(self.sha256)).hexdigest() if self.sha256 else None
 
 
 @dataclass(frozen=True)
@@ -228,6 +245,8 @@ class ByteCounter:
     def reset(self) -> None:
         with self._lock:
             self.total = 0
+            self.cas_requests = 0
+            self.xet_token_requests = 0
             self.by_repo: dict[str, int] = collections.defaultdict(int)
             self.by_client: dict[str, int] = collections.defaultdict(int)
             self.by_repo_client: dict[str, dict[str, int]] = collections.defaultdict(
@@ -246,10 +265,17 @@ class ByteCounter:
         with self._lock:
             self.requests.append(entry)
 
+    def count(self, what: str) -> None:
+        """One more request of *what* (``cas_requests``, ``xet_token_requests``)."""
+        with self._lock:
+            setattr(self, what, getattr(self, what) + 1)
+
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return {
                 "total": self.total,
+                "cas_requests": self.cas_requests,
+                "xet_token_requests": self.xet_token_requests,
                 "by_repo": dict(self.by_repo),
                 "by_client": dict(self.by_client),
                 "by_repo_client": {r: dict(c) for r, c in self.by_repo_client.items()},
@@ -333,6 +359,15 @@ def _parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     if start >= size or start > end:
         raise HubError(416, None, "Range Not Satisfiable")
     return start, end
+
+
+def _file_entry(f: FileInfo) -> dict[str, Any]:
+    """A file's entry in tree and paths-info answers."""
+    entry: dict[str, Any] = {"type": "file", "oid": f.blob_id, "size": f.size, "path": f.path}
+    if f.is_lfs:
+        entry["lfs"] = {"oid": f.sha256, "size": f.size, "pointerSize": _LFS_POINTER_SIZE}
+        entry["xetHash"] = f.xet_hash
+    return entry
 
 
 class _HubHTTPServer(ThreadingHTTPServer):
@@ -421,9 +456,36 @@ class _HubHandler(BaseHTTPRequestHandler):
     def do_HEAD(self) -> None:
         self._dispatch(head=True)
 
+    def do_PUT(self) -> None:
+        self._read_body()
+        segs, _ = self._segments()
+        if segs[:2] == ["_testbed", "cas"]:
+            return self._cas(head=False)
+        self._send_error(HubError(405, None, "Method Not Allowed"))
+
+    def _cas(self, head: bool) -> None:
+        """The Xet CAS (reconstructions, chunks, xorbs): counted, then refused."""
+        self.server.counter.count("cas_requests")
+        self.server.counter.log({"time": time.time(), "method": self.command, "cas": self.path,
+                                 "client": self.client_address[0], "status": _CAS_STATUS, "bytes": 0})
+        self._send_json(_CAS_STATUS, {"error": "the testbed has no Xet CAS: download over HTTP (HF_HUB_DISABLE_XET=1)"},
+                        head=head)
+
+    def _base_url(self) -> str:
+        """This server as the client named it (the Hub names itself; clients map that to their endpoint)."""
+        return f"http://{self.headers.get('Host') or self._own_address()}"
+
+    def _own_address(self) -> str:
+        host, port = self.server.server_address[:2]
+        if host in ("0.0.0.0", "::"):
+            return self.headers.get("Host") or f"127.0.0.1:{port}"
+        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+
     def do_POST(self) -> None:
         segs, _ = self._segments()
         body = self._read_body()
+        if segs[:2] == ["_testbed", "cas"]:
+            return self._cas(head=False)
         try:
             if segs == ["_testbed", "reset"]:
                 self.server.counter.reset()
@@ -453,6 +515,8 @@ class _HubHandler(BaseHTTPRequestHandler):
                     return self._send_json(200, self.server.counter.snapshot(), head=head)
                 if segs == ["_testbed", "requests"]:
                     return self._send_json(200, self.server.counter.request_log(), head=head)
+                if segs[:2] == ["_testbed", "cas"]:
+                    return self._cas(head)
                 raise HubError(404, None, "Not Found")
             if segs[:2] == ["api", "models"] and len(segs) >= 4:
                 repo_id = f"{segs[2]}/{segs[3]}"
@@ -463,6 +527,8 @@ class _HubHandler(BaseHTTPRequestHandler):
                     return self._model_info(repo_id, rest[1], head)
                 if rest[0] == "tree" and len(rest) >= 2:
                     return self._tree(repo_id, rest[1], "/".join(rest[2:]), query, head)
+                if rest[0] == "xet-read-token" and len(rest) == 2:
+                    return self._xet_read_token(repo_id, rest[1], head)
                 raise HubError(404, None, "Not Found")
             if len(segs) >= 5 and segs[2] == "resolve":
                 return self._resolve(f"{segs[0]}/{segs[1]}", segs[3], "/".join(segs[4:]), head)
@@ -528,15 +594,23 @@ class _HubHandler(BaseHTTPRequestHandler):
                     dirs.add(prefix + "/".join(parents[:i]))
             if "/" in rel and not recursive:
                 continue
-            entry: dict[str, Any] = {"type": "file", "oid": f.blob_id, "size": f.size, "path": f.path}
-            if f.is_lfs:
-                entry["lfs"] = {"oid": f.sha256, "size": f.size, "pointerSize": _LFS_POINTER_SIZE}
-            entries.append(entry)
+            entries.append(_file_entry(f))
         for d in dirs:
             oid = hashlib.sha1(f"tree {rev.sha} {d}".encode()).hexdigest()
             entries.append({"type": "directory", "oid": oid, "size": 0, "path": d})
         entries.sort(key=lambda e: (e["path"].count("/"), e["type"] != "directory", e["path"]))
         self._send_json(200, entries, head=head)
+
+    def _xet_read_token(self, repo_id: str, rev_name: str, head: bool) -> None:
+        """A Xet read token and the CAS to use it with, in headers and body like the Hub."""
+        self._check_auth(repo_id, files=True)
+        rev = self.server.store.resolve(repo_id, rev_name)
+        self.server.counter.count("xet_token_requests")
+        token = "xet_testbed_" + hashlib.sha1(f"{repo_id}@{rev.sha}".encode()).hexdigest()[:16]
+        expires = int(time.time()) + 3600
+        cas = f"http://{self._own_address()}/_testbed/cas"  # like the Hub's: a host of its own, not the endpoint
+        headers = {"X-Xet-Cas-Url": cas, "X-Xet-Access-Token": token, "X-Xet-Token-Expiration": str(expires)}
+        self._send_json(200, {"casUrl": cas, "accessToken": token, "exp": expires}, headers, head=head)
 
     def _paths_info(self, repo_id: str, rev_name: str, paths: list[str]) -> None:
         """``POST /api/models/{repo}/paths-info/{rev}`` (form ``paths=...``, repeatable): the
@@ -550,10 +624,7 @@ class _HubHandler(BaseHTTPRequestHandler):
             path = path.strip("/")
             f = files.get(path)
             if f is not None:
-                entry: dict[str, Any] = {"type": "file", "oid": f.blob_id, "size": f.size, "path": f.path}
-                if f.is_lfs:
-                    entry["lfs"] = {"oid": f.sha256, "size": f.size, "pointerSize": _LFS_POINTER_SIZE}
-                entries.append(entry)
+                entries.append(_file_entry(f))
             elif path and any(p.startswith(path + "/") for p in files):
                 oid = hashlib.sha1(f"tree {rev.sha} {path}".encode()).hexdigest()
                 entries.append({"type": "directory", "oid": oid, "size": 0, "path": path})
@@ -574,6 +645,8 @@ class _HubHandler(BaseHTTPRequestHandler):
         if f.is_lfs:
             headers["X-Linked-Etag"] = f'"{f.sha256}"'
             headers["X-Linked-Size"] = str(f.size)
+            headers["X-Xet-Hash"] = f.xet_hash
+            headers["Link"] = f'<{self._base_url()}/api/models/{repo_id}/xet-read-token/{rev.sha}>; rel="xet-auth"'
         rng = None if head else _parse_range(self.headers.get("Range"), f.size)
         start, end = rng if rng else (0, f.size - 1)
         length = end - start + 1 if f.size else 0

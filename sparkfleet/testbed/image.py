@@ -42,7 +42,9 @@ VLLM_LAYER_VERSION = 1
 PYPI_JSON = "https://pypi.org/pypi/vllm/{version}/json"
 PYPI_PROJECT_JSON = "https://pypi.org/pypi/vllm/json"
 
-PIP_PINS = ["huggingface_hub==2.4.0", "requests==2.34.2", "prometheus_client==0.26.0"]
+#: hf_xet is named so that it is there whatever pip's markers decide: with it, huggingface_hub
+#: downloads Xet files from the CAS (as in a current serving image) unless HF_HUB_DISABLE_XET=1.
+PIP_PINS = ["huggingface_hub==2.4.0", "hf_xet==1.8.0", "requests==2.34.2", "prometheus_client==0.26.0"]
 PIP_PLATFORMS = [
     "manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x86_64",
     "manylinux_2_31_x86_64", "manylinux_2_34_x86_64", "manylinux_2_36_x86_64",

@@ -33,6 +33,9 @@ if INSTANCE:
 else:
     HOSTS_JSON = DOT_TESTBED / "hosts.json"
     INVENTORY = REPO_ROOT / "inventory" / "testbed.py"
+#: A dgx login's sudo password (0600) and the ssh_config of alias names (login.py).
+SUDO_PASSWORD_FILE = HOSTS_JSON.with_name("sudo-password")
+SSH_CONFIG = HOSTS_JSON.with_name("ssh_config")
 
 #: Built once, kept by `down` (rootfs, image base layer, wheels, signing key); shared.
 CACHE_DIR = Path("/var/cache/sparkfleet-testbed")

@@ -40,7 +40,16 @@ HOST_INCLUDE = [
 ]
 #: Installed in a second, chrooted apt step: debootstrap's resolver cannot place them.
 HOST_SECOND_STEP = ["docker.io"]
-IMAGE_INCLUDE = ["python3"]
+#: The Debian suite the hosts' Docker comes from. bookworm's docker.io is 20.10, far older
+#: than DGX OS's 28-29; "forky" (Debian testing) gives docker.io 28.5.2 with docker-cli,
+#: containerd 2.1 and runc 1.3 (it brings libc6 2.43 and base-files from forky along, which
+#: the rest of bookworm runs on). trixie's 26.1 does not install on bookworm.
+HOST_DOCKER_FROM = "bookworm"
+#: With a newer suite, these come from it (docker-cli is a package of its own from 28 on).
+HOST_DOCKER_PACKAGES = ["docker.io", "docker-cli", "containerd", "runc", "tini"]
+#: ca-certificates: as in the real serving image; without a CA bundle hf_xet cannot even
+#: build its HTTP client, so the image would hide the Xet path (testbed README, "Xet").
+IMAGE_INCLUDE = ["python3", "ca-certificates"]
 
 #: Trimmed from the image root: nothing at run time reads them.
 IMAGE_TRIM = [
@@ -95,6 +104,8 @@ def host_recipe(mirror: str | None = None) -> dict[str, Any]:
         "variant": "minbase",
         "include": HOST_INCLUDE,
         "second_step": HOST_SECOND_STEP,
+        **({"docker_from": HOST_DOCKER_FROM, "docker_packages": HOST_DOCKER_PACKAGES}
+           if HOST_DOCKER_FROM != SUITE else {}),
     }
 
 
@@ -163,21 +174,23 @@ def _debootstrap(recipe: dict[str, Any], target: Path) -> None:
     )
 
 
-def _chroot_apt(root: Path, mirror: str, packages: list[str]) -> None:
+def _chroot_apt(root: Path, mirror: str, packages: list[str], extra_suite: str | None = None) -> None:
     """apt-get install *packages* inside *root*, with /proc mounted and services
     prevented from starting (policy-rc.d), then remove what we put in for it."""
     shutil.copy2("/etc/resolv.conf", root / "etc/resolv.conf", follow_symlinks=True)
     sources = root / "etc/apt/sources.list"
-    sources.write_text(f"deb {mirror} {SUITE} main\n")
+    sources.write_text("".join(f"deb {mirror} {suite} main\n" for suite in (SUITE, extra_suite) if suite))
+    # Signatures are checked; a mirror that is a dated snapshot has an expired testing Release.
+    valid = ["-o", "Acquire::Check-Valid-Until=false"] if extra_suite else []
     policy = root / "usr/sbin/policy-rc.d"
     policy.write_text("#!/bin/sh\nexit 101\n")
     policy.chmod(0o755)
     run(["mount", "-t", "proc", "proc", root / "proc"], timeout=30)
     env = {"DEBIAN_FRONTEND": "noninteractive", "LC_ALL": "C"}
     try:
-        run(["chroot", root, "apt-get", "update"], timeout=600, env=env)
+        run(["chroot", root, "apt-get", *valid, "update"], timeout=600, env=env)
         run(
-            ["chroot", root, "apt-get", "install", "-y", "--no-install-recommends", *packages],
+            ["chroot", root, "apt-get", *valid, "install", "-y", "--no-install-recommends", *packages],
             timeout=1200,
             env=env,
         )
@@ -188,7 +201,11 @@ def _chroot_apt(root: Path, mirror: str, packages: list[str]) -> None:
 
 
 def _host_second_step(recipe: dict[str, Any], root: Path) -> None:
-    _chroot_apt(root, recipe["mirror"], recipe["second_step"])
+    newer = recipe.get("docker_from")
+    if newer:
+        _chroot_apt(root, recipe["mirror"], [f"{p}/{newer}" for p in recipe["docker_packages"]], extra_suite=newer)
+    else:
+        _chroot_apt(root, recipe["mirror"], recipe["second_step"])
 
 
 def _host_finish(root: Path) -> None:

@@ -32,6 +32,8 @@ class HostState:
     veth: str
     pid: int | None = None
     switches: dict[str, Any] = field(default_factory=dict)
+    #: Who the controller logs in as (login.py): root, or a dgx login's user.
+    user: str = "root"
 
     @property
     def dir(self) -> Path:
@@ -65,6 +67,8 @@ class State:
     services: dict[str, ServiceState] = field(default_factory=dict)
     image: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict)
+    login: str = "root"  # login.LOGINS
+    names: str = "plain"  # login.NAMES
 
     # --- (de)serialisation ---------------------------------------------------------
 
@@ -84,6 +88,8 @@ class State:
             services={k: ServiceState(**v) for k, v in d.get("services", {}).items()},
             image=dict(d.get("image", {})),
             data=dict(d.get("data", {})),
+            login=d.get("login", "root"),
+            names=d.get("names", "plain"),
         )
 
     def save(self, path: Path = paths.STATE_FILE) -> None:
@@ -106,19 +112,33 @@ class State:
 
 
 def write_hosts_json(state: State, ssh_key: Path = paths.SSH_KEY, path: Path = paths.HOSTS_JSON) -> None:
-    """`.testbed/hosts.json`, the contract with inventory/testbed.py."""
-    doc = {
+    """`.testbed/hosts.json`, the contract with inventory/testbed.py (and, for alias
+    names, the ssh_config beside it)."""
+    from . import login
+
+    hosts = sorted(state.hosts.values(), key=lambda h: h.index)
+    doc: dict[str, Any] = {
         "hosts": [
             {
                 "name": h.name,
+                "inventory_name": login.inventory_name(h.name, state.names),
                 "address": h.address,
+                "user": h.user,
                 "ssh_key": str(ssh_key),
                 "switches": h.switches,
             }
-            for h in sorted(state.hosts.values(), key=lambda h: h.index)
+            for h in hosts
         ],
+        "login": state.login,
+        "names": state.names,
         "data": state.data,
     }
+    if state.login != "root":
+        doc["sudo_password_file"] = str(path.with_name(paths.SUDO_PASSWORD_FILE.name))
+    if state.names == "alias":
+        doc["ssh_config"] = str(path.with_name(paths.SSH_CONFIG.name))
+        login.write_ssh_config([(e["inventory_name"], e["address"], e["user"]) for e in doc["hosts"]], ssh_key,
+                               Path(doc["ssh_config"]))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
@@ -129,22 +149,32 @@ def write_hosts_json(state: State, ssh_key: Path = paths.SSH_KEY, path: Path = p
 
 def inventory_hosts(hosts_json: Path) -> list[tuple[str, dict]]:
     """pyinfra host entries for a testbed's hosts.json, its group-data overrides as host
-    data (so ``--data`` still wins). Used by inventory/testbed.py and instance inventories."""
+    data (so ``--data`` still wins). Used by inventory/testbed.py and instance inventories.
+
+    A dgx login adds ``_sudo`` and the fleet's ``_sudo_password`` (read from its 0600
+    file here, so it is on no command line); alias names connect through the ssh_config
+    (no ``ssh_hostname``: only that file knows the address)."""
     doc = json.loads(hosts_json.read_text())
-    return [
-        (
-            h["name"],
+    sudo: dict[str, Any] = {}
+    if doc.get("sudo_password_file"):
+        sudo = {"_sudo": True, "_sudo_password": Path(doc["sudo_password_file"]).read_text().strip()}
+    entries = []
+    for h in doc["hosts"]:
+        reach = ({"ssh_config_file": doc["ssh_config"]} if doc.get("ssh_config")
+                 else {"ssh_hostname": h["address"]})
+        entries.append((
+            h.get("inventory_name", h["name"]),
             {
-                "ssh_hostname": h["address"],
-                "ssh_user": "root",
+                **reach,
+                "ssh_user": h.get("user", "root"),
                 "ssh_key": h["ssh_key"],
                 "ssh_strict_host_key_checking": "no",
                 "ssh_known_hosts_file": "/dev/null",
+                **sudo,
                 **doc.get("data", {}),
             },
-        )
-        for h in doc["hosts"]
-    ]
+        ))
+    return entries
 
 
 #: The inventory of a second fleet (SPARKFLEET_TESTBED_INSTANCE=N), read from the

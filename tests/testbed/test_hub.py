@@ -115,7 +115,8 @@ def test_hf_endpoint_environment_variable(hub: HubServer, repos: dict[str, Any],
     """The way hosts use it: HF_ENDPOINT set, the client reads it at import time."""
     code = ("import sys; from huggingface_hub import snapshot_download; "
             f"print(snapshot_download({REPO!r}, revision={OLD!r}))")
-    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1"}
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1",
+           "HF_HUB_DISABLE_XET": "1"}
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     path = Path(res.stdout.strip().splitlines()[-1])
@@ -162,11 +163,14 @@ def test_range_and_head_headers(hub: HubServer, repos: dict[str, Any]) -> None:
     sha256 = hashlib.sha256(data).hexdigest()
     assert headers["x-linked-etag"] == headers["etag"] == f'"{sha256}"'  # LFS-like: content sha256
     assert headers["x-linked-size"] == headers["content-length"] == str(len(data))
-    assert not any(k.startswith("x-xet") for k in headers)  # the plain HTTP path, never Xet
+    xet = headers["x-xet-hash"]  # like the Hub: a Xet file, its token route in a Link
+    assert len(xet) == 64 and int(xet, 16) >= 0
+    assert headers["link"] == f'<{hub.url}/api/models/{REPO}/xet-read-token/{NEW}>; rel="xet-auth"'
     cfg = repos[NEW]["config.json"]
     status, headers, _ = raw(hub, "HEAD", f"/{REPO}/resolve/{NEW}/config.json")
     git_sha1 = hashlib.sha1(b"blob %d\0" % len(cfg) + cfg).hexdigest()
     assert headers["etag"] == f'"{git_sha1}"' and "x-linked-etag" not in headers  # small file: git blob id
+    assert "x-xet-hash" not in headers and "link" not in headers  # a git file is never in Xet
     assert hub.stats()["total"] == 0  # HEADs send no body
 
     status, headers, body = raw(hub, "GET", url, {"Range": "bytes=10-19"})
@@ -219,7 +223,7 @@ def test_byte_counters_per_client_and_reset(hub: HubServer, repos: dict[str, Any
     stats = json.loads(stats_body)
     first, second = total_size(repos[OLD]), len(repos[OLD]["model.safetensors"])
     assert stats == {
-        "total": first + second,
+        "total": first + second, "cas_requests": 0, "xet_token_requests": 0,
         "by_repo": {REPO: first + second},
         "by_client": {"127.0.0.1": first, "127.0.0.2": second},
         "by_repo_client": {REPO: {"127.0.0.1": first, "127.0.0.2": second}},
@@ -227,7 +231,7 @@ def test_byte_counters_per_client_and_reset(hub: HubServer, repos: dict[str, Any
     status, _, _ = raw(hub, "POST", "/_testbed/reset")
     assert status == 200
     assert json.loads(raw(hub, "GET", "/_testbed/stats")[2]) == {
-        "total": 0, "by_repo": {}, "by_client": {}, "by_repo_client": {}}
+        "total": 0, "cas_requests": 0, "xet_token_requests": 0, "by_repo": {}, "by_client": {}, "by_repo_client": {}}
 
 
 def test_info_and_tree_endpoints(hub: HubServer, repos: dict[str, Any]) -> None:
@@ -242,6 +246,8 @@ def test_info_and_tree_endpoints(hub: HubServer, repos: dict[str, Any]) -> None:
     assert set(files) == set(repos[NEW])
     assert files["model.safetensors"].lfs is not None and files["config.json"].lfs is None
     assert files["model.safetensors"].lfs.sha256 == hashlib.sha256(repos[NEW]["model.safetensors"]).hexdigest()
+    assert len(files["model.safetensors"].xet_hash) == 64 and files["config.json"].xet_hash is None
+    assert files["model.safetensors"].xet_hash != files["big.safetensors"].xet_hash
     top = {e.path for e in api.list_repo_tree(REPO, revision=NEW)}
     assert top == {"config.json", "model.safetensors", "big.safetensors", "sub"}
     assert {e.path for e in api.list_repo_tree(REPO, path_in_repo="sub", revision=NEW)} == {"sub/notes.txt"}
@@ -256,6 +262,8 @@ def test_paths_info_endpoint(hub: HubServer, repos: dict[str, Any]) -> None:
     assert by_path["model.safetensors"].size == len(repos[NEW]["model.safetensors"])
     assert by_path["model.safetensors"].lfs.sha256 == hashlib.sha256(repos[NEW]["model.safetensors"]).hexdigest()
     assert by_path["config.json"].lfs is None
+    assert by_path["model.safetensors"].xet_hash == next(
+        e.xet_hash for e in api.list_repo_tree(REPO, revision=NEW) if e.path == "model.safetensors")
     assert isinstance(by_path["sub"], huggingface_hub.hf_api.RepoFolder)
 
 
@@ -311,3 +319,116 @@ def test_cli(repos: dict[str, Any]) -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0
+
+
+# --- Xet: what a current huggingface_hub does against a Hub that has it ------------------------
+def fetch(endpoint: str, home: Path, disable_xet: bool, revision: str = NEW) -> subprocess.CompletedProcess[str]:
+    """snapshot_download in a fresh process (huggingface_hub reads HF_HUB_DISABLE_XET at import)."""
+    code = ("from huggingface_hub import snapshot_download; "
+            f"print(snapshot_download({REPO!r}, revision={revision!r}))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
+    env.update(HF_ENDPOINT=endpoint, HF_HOME=str(home), HF_HUB_DISABLE_TELEMETRY="1")
+    if disable_xet:
+        env["HF_HUB_DISABLE_XET"] = "1"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_xet_read_token_names_the_testbed_cas(hub: HubServer) -> None:
+    status, headers, body = raw(hub, "GET", f"/api/models/{REPO}/xet-read-token/{NEW}")
+    token = json.loads(body)
+    assert status == 200 and token["casUrl"] == headers["x-xet-cas-url"] == f"{hub.url}/_testbed/cas"
+    assert token["accessToken"] == headers["x-xet-access-token"] and int(headers["x-xet-token-expiration"]) > time.time()
+    assert raw(hub, "GET", f"/api/models/{GATED}/xet-read-token/main")[0] == 401  # gated like its files
+    status, _, _ = raw(hub, "GET", "/_testbed/cas/v2/reconstructions/" + "0" * 64)
+    assert status == 403
+    assert raw(hub, "POST", "/_testbed/cas/v1/xorbs/default/" + "0" * 64)[0] == 403
+    assert hub.stats()["cas_requests"] == 2 and hub.stats()["xet_token_requests"] == 1
+    hub.reset()
+    assert hub.stats()["cas_requests"] == 0
+
+
+def test_current_huggingface_hub_goes_to_the_cas_unless_xet_is_disabled(hub: HubServer, repos: dict[str, Any],
+                                                                       tmp_path: Path) -> None:
+    """huggingface_hub with hf_xet takes LFS files from the Xet CAS, never from HF_ENDPOINT;
+    HF_HUB_DISABLE_XET=1 keeps every byte on the endpoint."""
+    import hf_xet  # noqa: F401 - a hard dependency of huggingface_hub on x86_64 and aarch64
+
+    xet = fetch(hub.url, tmp_path / "xet", disable_xet=False)
+    assert xet.returncode != 0 and "_testbed/cas" in xet.stderr
+    stats = hub.stats()
+    assert stats["cas_requests"] > 0 and stats["xet_token_requests"] >= 1
+    lfs = [n for n in repos[NEW] if n.endswith(".safetensors")]
+    assert not any(r.get("path") in lfs and r["bytes"] for r in hub.requests())  # no LFS byte over HTTP
+    hub.reset()
+    plain = fetch(hub.url, tmp_path / "http", disable_xet=True)
+    assert plain.returncode == 0, plain.stderr
+    assert read_tree(plain.stdout.strip().splitlines()[-1]) == repos[NEW]
+    assert hub.stats()["cas_requests"] == 0 and hub.stats()["xet_token_requests"] == 0
+    assert hub.stats()["total"] == total_size(repos[NEW])
+
+
+@pytest.fixture(scope="module")
+def olah_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The fleet mirror's olah (mirror_olah), installed from the wheel set the deploy uses."""
+    import platform
+    import runpy
+
+    from sparkfleet.distribution import _controller_wheelhouse
+
+    requirement = runpy.run_path(str(Path(__file__).resolve().parents[2] / "group_data" / "all.py"))["mirror_olah"]
+    python = {"major": sys.version_info[0], "minor": sys.version_info[1], "machine": platform.machine(),
+              "glibc": platform.libc_ver()[1] or "-"}
+    wheels = _controller_wheelhouse(requirement, python)
+    target = tmp_path_factory.mktemp("olah")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(target),
+                    *[str(w) for w in wheels.glob("*.whl") if not w.name.startswith("pip-")]],
+                   check=True, timeout=300, capture_output=True)
+    return target
+
+
+@pytest.mark.network
+def test_through_olah_xet_bypasses_the_mirror_unless_disabled(hub: HubServer, repos: dict[str, Any],
+                                                              olah_lib: Path, tmp_path: Path) -> None:
+    """olah 0.5.4 relays the tree (xetHash included) and forwards xet-read-token upstream:
+    with Xet on, the client goes past the mirror to the CAS. With HF_HUB_DISABLE_XET=1 every
+    byte comes through olah, byte-identical."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = tmp_path / "olah.toml"
+    config.write_text(
+        f'[basic]\nhost = "127.0.0.1"\nport = {port}\nrepos-path = "{tmp_path / "cache"}"\n'
+        f'hf-scheme = "http"\nhf-netloc = "127.0.0.1:{hub.port}"\nhf-lfs-netloc = "127.0.0.1:{hub.port}"\n'
+        f'mirror-netloc = "127.0.0.1:{port}"\nmirror-lfs-netloc = "127.0.0.1:{port}"\n'
+    )
+    with open(tmp_path / "olah.log", "w") as log:
+        olah = subprocess.Popen(
+            [sys.executable, "-m", "olah.server", "--config", str(config), "--log-path", str(tmp_path / "logs")],
+            env={**os.environ, "PYTHONPATH": str(olah_lib), "GIT_PYTHON_REFRESH": "quiet"},
+            stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+        )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                assert olah.poll() is None and time.monotonic() < deadline, (tmp_path / "olah.log").read_text()
+                time.sleep(0.1)
+        mirror = f"http://127.0.0.1:{port}"
+        xet = fetch(mirror, tmp_path / "xet", disable_xet=False)
+        assert xet.returncode != 0
+        before = hub.stats()
+        assert before["cas_requests"] > 0 and before["xet_token_requests"] >= 1
+        lfs = [n for n in repos[NEW] if n.endswith(".safetensors")]
+        assert before["total"] == total_size(repos[NEW]) - total_size(repos[NEW], *lfs)  # the git files only
+        plain = fetch(mirror, tmp_path / "http", disable_xet=True)
+        assert plain.returncode == 0, plain.stderr
+        assert read_tree(plain.stdout.strip().splitlines()[-1]) == repos[NEW]
+        after = hub.stats()
+        assert [after[k] - before[k] for k in ("cas_requests", "xet_token_requests")] == [0, 0]
+        assert after["total"] == total_size(repos[NEW])  # every byte upstream once, through olah (git files cached)
+    finally:
+        olah.terminate()
+        olah.wait(timeout=10)

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from sparkfleet.testbed import paths, switches
-from sparkfleet.testbed.state import HostState, ServiceState, State, write_hosts_json
+from sparkfleet.testbed import login, paths, switches
+from sparkfleet.testbed.state import HostState, ServiceState, State, inventory_hosts, write_hosts_json
 
 
 def _state() -> State:
@@ -62,10 +62,12 @@ def test_hosts_json_shape(tmp_path):
     out = tmp_path / "hosts.json"
     write_hosts_json(_state(), ssh_key=tmp_path / "id_ed25519", path=out)
     doc = json.loads(out.read_text())
-    assert set(doc) == {"hosts", "data"}
+    assert set(doc) == {"hosts", "data", "login", "names"}
+    assert (doc["login"], doc["names"]) == ("root", "plain")
     assert [h["name"] for h in doc["hosts"]] == ["spark-1", "spark-2"]
-    assert doc["hosts"][0] == {"name": "spark-1", "address": "10.213.0.11",
-                               "ssh_key": str(tmp_path / "id_ed25519"), "switches": {"disk_full": True}}
+    assert doc["hosts"][0] == {"name": "spark-1", "inventory_name": "spark-1", "address": "10.213.0.11",
+                               "user": "root", "ssh_key": str(tmp_path / "id_ed25519"),
+                               "switches": {"disk_full": True}}
     assert doc["data"]["ready_timeout_s"] == 300
 
 
@@ -89,6 +91,41 @@ def test_inventory_reads_hosts_json(tmp_path, monkeypatch):
     assert data["ssh_strict_host_key_checking"] == "no"
     assert data["ssh_known_hosts_file"] == "/dev/null"
     assert data["ready_timeout_s"] == 300
+
+
+def test_inventory_of_a_dgx_login_with_alias_names(tmp_path):
+    """dgx login: the user, _sudo and the password from its 0600 file (not from hosts.json);
+    alias names: no address in the inventory, only the ssh_config knows it."""
+    st = _state()
+    st.login, st.names = "dgx", "alias"
+    for h in st.hosts.values():
+        h.user = login.LOGIN_USER
+    hosts_json = tmp_path / "hosts.json"
+    password = login.new_password(tmp_path / "sudo-password")
+    assert (tmp_path / "sudo-password").stat().st_mode & 0o777 == 0o600
+    write_hosts_json(st, ssh_key=tmp_path / "k", path=hosts_json)
+    assert password not in hosts_json.read_text()
+    (name, data), _ = inventory_hosts(hosts_json)
+    assert name == "spark-1.local" and "ssh_hostname" not in data
+    assert (data["ssh_user"], data["_sudo"], data["_sudo_password"]) == (login.LOGIN_USER, True, password)
+    assert data["ssh_config_file"] == str(tmp_path / "ssh_config")
+    import paramiko
+
+    cfg = paramiko.SSHConfig.from_path(data["ssh_config_file"])
+    found = cfg.lookup("spark-2.local")
+    assert (found["hostname"], found["user"]) == ("10.213.0.12", login.LOGIN_USER)
+    assert cfg.lookup("spark-2")["hostname"] == "spark-2"  # nothing else is aliased
+
+
+def test_root_command_through_sudo_reads_the_password_from_stdin(tmp_path, monkeypatch):
+    monkeypatch.setattr(paths, "SUDO_PASSWORD_FILE", tmp_path / "pw")
+    monkeypatch.setattr(login, "password", lambda path=None: "s3cret")
+    assert login.as_root("id -u", "root") == ("id -u", None)
+    command, stdin = login.as_root("docker ps 'x'", login.LOGIN_USER)
+    assert command == "sudo -k -S -p '' -- sh -c 'docker ps '\"'\"'x'\"'\"''" and stdin == "s3cret\n"
+    assert "s3cret" not in command
+    with pytest.raises(Exception, match="--login"):
+        login.check("admin", "plain")
 
 
 def test_inventory_without_hosts_json_says_what_to_do(tmp_path):
