@@ -23,6 +23,7 @@ COMPILE_SIGNATURE = "sparkfleet-compile-signature"  # in hf_home/.vllm_cache
 DOCKER_DAEMON_JSON = "/etc/docker/daemon.json"
 NVIDIA_APT_KEYRING = "/usr/share/keyrings/nvidia-container-toolkit.asc"
 NVIDIA_APT_SOURCES = "/etc/apt/sources.list.d/nvidia-container-toolkit.list"
+NVIDIA_DEV_CHAR_RULE = "/etc/udev/rules.d/71-nvidia-dev-char.rules"  # NVIDIA's daemon-reload workaround
 
 # --- the HF cache layout (hf_home), shared with runtime/fetch_weights.py ---------------
 

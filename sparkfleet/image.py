@@ -81,6 +81,7 @@ def one_shot(settings: Settings, name: str, args: str, extra_mounts: str = "") -
         f"docker rm -f {name} >/dev/null 2>&1; "
         f"docker run --rm --pull never --name {name} --network host --env-file {HF_ENV} "
         f"-e HF_HOME=/hf -e HF_HUB_DISABLE_TELEMETRY=1 {endpoint}"
+        "-e HF_HUB_DISABLE_XET=1 "  # else hf_xet fetches from the Xet CAS, past HF_ENDPOINT and the mirror
         f"-v {q(settings.hf_home)}:/hf -v {RUNTIME_DIR}:/host:ro {extra_mounts}"
         f"--entrypoint python3 {q(image_reference(settings))} {args}"
     )

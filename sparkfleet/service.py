@@ -29,7 +29,7 @@ from pyinfra.api.exceptions import OperationError
 from pyinfra.facts.files import Sha256File
 from pyinfra.operations import files, systemd
 
-from sparkfleet import remote, secrets
+from sparkfleet import container_runtime, remote, secrets
 from sparkfleet.config import Settings
 from sparkfleet.hostpaths import (
     AUTH_HEADER,
@@ -297,6 +297,7 @@ def running(settings: Settings, also_restart_for: tuple = ()) -> None:
         secrets_env=SECRETS_ENV,
         runtime_dir=RUNTIME_DIR,
         image=image_reference(settings),
+        gpu_flag=container_runtime.unit_gpu_flag(settings),  # --gpus all, or CDI's --device
     )
     compile_cache = compile_cache_matches(name="torch.compile cache matches the profile", settings=settings)
     feeds = (*also_restart_for, env, unit, compile_cache)
