@@ -117,6 +117,8 @@ class Settings(BaseModel):
     max_num_seqs: int = Field(ge=1, le=256)
     max_num_batched_tokens: int = Field(ge=256, le=1048576)
     gpu_memory_utilization: float = Field(ge=0.10, le=0.95)
+    engine_startup_memory_gib: float = Field(ge=0)
+    oom_guard_min_available_gib: float = Field(gt=0)
     load_format: str
     attention_backend: str
     drafter_attention_backend: str
@@ -138,6 +140,7 @@ class Settings(BaseModel):
     nvidia_apt_repo: str
     nvidia_apt_key_url: str
     image_size_gib: float = Field(gt=0)
+    image_unpack_ratio: float = Field(ge=1)
     artifact_sizes_gib: dict[str, float]
     disk_margin_gib: float = Field(ge=0)
     # Post-deploy checks (see checks/)

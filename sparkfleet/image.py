@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from dataclasses import dataclass
 
 from pyinfra import host
 from pyinfra.api import FactBase, FunctionCommand, operation
@@ -17,9 +18,10 @@ from pyinfra.api.exceptions import OperationError
 
 from sparkfleet import mirror, remote
 from sparkfleet.config import Settings, host_mirror
-from sparkfleet.facts import MANIFEST_ACCEPT, DockerRoot
+from sparkfleet.facts import MANIFEST_ACCEPT
 from sparkfleet.hostpaths import HF_ENV, RUNTIME_DIR, registry_ca_path
 from sparkfleet.mirror import ImageName, image_reference
+from sparkfleet.mirror.names import upstream_registry_url
 from sparkfleet.tasks import detached
 
 
@@ -59,13 +61,108 @@ def is_present(reference: str) -> bool:
     return bool(used) and _present(ImageName.parse(reference).at(used.registry))
 
 
+#: Reads the image's manifest from its registry on the host (stdlib only; anonymous or
+#: bearer-token auth as registries answer): prints the compressed bytes of its layers
+#: and config, for arm64 when the reference is a multi-platform index.
+_MANIFEST_SIZE_PY = r"""
+import json, re, sys, urllib.error, urllib.parse, urllib.request
+base, repo, ref, accept = sys.argv[1:5]
+token = None
+def get(ref):
+    global token
+    while True:
+        headers = {"Accept": accept, **({"Authorization": "Bearer " + token} if token else {})}
+        req = urllib.request.Request(f"{base}/v2/{repo}/manifests/{ref}", headers=headers)
+        try:
+            return json.load(urllib.request.urlopen(req, timeout=20))
+        except urllib.error.HTTPError as err:
+            challenge = err.headers.get("WWW-Authenticate", "")
+            if err.code != 401 or token is not None or not challenge.lower().startswith("bearer "):
+                raise
+            params = dict(re.findall(r'(\w+)="([^"]*)"', challenge))
+            realm = params.pop("realm")
+            doc = json.load(urllib.request.urlopen(realm + "?" + urllib.parse.urlencode(params), timeout=20))
+            token = doc.get("token") or doc.get("access_token") or ""
+doc = get(ref)
+if "manifests" in doc:
+    children = doc["manifests"]
+    arm = [m for m in children if m.get("platform", {}).get("architecture") == "arm64"]
+    doc = get((arm or children)[0]["digest"])
+print("compressed", doc["config"]["size"] + sum(layer["size"] for layer in doc["layers"]))
+"""
+
+
+class ImageStore(FactBase["dict | None"]):
+    """Where docker keeps images: ``{"containerd": bool, "path": dir}``, or None when docker
+    does not answer. Docker's containerd image store (``driver-type
+    io.containerd.snapshotter.v1``, Docker 29's default) keeps the compressed blobs and
+    the unpacked snapshots under containerd's root, not ``DockerRootDir``."""
+
+    def command(self) -> str:
+        return (
+            "docker info --format '{{.DockerRootDir}} {{json .DriverStatus}}' 2>/dev/null || true; "
+            "containerd config dump 2>/dev/null | grep '^root = ' | tr -d \"'\\\"\" | sed 's/^root = /containerd_root /' || true"
+        )
+
+    def process(self, output):
+        if not output or not output[0].startswith("/"):
+            return None
+        root, _, status = output[0].partition(" ")
+        containerd_root = next((line.split(" ", 1)[1] for line in output[1:] if line.startswith("containerd_root ")),
+                               "/var/lib/containerd")
+        containerd = "io.containerd.snapshotter" in status
+        return {"containerd": containerd, "path": containerd_root if containerd else root}
+
+
+class ManifestSize(FactBase["int | None"]):
+    """Compressed bytes of ``path:reference`` in the registry at ``url`` (None if unread)."""
+
+    def command(self, url: str, path: str, reference: str) -> str:
+        q = shlex.quote
+        return (
+            f"timeout 60 python3 -c {q(_MANIFEST_SIZE_PY)} {q(url)} {q(path)} {q(reference)} "
+            f"{q(MANIFEST_ACCEPT)} 2>/dev/null || true"
+        )
+
+    def process(self, output):
+        for line in output:
+            key, _, value = line.partition(" ")
+            if key == "compressed" and value.strip().isdigit():
+                return int(value)
+        return None
+
+
+@dataclass(frozen=True)
+class ImageSizes:
+    compressed_gib: float  # what the registry sends, and a registry copy holds
+    unpacked_gib: float  # the layers unpacked on disk
+    source: str  # where the numbers come from
+
+
+def sizes(settings: Settings) -> ImageSizes:
+    """The image's sizes: from its manifest in the registry (compressed, exact; unpacked,
+    ``image_unpack_ratio`` times that), else ``image_size_gib`` as the unpacked size."""
+    name = ImageName.parse(settings.image)
+    url = upstream_registry_url(settings.image, settings.image_registry_url)
+    compressed = host.get_fact(ManifestSize, url=url, path=name.path, reference=name.digest or name.tag)
+    if compressed:
+        gib = compressed / 1024**3
+        return ImageSizes(gib, gib * settings.image_unpack_ratio, f"its manifest in {url}")
+    unpacked = settings.image_size_gib
+    return ImageSizes(unpacked / settings.image_unpack_ratio, unpacked,
+                      f"image_size_gib (the manifest in {url} could not be read from this host)")
+
+
 def disk_needs(settings: Settings) -> dict[str, float]:
-    """What the image still needs on this host: {docker's data root: GiB} (nothing when it
-    is there or docker does not answer, which the preflight reports on its own)."""
-    root = host.get_fact(DockerRoot)
-    if root is None or is_present(settings.image):
+    """What the image still needs on this host: {the directory that holds docker's images:
+    GiB}. The classic store keeps the unpacked layers under DockerRootDir (each compressed
+    layer is deleted once unpacked); the containerd store keeps both under containerd's
+    root. Nothing when the image is there or docker does not answer (the preflight says so)."""
+    store = host.get_fact(ImageStore)
+    if store is None or is_present(settings.image):
         return {}
-    return {root: settings.image_size_gib}
+    size = sizes(settings)
+    return {store["path"]: size.unpacked_gib + (size.compressed_gib if store["containerd"] else 0.0)}
 
 
 def one_shot(settings: Settings, name: str, args: str, extra_mounts: str = "") -> str:
