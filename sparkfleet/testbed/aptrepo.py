@@ -20,7 +20,7 @@ from .state import ServiceState
 
 GNUPGHOME = paths.CACHE_DIR / "gnupg"
 #: Real Debian packages the hosts may install from this repository (the fleet source's).
-ARCHIVE_PACKAGES = ("docker-registry",)
+ARCHIVE_PACKAGES = ("docker-registry", "earlyoom")  # earlyoom: the OOM guard (oomguard.py)
 ARCHIVE_DEBS = paths.CACHE_DIR / "debs-archive"
 KEY_UID = "sparkfleet testbed apt signing key <testbed@sparkfleet.invalid>"
 REPO_DIR = paths.STATE_DIR / "apt"
