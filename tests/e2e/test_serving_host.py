@@ -1,0 +1,174 @@
+"""The serving host as DGX OS ships it: GPU access through the legacy hook with the runtime
+in daemon.json (spark-1) or through CDI only (spark-2), and Docker's containerd image
+store (spark-2), on Docker 28 hosts.
+
+The module boots its own fleet of 2 (it replaces the session's, which the session's
+teardown then removes). The simulated hosts see the machine's memory, shared with other
+fleets: the memory preflight is given the simulated engine's real needs as data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import time
+
+import pytest
+
+from tests.e2e.test_deploy import changed_hosts, completion, unit, wait_for_answer
+
+pytestmark = pytest.mark.e2e
+
+KINDS = {"spark-1": {"nvidia_runtime": True}, "spark-2": {"cdi": True, "containerd_store": True}}
+#: The simulated engine allocates no GPU memory; the preflight still checks the rule.
+SIM_MEMORY = ["--data", "gpu_memory_utilization=0.1", "--data", "engine_startup_memory_gib=0.5"]
+
+
+@pytest.fixture(scope="module")
+def kinds():
+    from tests.e2e.conftest import _environment_problem
+
+    problem = _environment_problem()
+    if problem:
+        pytest.fail(problem, pytrace=False)
+    from sparkfleet.testbed import fleet, rootfs
+
+    docker_from = rootfs.HOST_DOCKER_FROM
+    rootfs.HOST_DOCKER_FROM = "forky"  # Docker 28: CDI and the containerd store
+    try:
+        tb = fleet.up(2, KINDS)
+    finally:
+        rootfs.HOST_DOCKER_FROM = docker_from
+    try:
+        yield tb
+    finally:
+        if os.environ.get("SPARKFLEET_KEEP_TESTBED") != "1":
+            fleet.down()
+
+
+def manifest_bytes(tb) -> int:
+    """Config + layers of the fleet's image, as its registry lists them."""
+    import urllib.request
+
+    ref = tb.data["image"]
+    registry, _, rest = ref.partition("/")
+    repo, _, digest = rest.partition("@")
+    repo = repo.rsplit(":", 1)[0]
+    req = urllib.request.Request(f"http://{registry}/v2/{repo}/manifests/{digest}",
+                                 headers={"Accept": "application/vnd.oci.image.manifest.v1+json,"
+                                                    "application/vnd.docker.distribution.manifest.v2+json"})
+    doc = json.load(urllib.request.urlopen(req, timeout=10))
+    return doc["config"]["size"] + sum(layer["size"] for layer in doc["layers"])
+
+
+def docker_started(tb, name: str) -> str:
+    return tb.exec(name, "systemctl show docker -p ExecMainStartTimestampMonotonic -p NRestarts").stdout
+
+
+def test_the_hosts_are_the_kinds_they_claim(kinds):
+    assert "nvidia" in json.loads(kinds.exec("spark-1", "cat /etc/docker/daemon.json").stdout)["runtimes"]
+    info = kinds.exec("spark-2", "docker info --format '{{json .DriverStatus}}'; "
+                                 "command -v nvidia-container-runtime-hook || echo no-legacy-hook").stdout
+    assert "io.containerd.snapshotter.v1" in info and "no-legacy-hook" in info
+
+
+def test_containerd_store_need_is_checked_on_var_lib_containerd(kinds, deploy_run):
+    # Nothing pulled yet: each host needs the image where its store keeps it. A huge unpack
+    # ratio makes both needs fail, so the messages show the path and the amount.
+    ratio = 200000
+    result = deploy_run("deploy.py", *SIM_MEMORY, "--data", f"image_unpack_ratio={ratio}")
+    out = result.stdout + result.stderr
+    assert result.returncode != 0
+    needed = {}
+    for name, path in (("spark-1", "/var/lib/docker"), ("spark-2", "/var/lib/containerd")):
+        line = next(line for line in out.splitlines() if f"[{name}]" in line and "GiB needed for" in line)
+        assert f"needed for {path}" in line or f", {path}" in line, line
+        needed[name] = float(re.search(r"([\d.]+) GiB needed", line).group(1)) - 5.0  # disk_margin_gib
+        assert "nothing was changed on this host" in out
+    # From the manifest: the classic store needs the unpacked layers, the containerd store
+    # compressed + unpacked (the compressed part is below the message's 0.1 GiB here).
+    compressed_gib = manifest_bytes(kinds) / 1024**3
+    assert needed["spark-1"] == pytest.approx(compressed_gib * ratio, abs=0.1)
+    assert needed["spark-2"] == pytest.approx(compressed_gib * (ratio + 1), abs=0.1)
+    for name in kinds.names:
+        assert kinds.exec(name, "docker images -q | wc -l").stdout.strip() == "0"
+
+
+def test_both_kinds_serve_without_a_docker_restart(kinds, deploy_run):
+    before = {name: docker_started(kinds, name) for name in kinds.names}
+    daemon_before = kinds.exec("spark-2", "md5sum /etc/docker/daemon.json").stdout
+    result = deploy_run("deploy.py", *SIM_MEMORY)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    for name in kinds.names:
+        assert docker_started(kinds, name) == before[name], name
+        assert "Paris" in wait_for_answer(kinds, name)
+        # NVIDIA's /dev/char workaround ran once, the udev rule keeps it at boot.
+        assert "create-dev-char-symlinks --create-all" in kinds.exec(name, "cat /run/sparkfleet-sim/ctk.log").stdout
+        assert kinds.exec(name, "test -f /etc/udev/rules.d/71-nvidia-dev-char.rules && echo ok").stdout.strip() == "ok"
+    unit = "/etc/systemd/system/sparkfleet-serve.service"
+    assert "--gpus all" in kinds.exec("spark-1", f"cat {unit}").stdout
+    assert "--device nvidia.com/gpu=all" in kinds.exec("spark-2", f"cat {unit}").stdout
+    assert kinds.exec("spark-2", "md5sum /etc/docker/daemon.json").stdout == daemon_before
+    assert "update-ldcache" in kinds.exec("spark-2", "cat /run/sparkfleet-sim/cdi-hook.log").stdout
+    assert re.search(r"NVIDIA container toolkit installed\s+2\s+-\s+-\s+2", out), out[-3000:]
+    assert re.search(r"restart docker for its new runtime\s+2\s+-\s+-\s+2", out), out[-3000:]
+
+
+def test_a_second_run_probes_and_changes_nothing(kinds, deploy_run):
+    before = {name: docker_started(kinds, name) for name in kinds.names}
+    result = deploy_run("deploy.py", *SIM_MEMORY)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    assert changed_hosts(out) == set(), out[-4000:]
+    assert {name: docker_started(kinds, name) for name in kinds.names} == before
+    for name in kinds.names:
+        assert "Paris" in completion(kinds, name)
+
+
+#: The hog's ceiling: it stops growing there whether or not the guard acts, so the test
+#: can never take the shared machine's memory.
+HOG_CAP_GIB = 2.5
+HOG = ("import time\n"
+       "chunks = []\n"
+       f"for _ in range({int(HOG_CAP_GIB * 16)}):\n"
+       "    chunks.append(bytearray(b'\\x01') * (64 << 20))  # written, so really resident\n"
+       "    time.sleep(0.1)\n"
+       "time.sleep(120)\n")
+
+
+def mem_available_gib(tb, name: str) -> float:
+    out = tb.exec(name, "grep MemAvailable /proc/meminfo").stdout
+    return int(out.split()[1]) / 1024**2
+
+
+def test_the_oom_guard_kills_the_engine_not_the_host(kinds, deploy_run):
+    name = "spark-1"
+    available = mem_available_gib(kinds, name)
+    assert available > HOG_CAP_GIB + 4, f"the machine has only {available:.1f} GiB available: too busy for this test"
+    # The simulated hosts see the machine's memory: the guard's line is set 1 GiB under
+    # what is available now, so a hog of ~1 GiB crosses it (a Spark keeps the default 4).
+    threshold = round(available - 1.0, 1)
+    result = deploy_run("deploy.py", *SIM_MEMORY, "--data", f"oom_guard_min_available_gib={threshold}")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert f"-M {int(threshold * 1024 * 1024)}" in kinds.exec(name, "cat /etc/default/earlyoom").stdout
+    restarts = int(unit(kinds, name)["NRestarts"])
+    kinds.exec(name, "docker exec -d sparkfleet-serve python3 -c " + shlex.quote(HOG))
+    deadline = time.monotonic() + 90
+    ssh_answers = []
+    while int(unit(kinds, name)["NRestarts"]) == restarts and time.monotonic() < deadline:
+        ssh_answers.append(kinds.exec(name, "true", timeout=10).returncode == 0)
+        time.sleep(1)
+    assert int(unit(kinds, name)["NRestarts"]) == restarts + 1, "the engine was not killed and restarted"
+    assert ssh_answers and all(ssh_answers), "sshd stopped answering while memory ran out"
+    journal = kinds.exec(name, "journalctl -u sparkfleet-serve --no-pager -o cat -n 200").stdout
+    assert "OOM guard: earlyoom killed python3" in journal, journal[-2000:]
+    assert "Paris" in wait_for_answer(kinds, name)
+    # Back to the default line; the deploy says what the guard did.
+    result = deploy_run("deploy.py", *SIM_MEMORY)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    assert re.search(rf"\[{name}\] .*last OOM guard kill: .*earlyoom killed python3", out), out[-3000:]
+    assert "-M 4194304" in kinds.exec(name, "cat /etc/default/earlyoom").stdout
