@@ -12,7 +12,7 @@ scope, not in the unit's cgroup, so killing the unit's cgroup would leave the en
 
 After a kill earlyoom runs :data:`HOOK`: it says why in the serving unit's journal (so
 ``journalctl -u sparkfleet-serve`` and a failing READY show it), keeps a line in
-:data:`OOM_LOG` (the deploy reports the last one), and ends the serving container when
+:data:`OOM_LOG` (the next deploy prints the new ones), and ends the serving container when
 the killed process was the engine's kind, so that systemd restarts a whole engine.
 """
 
@@ -22,7 +22,7 @@ import hashlib
 import io
 import shlex
 
-from pyinfra import host
+from pyinfra import host, logger
 from pyinfra.api import FactBase, FileUploadCommand, operation
 from pyinfra.facts.files import Sha256File
 from pyinfra.operations import systemd
@@ -35,6 +35,7 @@ EARLYOOM_DEFAULTS = "/etc/default/earlyoom"
 EARLYOOM_DROPIN = "/etc/systemd/system/earlyoom.service.d/sparkfleet.conf"
 HOOK = "/usr/local/lib/sparkfleet/oom-killed"
 OOM_LOG = "/var/lib/sparkfleet/oom-guard.log"
+OOM_REPORTED = "/var/lib/sparkfleet/oom-guard.reported"  # lines of OOM_LOG the deploy has shown
 
 #: Process names (comm) of the engine: vLLM's processes, serve.py's python.
 ENGINE_NAMES = r"(^|/)(python3?(\.[0-9]+)?|vllm|VLLM::.*)$"
@@ -117,23 +118,34 @@ def file_content(path: str, content: str, mode: str = "644"):
     yield f"chmod {mode} {shlex.quote(path)}"
 
 
-class LastKill(FactBase["str | None"]):
-    """The guard's last kill on this host, as the hook logged it (None: never)."""
+class NewKills(FactBase["dict"]):
+    """The guard's kills the deploy has not reported yet: {"lines": [...], "total": n}."""
+
+    @staticmethod
+    def default():
+        return {"lines": [], "total": 0}
 
     def command(self) -> str:
-        return f"tail -n 1 {OOM_LOG} 2>/dev/null || true"
+        return (
+            f"n=$(cat {OOM_REPORTED} 2>/dev/null || echo 0); t=$(cat {OOM_LOG} 2>/dev/null | wc -l); "
+            f'echo "total $t"; [ "$t" -gt "$n" ] && tail -n $((t - n)) {OOM_LOG}; true'
+        )
 
     def process(self, output):
-        return output[-1].strip() if output and output[-1].strip() else None
+        total = int(output[0].split()[1]) if output and output[0].startswith("total ") else 0
+        return {"lines": [line.strip() for line in output[1:] if line.strip()], "total": total}
 
 
-@operation(is_idempotent=True)
+@operation()
 def reported():
-    """Say on the deploy's output when the guard last killed something on this host."""
-    last = host.get_fact(LastKill)
-    host.noop(f"last OOM guard kill: {last}" if last else "the OOM guard has not killed anything")
-    return
-    yield  # an operation is a generator
+    """Say on the deploy's output what the guard killed since the last deploy (once)."""
+    kills = host.get_fact(NewKills)
+    if not kills["lines"]:
+        host.noop("the OOM guard killed nothing since the last deploy")
+        return
+    for line in kills["lines"]:
+        logger.warning(f"{host.print_prefix}{line}")
+    yield f"echo {kills['total']} > {OOM_REPORTED}"
 
 
 def configured(settings: Settings) -> None:
@@ -152,4 +164,4 @@ def configured(settings: Settings) -> None:
         name="OOM guard: earlyoom restarted for its new settings", service="earlyoom.service", restarted=True,
         _if=lambda: any(op.did_change() for op in (package, hook, args, dropin)),
     )
-    reported(name="OOM guard: last kill")
+    reported(name="OOM guard: kills since the last deploy")
