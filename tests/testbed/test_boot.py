@@ -22,6 +22,7 @@ from sparkfleet.testbed.proc import missing_tools
 pytestmark = pytest.mark.e2e
 
 HOST = "spark-1"
+ADDRESS = paths.host_address(1)  # 10.213.0.11 in the default instance
 
 
 @pytest.fixture(scope="module")
@@ -49,21 +50,21 @@ def sh(tb, cmd: str, timeout: float = 120, check: bool = True) -> str:
 def test_ssh_with_the_controller_key(tb):
     # The real ssh client, the key from .testbed, nothing else.
     cp = subprocess.run(["ssh", "-i", str(paths.SSH_KEY), "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no",
-                         "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR", "root@10.213.0.11",
+                         "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR", f"root@{ADDRESS}",
                          "hostname; id -u; ip -4 -o addr show eth0"],
                         capture_output=True, text=True, timeout=30)
     assert cp.returncode == 0, cp.stderr
     name, uid, addr = cp.stdout.splitlines()
     assert (name, uid) == (HOST, "0")
-    assert "10.213.0.11/24" in addr
-    assert sh(tb, "ip route show default").startswith("default via 10.213.0.1")
+    assert f"{ADDRESS}/24" in addr
+    assert sh(tb, "ip route show default").startswith(f"default via {paths.CONTROLLER_IP}")
 
 
 def test_systemd_and_docker_run(tb):
     assert sh(tb, "systemctl is-system-running", check=False).strip() in ("running", "degraded")
     assert sh(tb, "systemctl is-active docker ssh").split() == ["active", "active"]
     daemon = json.loads(sh(tb, "cat /etc/docker/daemon.json"))
-    assert daemon["insecure-registries"] == ["10.213.0.1:5000"]
+    assert daemon["insecure-registries"] == [paths.REGISTRY]
 
 
 def test_docker_runs_the_registry_image_with_gpus(tb):
@@ -147,7 +148,7 @@ def test_hub_and_registry_reachable_from_the_host(tb):
 
 
 def test_pyinfra_over_the_inventory(tb):
-    cp = subprocess.run(["pyinfra", "-y", "inventory/testbed.py", "exec", "--", "uname -m; nvidia-smi -L"],
+    cp = subprocess.run(["pyinfra", "-y", str(paths.INVENTORY.relative_to(paths.REPO_ROOT)), "exec", "--", "uname -m; nvidia-smi -L"],
                         cwd=paths.REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert cp.returncode == 0, cp.stdout + cp.stderr
     out = cp.stdout + cp.stderr  # pyinfra logs host output on stderr
@@ -170,10 +171,10 @@ def test_reboot_keeps_the_host(tb):
 def test_unreachable_and_stopped(tb):
     with tb.unreachable(HOST):
         with pytest.raises(OSError):
-            socket.create_connection(("10.213.0.11", 22), timeout=2).close()
+            socket.create_connection((ADDRESS, 22), timeout=2).close()
         # still running: reachable from inside
         assert tb.exec(HOST, "hostname", via="nsenter").stdout.strip() == HOST
-    socket.create_connection(("10.213.0.11", 22), timeout=5).close()
+    socket.create_connection((ADDRESS, 22), timeout=5).close()
     tb.stop_host(HOST)
     st = fleet.status()
     assert st["hosts"][0]["pid"] is None and st["hosts"][0]["ssh"] is False

@@ -23,11 +23,15 @@ def root_only():
         pytest.fail("the testbed cleanup test needs root", pytrace=False)
 
 
+STRAY_NETNS = paths.netns_name("spark-77")  # sf-spark-77 in the default instance
+STRAY_VETH = paths.veth_name("spark-77")
+
+
 def _make_leftovers() -> subprocess.Popen:
     """What a crashed run could leave: a netns + veth, a mount and a server process under
     the state dir, a cgroup, a half-built cache directory."""
-    run(["ip", "netns", "add", "sf-spark-77"])
-    run(["ip", "link", "add", "sfv-spark-77", "type", "veth", "peer", "name", "eth0", "netns", "sf-spark-77"])
+    run(["ip", "netns", "add", STRAY_NETNS])
+    run(["ip", "link", "add", STRAY_VETH, "type", "veth", "peer", "name", "eth0", "netns", STRAY_NETNS])
     mnt = paths.HOSTS_DIR / "spark-77" / "root"
     mnt.mkdir(parents=True, exist_ok=True)
     run(["mount", "-t", "tmpfs", "stray", mnt])
@@ -49,12 +53,12 @@ def test_up_removes_leftovers_and_down_leaves_nothing(root_only):
     stray = _make_leftovers()
     try:
         found = cleanup.leftovers()
-        assert "sf-spark-77" in found["netns"] and "sfv-spark-77" in found["links"]
+        assert STRAY_NETNS in found["netns"] and STRAY_VETH in found["links"]
         assert found["mounts"] and str(stray.pid) in found["processes"]
 
         tb = fleet.up(4)
         assert stray.wait(timeout=15) is not None, "the stray server was not stopped"
-        assert "sf-spark-77" not in cleanup.leftovers()["netns"]
+        assert STRAY_NETNS not in cleanup.leftovers()["netns"]
         assert not list(paths.CACHE_DIR.glob("*.tmp-999999"))
         assert [h.name for h in tb.hosts] == ["spark-1", "spark-2", "spark-3", "spark-4"]
         st = fleet.status()
@@ -73,13 +77,13 @@ def test_up_removes_leftovers_and_down_leaves_nothing(root_only):
         fleet.down()
     assert cleanup.leftovers() == {k: [] for k in cleanup.leftovers()}
     assert not paths.HOSTS_JSON.exists()
-    for name in ("sf-spark-1", "sf-spark-4"):
+    for name in (paths.netns_name("spark-1"), paths.netns_name("spark-4")):
         assert name not in run(["ip", "netns", "list"]).stdout
     mounts = open("/proc/mounts").read()
     # Exact mount points: another testbed instance (-1, -2...) may be up beside ours.
     mount_points = [line.split()[1] for line in mounts.splitlines()]
     assert not any(m == str(paths.STATE_DIR) or m.startswith(str(paths.STATE_DIR) + "/") for m in mount_points)
-    assert "sfbr0" not in run(["ip", "link"]).stdout
+    assert f" {paths.BRIDGE}:" not in run(["ip", "link"]).stdout
 
 
 def test_down_is_idempotent(root_only):
