@@ -118,13 +118,22 @@ def test_both_kinds_serve_without_a_docker_restart(kinds, deploy_run):
     assert re.search(r"restart docker for its new runtime\s+2\s+-\s+-\s+2", out), out[-3000:]
 
 
+def reloads(tb, name: str) -> int:
+    """How many times systemd reloaded its units since the host booted."""
+    return int(tb.exec(name, "journalctl -b _PID=1 -o cat --no-pager | grep -c '^Reloading' || true").stdout)
+
+
 def test_a_second_run_probes_and_changes_nothing(kinds, deploy_run):
     before = {name: docker_started(kinds, name) for name in kinds.names}
+    reloaded = {name: reloads(kinds, name) for name in kinds.names}
+    assert all(reloaded.values()), reloaded  # the first deploy's unit did reload
     result = deploy_run("deploy.py", *SIM_MEMORY)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     assert changed_hosts(out) == set(), out[-4000:]
     assert {name: docker_started(kinds, name) for name in kinds.names} == before
+    # No unit changed, so no daemon-reload (it can detach a running container's GPU).
+    assert {name: reloads(kinds, name) for name in kinds.names} == reloaded
     for name in kinds.names:
         assert "Paris" in completion(kinds, name)
 
