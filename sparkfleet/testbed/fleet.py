@@ -186,6 +186,10 @@ def _up(state: State, names: list[str], host_switches: dict[str, dict[str, Any]]
         "image_size_gib": round(state.image["size_bytes"] / hubservice.GIB, 6),
         "artifact_sizes_gib": hubservice.repo_sizes_gib(revisions),
         "ready_timeout_s": READY_TIMEOUT_S,
+        # The simulated engine claims no GPU memory and runs in ~30 MiB (docker top); the hosts see the
+        # shared machine's memory (README, "How faithful"), so the preflight gets those needs.
+        "gpu_memory_utilization": 0.1,
+        "engine_startup_memory_gib": 0.5,
         # The fleet source (fleet_mirror) installs docker-registry from the testbed's apt
         # repository (a Spark: from Ubuntu's archive) and copies the image over plain HTTP.
         "mirror_apt_repo": paths.APT_URL,

@@ -4,7 +4,7 @@ store (spark-2), on Docker 28 hosts.
 
 The module boots its own fleet of 2 (it replaces the session's, which the session's
 teardown then removes). The simulated hosts see the machine's memory, shared with other
-fleets: the memory preflight is given the simulated engine's real needs as data.
+fleets: the fleet's data gives the preflight the simulated engine's real needs.
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ from tests.e2e.test_deploy import changed_hosts, completion, unit, wait_for_answ
 pytestmark = pytest.mark.e2e
 
 KINDS = {"spark-1": {"nvidia_runtime": True}, "spark-2": {"cdi": True, "containerd_store": True}}
-#: The simulated engine allocates no GPU memory; the preflight still checks the rule.
-SIM_MEMORY = ["--data", "gpu_memory_utilization=0.1", "--data", "engine_startup_memory_gib=0.5"]
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +77,7 @@ def test_containerd_store_need_is_checked_on_var_lib_containerd(kinds, deploy_ru
     # Nothing pulled yet: each host needs the image where its store keeps it. A huge unpack
     # ratio makes both needs fail, so the messages show the path and the amount.
     ratio = 200000
-    result = deploy_run("deploy.py", *SIM_MEMORY, "--data", f"image_unpack_ratio={ratio}")
+    result = deploy_run("deploy.py", "--data", f"image_unpack_ratio={ratio}")
     out = result.stdout + result.stderr
     assert result.returncode != 0
     needed = {}
@@ -100,7 +98,7 @@ def test_containerd_store_need_is_checked_on_var_lib_containerd(kinds, deploy_ru
 def test_both_kinds_serve_without_a_docker_restart(kinds, deploy_run):
     before = {name: docker_started(kinds, name) for name in kinds.names}
     daemon_before = kinds.exec("spark-2", "md5sum /etc/docker/daemon.json").stdout
-    result = deploy_run("deploy.py", *SIM_MEMORY)
+    result = deploy_run("deploy.py")
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     for name in kinds.names:
@@ -127,7 +125,7 @@ def test_a_second_run_probes_and_changes_nothing(kinds, deploy_run):
     before = {name: docker_started(kinds, name) for name in kinds.names}
     reloaded = {name: reloads(kinds, name) for name in kinds.names}
     assert all(reloaded.values()), reloaded  # the first deploy's unit did reload
-    result = deploy_run("deploy.py", *SIM_MEMORY)
+    result = deploy_run("deploy.py")
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     assert changed_hosts(out) == set(), out[-4000:]
@@ -187,7 +185,7 @@ def test_the_oom_guard_kills_the_engine_not_the_host(kinds, deploy_run):
         pinger.start()
         # earlyoom restarts with the new line during this deploy and acts at once; only
         # this host gets it (the others have no hog to free what they lack).
-        result = deploy_run("deploy.py", *SIM_MEMORY, "--data", f"oom_guard_min_available_gib={threshold}",
+        result = deploy_run("deploy.py", "--data", f"oom_guard_min_available_gib={threshold}",
                             "--limit", name)
         assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
         assert f"-M {int(threshold * 1024 * 1024)}" in kinds.exec(name, "cat /etc/default/earlyoom").stdout
@@ -207,7 +205,7 @@ def test_the_oom_guard_kills_the_engine_not_the_host(kinds, deploy_run):
         for pid in hog_pids(kinds, name):
             kinds.exec(name, f"kill -9 {pid}")
     # Back to the default line; the deploy says what the guard did.
-    result = deploy_run("deploy.py", *SIM_MEMORY)
+    result = deploy_run("deploy.py")
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     assert re.search(rf"\[{name}\] .*OOM guard: earlyoom killed python3", out), out[-3000:]
@@ -215,6 +213,6 @@ def test_the_oom_guard_kills_the_engine_not_the_host(kinds, deploy_run):
     kills = kinds.exec(name, "cat /var/lib/sparkfleet/oom-guard.log").stdout.splitlines()
     assert len(kills) == 1, kills  # the hog, then nothing else
     # Reported once: a converged run says nothing more.
-    again = deploy_run("deploy.py", *SIM_MEMORY)
+    again = deploy_run("deploy.py")
     assert again.returncode == 0 and "earlyoom killed" not in again.stdout + again.stderr
     assert changed_hosts(again.stdout + again.stderr) == set()
