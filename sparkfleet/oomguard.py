@@ -29,12 +29,13 @@ from pyinfra.operations import systemd
 
 from sparkfleet.config import Settings
 from sparkfleet.facts import CommandAvailable
-from sparkfleet.hostpaths import CONTAINER, MIRROR_APT_KEYRING, MIRROR_APT_SOURCES, UNIT
+from sparkfleet.hostpaths import CONTAINER, ETC_DIR, MIRROR_APT_KEYRING, UNIT
 
 EARLYOOM_DEFAULTS = "/etc/default/earlyoom"
 EARLYOOM_DROPIN = "/etc/systemd/system/earlyoom.service.d/sparkfleet.conf"
 HOOK = "/usr/local/lib/sparkfleet/oom-killed"
 OOM_LOG = "/var/lib/sparkfleet/oom-guard.log"
+ARCHIVE_LIST = f"{ETC_DIR}/apt/archive.list"  # where earlyoom comes from with mirror_apt_repo
 OOM_REPORTED = "/var/lib/sparkfleet/oom-guard.reported"  # lines of OOM_LOG the deploy has shown
 
 #: Process names (comm) of the engine: vLLM's processes, serve.py's python.
@@ -89,16 +90,20 @@ def installed(settings: Settings):
         return
     q = shlex.quote
     if settings.mirror_apt_repo:
+        # A list of its own outside sources.list.d, used for this install only: the host's
+        # apt configuration stays as it was (two lists naming one URL with different
+        # keyrings would break every later apt run).
+        only = (f"-o Dir::Etc::sourcelist={ARCHIVE_LIST} -o Dir::Etc::sourceparts=- "
+                "-o APT::Get::List-Cleanup=0")
         yield f"curl -fsSL --retry 3 {q(settings.mirror_apt_key_url)} -o {MIRROR_APT_KEYRING}"
-        yield f"echo {q(f'deb [signed-by={MIRROR_APT_KEYRING}] {settings.mirror_apt_repo} /')} > {MIRROR_APT_SOURCES}"
-        yield (
-            f"apt-get update -o Dir::Etc::sourcelist={MIRROR_APT_SOURCES} -o Dir::Etc::sourceparts=- "
-            "-o APT::Get::List-Cleanup=0"
-        )
+        yield f"mkdir -p {ARCHIVE_LIST.rsplit('/', 1)[0]}"
+        yield f"echo {q(f'deb [signed-by={MIRROR_APT_KEYRING}] {settings.mirror_apt_repo} /')} > {ARCHIVE_LIST}"
+        yield f"apt-get update {only}"
     else:
+        only = ""
         yield "apt-get update"
     # Our /etc/default/earlyoom replaces the package's; keep it on upgrades.
-    yield "DEBIAN_FRONTEND=noninteractive apt-get install -y -o Dpkg::Options::=--force-confold earlyoom"
+    yield f"DEBIAN_FRONTEND=noninteractive apt-get install -y {only} -o Dpkg::Options::=--force-confold earlyoom"
 
 
 @operation()
