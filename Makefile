@@ -1,6 +1,8 @@
 # sparkfleet — the two commands of the README, and the pieces they are made of.
 #   make demo   boot 3 simulated Sparks, deploy, run the checks, print the fleet report
-#   make test   the whole suite, end-to-end tests on the simulated fleet included
+#   make test   the linter, then the whole suite, end-to-end tests on the simulated fleet included
+#   make test-unit  the tests that need neither the simulated fleet nor the network
+#   make lint   ruff, with the rules in pyproject.toml
 # Both run as root (the simulated fleet uses network namespaces and systemd-nspawn).
 
 # One virtual environment per checkout: two checkouts on one machine never share an
@@ -9,13 +11,13 @@ VENV ?= .venv
 PYTHON = $(VENV)/bin/python
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 HOSTS ?= 3
-APT_PACKAGES = debootstrap systemd-container docker-registry iproute2 apt-utils gnupg dpkg-dev curl ca-certificates openssh-client
+APT_PACKAGES = debootstrap systemd-container docker-registry skopeo iproute2 apt-utils gnupg dpkg-dev curl ca-certificates openssh-client
 STAMP = .sparkfleet/deps.stamp
 
-.PHONY: deps demo down status test test-unit report
+.PHONY: deps demo down status lint test test-unit report
 
 $(STAMP): pyproject.toml Makefile
-	@command -v debootstrap >/dev/null && command -v systemd-nspawn >/dev/null && command -v docker-registry >/dev/null \
+	@command -v debootstrap >/dev/null && command -v systemd-nspawn >/dev/null && command -v docker-registry >/dev/null && command -v skopeo >/dev/null \
 		&& command -v apt-ftparchive >/dev/null && command -v gpg >/dev/null && command -v ssh >/dev/null \
 		|| { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PACKAGES); }
 	test -x $(PYTHON) || python3 -m venv --system-site-packages $(VENV)
@@ -27,7 +29,7 @@ deps: $(STAMP)
 
 demo: deps
 	sparkfleet testbed up --hosts $(HOSTS)
-	pyinfra -y inventory/testbed.py deploy.py --data checks=smoke,decode,e2e --data run_id=demo
+	pyinfra -y inventory/testbed.py deploy.py --data checks=smoke,tools,decode,e2e --data run_id=demo
 	@echo "Rebuild that report any time: sparkfleet report results/demo"
 	@echo "The simulated fleet stays up: try 'sparkfleet testbed status', 'make down' removes it."
 
@@ -37,8 +39,13 @@ down:
 status:
 	sparkfleet testbed status
 
-test: deps
+lint: deps
+	$(PYTHON) -m ruff check .
+
+test: deps lint
 	$(PYTHON) -m pytest -ra tests
 
+# No fleet, no network: passes with the network unplugged, e.g.
+#   unshare -n sh -c 'ip link set lo up && make test-unit'   (loopback stays: tests run local servers)
 test-unit: deps
-	$(PYTHON) -m pytest -ra -m "not e2e" tests
+	$(PYTHON) -m pytest -ra -m "not e2e and not network" tests

@@ -10,10 +10,12 @@ Every host's data is validated first: a bad value stops the run before any host 
 
 from sparkfleet import (
     container_runtime,
+    endpoint,
     hybrid,
     image,
     mirror,
     oomguard,
+    patchcheck,
     preflight,
     service,
     weights,
@@ -33,10 +35,12 @@ else:
         oomguard.configured(settings)  # earlyoom: the engine, not the host, when memory runs out
         host_files = service.host_files(settings)  # runtime/ copy and 0600 secrets
         mirror_ops = mirror.configured(settings)  # fleet_mirror: served, trusted or off
-        pulled = image.pulled(name="serving image present", settings=settings)
-        cached = weights.cached(name="weights in the HF cache", settings=settings)
+        pulled = image.present(settings)
+        cached = weights.fetched(settings)
         mirror.track(settings, mirror_ops, pulled, cached, weights.repo_dirs(settings))
-        build = hybrid.built(name="hybrid INT4+FP8 checkpoint", settings=settings)
+        build = hybrid.checkpoint(settings)
+        patchcheck.checked(name="runtime patches apply to the image", settings=settings)
         service.running(settings, also_restart_for=(*host_files, build))
+        endpoint.served(settings)  # fleet_endpoint: HAProxy over every serving host
         if settings.checks:
             run_checks(settings.checks)

@@ -3,7 +3,7 @@
 
     python3 benchmarks/bench_accuracy.py [--rate 81] [--ttft 0.25] [--accept 8.3]
 
-Starts ``sparkfleet/testbed/engine.py serve`` on 127.0.0.1 with a known decode rate,
+Starts the simulated engine (``python -m sparkfleet.testbed.engine serve``) on 127.0.0.1 with a known decode rate,
 TTFT and acceptance length (``SIM_DECODE_TOK_S``, ``SIM_TTFT_S``, ``SIM_ACCEPT_LEN``),
 runs the on-host bench program exactly as a host runs it (``python3 -m`` from an
 uploaded copy), and prints measured against truth:
@@ -40,8 +40,9 @@ from sparkfleet.bench.onhost.checks import BenchContext, run_decode_workload  # 
 from sparkfleet.bench.onhost.client import Client  # noqa: E402
 from sparkfleet.bench.onhost.metrics import parse_spec_counters  # noqa: E402
 from sparkfleet.bench.onhost.progress import Progress  # noqa: E402
+from sparkfleet.bench.onhost.schema import ProgramSettings  # noqa: E402
 
-ENGINE = REPO / "sparkfleet" / "testbed" / "engine.py"
+ENGINE_PACKAGE = "sparkfleet.testbed.engine"
 ONHOST = REPO / "sparkfleet" / "bench" / "onhost"
 
 
@@ -75,9 +76,9 @@ class Engine:
         env.pop("VLLM_API_KEY", None)
         self.log = open(root / f"engine-{self.port}.log", "w")
         self.proc = subprocess.Popen(
-            [sys.executable, str(ENGINE), "serve", str(target), "--host", "127.0.0.1", "--port", str(self.port),
+            [sys.executable, "-m", ENGINE_PACKAGE, "serve", str(target), "--host", "127.0.0.1", "--port", str(self.port),
              "--served-model-name", "qwen", "--speculative-config", json.dumps(spec), "--disable-log-stats"],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT,
+            env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO,
         )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -99,14 +100,23 @@ class Engine:
         self.log.close()
 
 
-def run_program(code_root: Path, base_url: str, out: Path, *args: str) -> dict:
+def program_settings(base_url: str, out: Path, checks: list, runs: int, max_tokens: int,
+                     warmup: int = 1) -> ProgramSettings:
+    return ProgramSettings(
+        base_url=base_url, model="qwen", checks=checks, out=str(out), run_id="accuracy", host="local",
+        secrets_file="/nonexistent", runs=runs, warmup=warmup, max_tokens=max_tokens, prompt=None, state_db=None,
+        agent_sessions=1, agent_max_context_tokens=16384, agent_max_tokens=200, timeout_s=600.0,
+        heartbeat_s=15.0, quiet=True)
+
+
+def run_program(code_root: Path, settings: ProgramSettings) -> dict:
     env = dict(os.environ, PYTHONPATH=str(code_root))
     env.pop("VLLM_API_KEY", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "sparkfleet_onhost", "--base-url", base_url, "--out", str(out),
-         "--secrets-file", "/nonexistent", *args],
+        [sys.executable, "-m", "sparkfleet_onhost", "--settings", settings.to_json()],
         env=env, capture_output=True, text=True,
     )
+    out = Path(settings.out)
     if proc.returncode not in (0, 1) or not out.exists():
         raise SystemExit(f"bench program failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
     return json.loads(out.read_text())
@@ -118,14 +128,12 @@ def verdict(ok: bool) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rate", type=float, default=81.0, help="true decode tok/s (seeds: DFlash ~81)")
+    ap.add_argument("--rate", type=float, default=81.0, help="true decode tok/s (the reference recipe: DFlash ~81)")
     ap.add_argument("--ttft", type=float, default=0.25, help="true TTFT, seconds")
-    ap.add_argument("--accept", type=float, default=8.3, help="true acceptance length (seeds: 8.3)")
+    ap.add_argument("--accept", type=float, default=8.3, help="true acceptance length (the reference recipe: 8.3)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
-    if not ENGINE.exists():
-        raise SystemExit(f"{ENGINE} is missing: the simulated engine is the truth this benchmark needs")
 
     failures = 0
     with tempfile.TemporaryDirectory(prefix="sf-accuracy-") as tmp:
@@ -136,19 +144,21 @@ def main() -> int:
         print(f"truth: decode {args.rate} tok/s, TTFT {args.ttft} s, acceptance length {args.accept} "
               f"(simulated engine, DFlash n=12), {args.max_tokens} tokens x {args.runs} runs + 1 warm-up\n")
 
-        # 1 + 2: decode bank and albond e2e, as a host runs them
+        # 1 + 2: decode bank and albond's end-to-end method, as a host runs them
         engine = Engine(root / "e1", args.rate, args.ttft, args.accept)
         try:
             t0 = time.monotonic()
-            r = run_program(code_root, engine.base_url, root / "r1.json", "--checks", "smoke,decode,e2e",
-                            "--runs", str(args.runs), "--warmup", "1", "--max-tokens", str(args.max_tokens))
+            r = run_program(code_root, program_settings(engine.base_url, root / "r1.json", ["smoke", "decode", "e2e"],
+                                                        args.runs, args.max_tokens))
             elapsed = time.monotonic() - t0
             client = Client(engine.base_url, "qwen")
             # 3: acceptance against the engine's counters around one measured window
             before = parse_spec_counters(client.metrics_text())
             window = run_decode_workload(
-                BenchContext(client=client, progress=Progress(quiet=True), runs=args.runs, warmup=0,
-                             max_tokens=args.max_tokens), "code", "Write a Python function. Begin:\n")
+                BenchContext(client=client, progress=Progress(quiet=True),
+                             settings=program_settings(engine.base_url, root / "w.json", ["decode"], args.runs,
+                                                       args.max_tokens, warmup=0)),
+                "code", "Write a Python function. Begin:\n")
             after = parse_spec_counters(client.metrics_text())
         finally:
             engine.close()
@@ -167,8 +177,8 @@ def main() -> int:
         slow_ttft = args.ttft * 8
         engine = Engine(root / "e2", args.rate, slow_ttft, args.accept)
         try:
-            r_slow = run_program(code_root, engine.base_url, root / "r2.json", "--checks", "decode",
-                                 "--runs", str(args.runs), "--warmup", "1", "--max-tokens", str(args.max_tokens))
+            r_slow = run_program(code_root, program_settings(engine.base_url, root / "r2.json", ["decode"], args.runs,
+                                                             args.max_tokens))
         finally:
             engine.close()
         fast = r["checks"]["decode"]["workloads"]["prose"]
@@ -180,7 +190,7 @@ def main() -> int:
               f"{slow['decode_tok_s']['median']:.2f} tok/s ({moved * 100:.2f}% change), measured TTFT "
               f"{fast['ttft_ms']['median']:.0f} -> {slow['ttft_ms']['median']:.0f} ms  {verdict(ok)}\n")
 
-        print("2. albond e2e (target: tok/s == completion_tokens / wall, exactly)")
+        print("2. albond's end-to-end method (target: tok/s == completion_tokens / wall, exactly)")
         e2e = r["checks"]["e2e"]
         print(f"   {'prompt':<9} {'tokens':>6} {'wall s':>8} {'tok/s':>8} {'recomputed':>11} {'engine e2e':>11}")
         for name, p in e2e["prompts"].items():

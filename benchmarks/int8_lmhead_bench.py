@@ -24,11 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
+import int8_lmhead as m  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-
-import int8_lmhead as m  # noqa: E402
 
 V, K = 248320, 3072
 BATCHES = (1, 4, 13, 16, 32, 64)
@@ -57,7 +56,7 @@ def time_gpu(fn, iters: int, warmup: int = 5) -> float:
 def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
     dst = torch.empty_like(src)
-    t = time_gpu(lambda: dst.copy_(src), iters)
+    t = time_gpu(lambda: dst.copy_(src), iters)  # noqa: F821
     del src, dst
     torch.cuda.empty_cache()
     return 2 * nbytes / t
@@ -171,8 +170,8 @@ def main() -> int:
     ok = True
     for b in BATCHES:
         xb = torch.randn(b, K, device="cuda").bfloat16()
-        t_bf16 = time_gpu(lambda: xb @ w.t(), args.iters)
-        t_k = time_gpu(lambda: m.int8_logits(xb, q, s), args.iters)
+        t_bf16 = time_gpu(lambda: xb @ w.t(), args.iters)  # noqa: B023
+        t_k = time_gpu(lambda: m.int8_logits(xb, q, s), args.iters)  # noqa: B023
         err, lm_bad, n, iid_bad, iid_beyond = check(b, q, s, deq, w, args.rows, g)
         max_ratio, min_speedup = GOALS[b]
         good = t_k / t_floor <= max_ratio and t_bf16 / t_k >= min_speedup and err <= 1.0 and lm_bad == 0

@@ -5,7 +5,8 @@
 
 bench (default smoke,decode,e2e) is any of:
   smoke   the capital-of-France answer
-  decode  decode-only tok/s on the seeds' bank (prose, code, counting, + bench_prompt)
+  tools   a function-call round trip (a declared function called, its result answered)
+  decode  decode-only tok/s on the reference recipe's bank (prose, code, counting, + bench_prompt)
   e2e     albond's end-to-end tok/s (5 prompts, pass 1 discarded; compare with 51.58)
   agent   decode-only tok/s regenerating real Hermes turns from agent_state_db (~81)
 Each reports speculative acceptance from /metrics. Results land in

@@ -20,6 +20,9 @@ model_dir = None
 # Build the hybrid INT4+FP8 checkpoint on the host instead of downloading the hosted one
 # (dense only): fetches the Intel INT4 checkpoint and the FP8 donor's non-expert shards.
 build_hybrid = False
+# Re-hash every cached weight blob against its ETag on this run (a new blob is always
+# hashed once; a truncated one is seen by its size on every run).
+verify_weights = False
 hybrid_dir = "/var/lib/sparkfleet/hybrid-int4-fp8"
 
 # --- Where it comes from ---------------------------------------------------------------
@@ -39,7 +42,8 @@ hf_token = None
 # inventory group `mirror` if there is one, else the first host of the inventory; a host
 # name picks that host; None turns it off (every host downloads from upstream itself).
 fleet_mirror = "auto"
-# How the other hosts reach the mirror; None: its ssh_hostname, else its inventory name.
+# How the other hosts reach the mirror (a name or an IPv4/IPv6 address); None: its source
+# address on its route to them (the controller's name for it may resolve nowhere else).
 mirror_address = None
 # The HF mirror (olah) and the image registry (Debian/Ubuntu `docker-registry`) on the mirror.
 mirror_hf_port = 8090
@@ -48,16 +52,29 @@ mirror_registry_port = 5000
 mirror_dir = "/var/lib/sparkfleet/mirror"
 # Installed on the mirror from wheels the controller downloads from PyPI for the host's Python.
 mirror_olah = "olah==0.5.4"
-# Where the mirror gets `docker-registry`; None: the host's own archives (Ubuntu universe).
-mirror_apt_repo = None
-mirror_apt_key_url = None
 # The registry's TLS certificate, made once per mirror address on the controller (hosts
 # trust it in /etc/docker/certs.d, so docker needs no insecure-registries and no restart).
 mirror_tls_dir = ".sparkfleet/mirror-tls"
 # How the mirror reaches the image's registry; None: https://<the registry in `image`>.
 image_registry_url = None
 
-# --- Serving settings: the seeds' validated stack -----------------------------------------
+# --- The fleet endpoint: one OpenAI-compatible URL over every serving host -----------------
+# HAProxy (from the host's archives, or apt_repo) on one host of the inventory:
+# leastconn over the hosts that answer a real request with the fleet key, clients need the
+# same key. "auto": the first host of the inventory group `endpoint`, else none (a router
+# is a new port and a new way in on a host: the inventory opts in); a host name picks it.
+fleet_endpoint = "auto"
+# Where clients call it (port 8000 is the host's own engine); the HAProxy Prometheus
+# exporter answers on its own port, at /metrics, with the same key.
+endpoint_port = 8080
+endpoint_metrics_port = 8405
+# Idle time HAProxy allows either side (measured: a stream resets it with every token; a
+# silence longer than it is cut, 504 before the first byte). A stream is silent while it
+# waits in vLLM's queue and prefills up to 262k tokens (minutes on a GB10); a non-streaming
+# answer until its last token: 4 h covers one filling the 262k context at 18 tok/s.
+endpoint_timeout_s = 14400
+
+# --- Serving settings: the reference recipe's validated stack ----------------------------
 served_model_name = "qwen"
 # Where the API listens. 127.0.0.1 keeps it on the host; 0.0.0.0 serves the network.
 bind_address = "0.0.0.0"
@@ -82,7 +99,7 @@ drafter_attention_backend = "FLASH_ATTN"
 tool_call_parser = "qwen3_xml"
 reasoning_parser = "qwen3"
 chunked_prefill = True
-# Off in the seeds' validated stack; on adds the prefix-alignment patch for DFlash.
+# Off in the reference recipe's validated stack; on adds the prefix-alignment patch for DFlash.
 prefix_caching = False
 # None: the profile's depth (12 for DFlash, 2 for MTP); 0 turns speculation off.
 num_speculative_tokens = None
@@ -90,6 +107,9 @@ num_speculative_tokens = None
 extra_serve_args = []
 # Extra environment for vLLM in the container (no secrets here: use hf_token/api_key).
 vllm_env = {}
+# Runtime patches of the image's vLLM. None: the profile's (sparkfleet/profiles.py). A list
+# replaces them, e.g. to drop one the deploy's patch check says cannot apply to an image.
+patches = None
 
 # --- Access ------------------------------------------------------------------------------
 # auto: one key generated per project, kept 0600 in api_key_file and on every host;
@@ -104,11 +124,30 @@ serving = True
 force = False
 # How long the first start may take (image load, weights to device, compile).
 ready_timeout_s = 1200
+# --- Rolling changes (sparkfleet/rollout.py) ----------------------------------------------
+# "rolling": a change that restarts the engine of a serving fleet rolls rollout_batch hosts at
+# a time (drain from the endpoint, restart, gate, back in rotation), so the rest keep serving
+# and a change that fails stops on its first host. "all": every host at once, for a fleet
+# that serves no one (a restart is then the whole time-to-READY, not N of them).
+rollout = "rolling"
+# One host at a time: the fleet loses at most one replica's capacity during a change.
+rollout_batch = 1
+# Time for a drained host's in-flight requests to finish before its restart cuts them: long
+# agent turns (minutes of decode at 262k context) finish within it.
+drain_timeout_s = 600
+# The gate's floor for a speculative profile's acceptance length (tokens per step, from
+# /metrics): a drafter that does not match its model accepts ~1 and only costs time.
+rollout_min_acceptance = 1.5
 
 # --- Host preparation ---------------------------------------------------------------------
 # NVIDIA's signed apt repository for the container toolkit ($(ARCH) is apt's own).
 nvidia_apt_repo = "https://nvidia.github.io/libnvidia-container/stable/deb/$(ARCH)"
 nvidia_apt_key_url = "https://nvidia.github.io/libnvidia-container/gpgkey"
+# Where hosts get the distribution packages sparkfleet installs (docker-registry and skopeo on
+# the mirror, haproxy on the endpoint, earlyoom everywhere) and its signing key; None: the
+# host's own archives (Ubuntu main/universe). The same URL as nvidia_apt_repo needs the same key.
+apt_repo = None
+apt_key_url = None
 # Sizes used by the disk preflight, for what is not yet on the host. The image's come
 # from its manifest in the registry (compressed); unpacked is this ratio times that (the
 # published image: ~50 GB on disk from ~21 GB compressed). image_size_gib (unpacked) is
@@ -127,14 +166,17 @@ artifact_sizes_gib = {
 disk_margin_gib = 5.0
 
 # --- Post-deploy checks (checks/) ------------------------------------------------------------
-# Run after the deploy: any of smoke, decode, e2e, agent.
+# Run after the deploy: any of smoke, tools, decode, e2e, agent. None by default: a
+# converged re-run must change nothing, and a check run reports as a change.
 checks = []
-# What checks/bench.py runs when used on its own.
-bench = ["smoke", "decode", "e2e"]
+# What checks/bench.py runs when used on its own: first what a client needs, the model
+# answers (smoke) and tool calls work (tools: the most common misconfiguration of this
+# stack is a server started without its parsers), then the decode benches.
+bench = ["smoke", "tools", "decode", "e2e"]
 bench_runs = 3
 bench_warmup = 1
 bench_max_tokens = 256
-# A Hermes-style state.db on the controller for the agent-turn bench.
+# An agent's session database on the controller (Hermes' ~/.hermes/state.db) for the agent-turn bench.
 agent_state_db = None
 agent_sessions = 10
 agent_max_context_tokens = 16384

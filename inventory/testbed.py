@@ -1,4 +1,5 @@
-"""pyinfra inventory of the simulated fleet, read from .testbed/hosts.json.
+"""pyinfra inventory of the simulated fleet, read from .testbed/hosts.json (that of
+instance N with SPARKFLEET_TESTBED_INSTANCE=N).
 
 `sparkfleet testbed up --hosts N` writes that file; then
 
@@ -11,9 +12,10 @@ put in each host's data, so `--data key=value` still overrides them.
 
 from pathlib import Path
 
+from sparkfleet.testbed import paths as _paths
 from sparkfleet.testbed.state import inventory_hosts
 
-_HOSTS_FILE = Path(__file__).resolve().parent.parent / ".testbed" / "hosts.json"
+_HOSTS_FILE = Path(__file__).resolve().parent.parent / ".testbed" / _paths.HOSTS_JSON.relative_to(_paths.DOT_TESTBED)
 
 if not _HOSTS_FILE.is_file():
     raise SystemExit(

@@ -41,11 +41,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-if _HERE not in sys.path:  # run as /host/build_hybrid.py: import the sibling helper
-    sys.path.insert(0, _HERE)
-
-import safetensors_io as stio  # noqa: E402
+try:  # imported as runtime.build_hybrid (controller, tests)
+    from . import safetensors_io as stio
+except ImportError:  # run as /host/build_hybrid.py: its directory is sys.path[0]
+    import safetensors_io as stio
 
 INFO_KEY = "sparkfleet_hybrid"
 INFO_VERSION = 1
@@ -79,7 +78,7 @@ def is_expert(name: str) -> bool:
 
 
 def is_mtp(name: str) -> bool:
-    # MTP tensors are kept as they are in the INT4 checkpoint: the seeds' builder
+    # MTP tensors are kept as they are in the INT4 checkpoint: the reference recipe's builder
     # dropped them (breaking the `mtp` profile on the hybrid), and swapping them
     # would need an FP8 dispatch for the MTP module that the serve patch lacks.
     return name.startswith("mtp.")

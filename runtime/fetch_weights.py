@@ -6,11 +6,19 @@ needed, arrives as ``HF_TOKEN`` in the environment, never on the command line. A
 interrupted download resumes from the partial files on the next run; the completion
 marker is written only after every file of the snapshot is in place, so its presence
 is what "cached" means to the deploy.
+
+Every blob is checked against its own name before the marker is written: the cache
+names a blob by the Hub's ETag, the sha256 of an LFS file's content or the git blob
+sha1 of a small file. A blob that does not match is deleted and downloaded again;
+a verified blob gets a record of its size under ``sparkfleet/verified/``, so a later
+run re-hashes only new blobs (``--verify``: all of them) and the deploy sees a
+truncated one by its size alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 import time
@@ -22,11 +30,52 @@ def marker_path(hf_home: str, repo_id: str, revision: str) -> Path:
     return Path(hf_home) / "sparkfleet" / "complete" / name
 
 
+def verified_dir(hf_home: str) -> Path:
+    return Path(hf_home) / "sparkfleet" / "verified"
+
+
+def blob_matches(blob: Path) -> bool:
+    """Whether a cached blob's content matches the ETag it is named by."""
+    name = blob.name
+    if len(name) == 64:
+        digest = hashlib.sha256()
+    elif len(name) == 40:  # a git blob id: sha1 over "blob <size>\0" + content
+        digest = hashlib.sha1(f"blob {blob.stat().st_size}\0".encode())
+    else:
+        return True  # not content-addressed: nothing to check against
+    with open(blob, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest() == name
+
+
+def corrupt_files(snapshot: Path, hf_home: str, recheck: bool) -> list[tuple[str, Path]]:
+    """(path in the repo, blob) of every file whose blob does not match its name; the
+    blobs that match are recorded as verified."""
+    records = verified_dir(hf_home)
+    records.mkdir(parents=True, exist_ok=True)
+    bad = []
+    for link in sorted(snapshot.rglob("*")):
+        if link.is_dir():
+            continue
+        blob = link.resolve()
+        record = records / blob.name
+        size = str(blob.stat().st_size) if blob.exists() else None
+        if size is not None and not recheck and record.is_file() and record.read_text() == size:
+            continue
+        if size is not None and blob_matches(blob):
+            record.write_text(size)
+        else:
+            bad.append((str(link.relative_to(snapshot)), blob))
+    return bad
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("repo_id")
     parser.add_argument("--revision", default="main")
     parser.add_argument("--allow", action="append", default=None, help="only files matching these globs")
+    parser.add_argument("--verify", action="store_true", help="re-hash every blob, not only new ones")
     args = parser.parse_args(argv)
 
     from huggingface_hub import snapshot_download
@@ -34,13 +83,28 @@ def main(argv: list[str] | None = None) -> int:
     hf_home = os.environ.get("HF_HOME", "/hf")
     started = time.monotonic()
     print(f"fetching {args.repo_id}@{args.revision} from {os.environ.get('HF_ENDPOINT', 'the hub')}", flush=True)
-    path = snapshot_download(
-        repo_id=args.repo_id,
-        revision=args.revision,
-        allow_patterns=args.allow,
-        max_workers=4,
-    )
-    commit = Path(path).name
+    def download() -> Path:
+        return Path(snapshot_download(
+            repo_id=args.repo_id, revision=args.revision, allow_patterns=args.allow, max_workers=4,
+        ))
+
+    path = download()
+    bad = corrupt_files(path, hf_home, recheck=args.verify)
+    if bad:
+        for name, blob in bad:
+            # "report: " lines reach the deploy's output (sparkfleet/tasks.py).
+            print(f"report: corrupt: {name} (blob {blob.name} does not match its hash): deleted, "
+                  "downloading again", flush=True)
+            blob.unlink(missing_ok=True)
+            (path / name).unlink(missing_ok=True)
+        path = download()
+        still = corrupt_files(path, hf_home, recheck=True)
+        if still:
+            print(f"report: still corrupt after a new download: {', '.join(name for name, _ in still)} — "
+                  "the source serves these bytes; check the mirror's cache or the hub", flush=True)
+            return 1
+        print(f"report: repaired: {', '.join(name for name, _ in bad)}", flush=True)
+    commit = path.name
     marker = marker_path(hf_home, args.repo_id, args.revision)
     marker.parent.mkdir(parents=True, exist_ok=True)
     tmp = marker.with_suffix(".tmp")

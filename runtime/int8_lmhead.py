@@ -33,7 +33,7 @@ Design notes (why, not what):
 * The per-row scale is applied once to the fp32 accumulator (exact for a
   per-row scale), then cast to bf16.
 * The bf16 weight is never freed or modified: the DFlash drafter shares the
-  target's lm_head (the seeds saw garbage drafts when a port zeroed it).
+  target's lm_head (the reference recipe saw garbage drafts when a port zeroed it).
 
 torch and triton are imported lazily so this module imports anywhere (the
 runtime patch loader, CPU-only tests of other modules).
@@ -234,7 +234,7 @@ def _build_kernels() -> "tuple[Any, Any]":
                 # under TRITON_INTERPRET the same tiles are multiplied in fp32.
                 wt = tl.trans(w.to(tl.float32))
             elif FAST_CVT:
-                wt = tl.trans(tl.inline_asm_elementwise(_DECODE_BF16_ASM, "=r,=r,r", [w], dtype=tl.bfloat16,
+                wt = tl.trans(tl.inline_asm_elementwise(_DECODE_BF16_ASM, "=r,=r,r", [w], dtype=tl.bfloat16,  # noqa: F821
                                                         is_pure=True, pack=4))
             else:
                 # int8 values are exact in bf16/fp16 (|q| <= 127 < 2^8).
@@ -306,7 +306,7 @@ def _build_kernels() -> "tuple[Any, Any]":
                 w = tl.load(w_ptrs, mask=v_mask[:, None] & k_ok[None, :], other=0)
                 x = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0)
             if FAST_CVT:
-                wf = tl.inline_asm_elementwise(_DECODE_F32_ASM, "=r,=r,=r,=r,r", [w], dtype=tl.float32,
+                wf = tl.inline_asm_elementwise(_DECODE_F32_ASM, "=r,=r,=r,=r,r", [w], dtype=tl.float32,  # noqa: F821
                                                is_pure=True, pack=4)
             else:
                 wf = w.to(tl.float32)

@@ -17,9 +17,10 @@ import hashlib
 import json
 import os
 import struct
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterable, Iterator
+from typing import BinaryIO
 
 # Bytes per element.  F8 types are one byte; safetensors names them
 # F8_E4M3 / F8_E5M2 (torch: float8_e4m3fn / float8_e5m2).

@@ -1,13 +1,16 @@
 """serve.env -> ``vllm serve`` argv: the ONE place the serving command is built.
 
-Implements the serve.env table of docs/architecture.md. stdlib only: it is imported by
-the deploy (its tests and its printed command) on the controller and by ``serve.py``
-inside the serving container (Python 3.12 there, 3.11 here).
+``SERVE_ENV`` is the serve.env contract as data: each variable's setting, how its value
+maps to text, and what the wrapper makes of it. The deploy renders serve.env from it
+(``Settings.serve_env``), docs/architecture.md's table is generated from it and the
+tests' golden env files are checked against it. stdlib only: it is imported by the
+deploy (its tests and its printed command) on the controller and by ``serve.py`` inside
+the serving container (Python 3.12 there, 3.11 here).
 
 Rules beyond the table:
 * every table variable the deploy always renders must be *present*; the ones whose
   empty value means "off" (parsers, speculative config) may be empty but not absent, so
-  a deploy that forgets to pass them (the seeds' bug) fails loudly instead of silently
+  a deploy that forgets to pass them (the reference recipe's bug) fails loudly instead of silently
   serving without tool calls;
 * secrets never reach argv: ``--api-key`` in the extra args is refused (vLLM reads
   ``VLLM_API_KEY`` from the environment).
@@ -17,32 +20,134 @@ from __future__ import annotations
 import json
 import re
 import shlex
-from typing import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 # Patch names, in the contract's order (docs/architecture.md).
 KNOWN_PATCHES = ("kv_unify", "prefix_align", "inc_fp8_shared", "int8_lmhead", "fla_shmem")
 # Patches whose failure serve.py logs and tolerates (a free prefill win, never required).
 TOLERATED_PATCHES = frozenset({"fla_shmem"})
 
-# Must be present and non-empty.
-REQUIRED = (
-    "SF_MODEL",
-    "SF_SERVED_MODEL_NAME",
-    "SF_HOST",
-    "SF_PORT",
-    "SF_MAX_MODEL_LEN",
-    "SF_MAX_NUM_SEQS",
-    "SF_MAX_NUM_BATCHED_TOKENS",
-    "SF_GPU_MEMORY_UTILIZATION",
-    "SF_LOAD_FORMAT",
-    "SF_ATTENTION_BACKEND",
-    "SF_CHUNKED_PREFILL",
-    "SF_PREFIX_CACHING",
+# How the wrapper checks a variable's presence.
+REQUIRED = "required"  # present and non-empty
+PRESENT = "present"  # present; empty means "off"
+OPTIONAL = "optional"  # may be absent; absent and empty mean the same
+IF_SET = "if-set"  # the deploy writes it only when its setting is set
+ENV = "env"  # environment for vLLM itself, not read by the wrapper
+
+
+@dataclass(frozen=True)
+class Var:
+    """One serve.env variable, written once: the setting the deploy renders it from and how
+    that value becomes text (``render``); how the wrapper checks it (``need``, ``check``)
+    and what it makes of it (``argv`` with ``flag``); the example of the doc's table."""
+
+    name: str
+    setting: str  # attribute of sparkfleet's Settings; "" for a fixed value
+    render: str  # text | number | switch | json | json-list | names | fixed
+    example: str
+    need: str = REQUIRED
+    argv: str = "value"  # positional | value | value-if-set | switch | json | args | plan | log | env
+    flag: str = ""  # for value-if-set, the words before the value
+    check: str = "word"  # word | int | port | fraction (for value / value-if-set)
+    fixed: str = ""
+    note: str = ""
+
+    @property
+    def maps(self) -> str:
+        """What the wrapper makes of it, in words (the doc's last column)."""
+        return {
+            "positional": "positional after `serve`",
+            "value": f"`{self.flag}`",
+            "value-if-set": f"`{self.flag} X` (none when empty)",
+            "switch": f"`{self.flag}` / `--no-{self.flag[2:]}`",
+            "json": f"`{self.flag} JSON` (none when empty)",
+            "args": "appended verbatim",
+            "plan": "the patches applied before vLLM starts, in order",
+            "log": "logged only",
+            "env": "vLLM's environment",
+        }[self.argv] + (f"; {self.note}" if self.note else "")
+
+
+SERVE_ENV = (
+    Var("SF_PROFILE", "profile", "text", "`dense`", OPTIONAL, "log"),
+    Var("SF_MODEL", "serve_model", "text", "`bleysg/Qwen3.5-122B-A10B-int4-fp8-hybrid` or `/model`",
+        argv="positional"),
+    Var("SF_REVISION", "serve_revision", "text", "`main` / 40-hex", OPTIONAL, "value-if-set", "--revision",
+        note="none for a local model path"),
+    Var("SF_SERVED_MODEL_NAME", "served_model_name", "text", "`qwen`", flag="--served-model-name"),
+    Var("SF_HOST", "bind_address", "text", "`0.0.0.0`", flag="--host"),
+    Var("SF_PORT", "port", "text", "`8000`", flag="--port", check="port"),
+    Var("SF_MAX_MODEL_LEN", "max_model_len", "text", "`262144`", flag="--max-model-len", check="int"),
+    Var("SF_MAX_NUM_SEQS", "max_num_seqs", "text", "`3`", flag="--max-num-seqs", check="int"),
+    Var("SF_MAX_NUM_BATCHED_TOKENS", "max_num_batched_tokens", "text", "`8192`",
+        flag="--max-num-batched-tokens", check="int"),
+    Var("SF_GPU_MEMORY_UTILIZATION", "gpu_memory_utilization", "number", "`0.82`",
+        flag="--gpu-memory-utilization", check="fraction"),
+    Var("SF_LOAD_FORMAT", "load_format", "text", "`fastsafetensors`", flag="--load-format"),
+    Var("SF_ATTENTION_BACKEND", "attention_backend", "text", "`FLASH_ATTN`", flag="--attention-backend"),
+    # An empty parser setting turns that parser off in every profile (MTP included).
+    Var("SF_TOOL_CALL_PARSER", "tool_call_parser", "text", "`qwen3_xml`", PRESENT, "value-if-set",
+        "--enable-auto-tool-choice --tool-call-parser"),
+    Var("SF_REASONING_PARSER", "reasoning_parser", "text", "`qwen3`", PRESENT, "value-if-set",
+        "--reasoning-parser"),
+    # Switches are explicit both ways: vLLM's defaults differ between versions and models.
+    Var("SF_CHUNKED_PREFILL", "chunked_prefill", "switch", "`1`/`0`", argv="switch",
+        flag="--enable-chunked-prefill"),
+    Var("SF_PREFIX_CACHING", "prefix_caching", "switch", "`0`/`1`", argv="switch",
+        flag="--enable-prefix-caching"),
+    Var("SF_SPECULATIVE_CONFIG", "speculative_config", "json", "JSON object with a `method`", PRESENT, "json",
+        "--speculative-config"),
+    Var("SF_EXTRA_ARGS", "extra_serve_args", "json-list", "JSON list of strings", OPTIONAL, "args"),
+    Var("SF_PATCHES", "patch_plan", "names", "`kv_unify,fla_shmem`", OPTIONAL, "plan"),
+    Var("HF_HOME", "", "fixed", "`/hf`", ENV, "env", fixed="/hf", note="the host's HF cache is mounted there"),
+    Var("VLLM_CACHE_ROOT", "", "fixed", "`/hf/.vllm_cache`", ENV, "env", fixed="/hf/.vllm_cache",
+        note="vLLM's caches (torch.compile) beside the HF cache"),
+    Var("HF_HUB_OFFLINE", "", "fixed", "`1`", ENV, "env", fixed="1",
+        note="the deploy fetched everything: starting never waits on the hub"),
+    Var("VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS", "", "fixed", "`0`", ENV, "env", fixed="0",
+        note="the memory profiler otherwise over-reserves for CUDA graphs on GB10"),
+    Var("HF_ENDPOINT", "hf_endpoint", "text", "`http://10.0.0.1:8090`", IF_SET, "env",
+        note="written only when `hf_endpoint` is set"),
 )
-# Must be present; empty means "off".
-PRESENT = ("SF_TOOL_CALL_PARSER", "SF_REASONING_PARSER", "SF_SPECULATIVE_CONFIG")
-# May be absent; absent and empty mean the same.
-OPTIONAL = ("SF_REVISION", "SF_EXTRA_ARGS", "SF_PATCHES", "SF_PROFILE")
+VARS = {var.name: var for var in SERVE_ENV}
+REQUIRED_VARS = tuple(v.name for v in SERVE_ENV if v.need == REQUIRED)
+PRESENT_VARS = tuple(v.name for v in SERVE_ENV if v.need == PRESENT)
+OPTIONAL_VARS = tuple(v.name for v in SERVE_ENV if v.need == OPTIONAL)
+
+_RENDER: dict[str, Callable[[Any], str]] = {
+    "text": lambda value: "" if value is None else str(value),
+    "number": lambda value: f"{value:g}",  # 0.82 stays "0.82"
+    "switch": lambda value: "1" if value else "0",
+    "json": lambda value: json.dumps(value, separators=(",", ":")) if value else "",
+    "json-list": lambda value: json.dumps(value) if value else "",
+    "names": lambda value: ",".join(value),
+}
+
+
+def render_env(setting: Callable[[str], Any]) -> dict[str, str]:
+    """serve.env in the table's order; ``setting(name)`` gives a setting's value."""
+    env: dict[str, str] = {}
+    for var in SERVE_ENV:
+        if var.render == "fixed":
+            env[var.name] = var.fixed
+            continue
+        value = setting(var.setting)
+        if var.need == IF_SET and not value:
+            continue
+        env[var.name] = _RENDER[var.render](value)
+    return env
+
+
+def doc_table() -> str:
+    """docs/architecture.md's serve.env table, generated from SERVE_ENV."""
+    rows = ["| variable | from setting | example | what the wrapper does with it |", "|---|---|---|---|"]
+    for var in SERVE_ENV:
+        source = f"`{var.setting}`" if var.setting else "fixed"
+        rows.append(f"| `{var.name}` | {source} | {var.example} | {var.maps} |")
+    return "\n".join(rows) + "\n"
+
 
 # Flags that would carry a secret; secrets travel in secrets.env only.
 _SECRET_FLAGS = ("--api-key", "--hf-token")
@@ -58,8 +163,8 @@ def _get(env: Mapping[str, str], key: str) -> str:
 
 
 def _check_presence(env: Mapping[str, str]) -> None:
-    missing = [k for k in REQUIRED if not _get(env, k)]
-    missing += [k for k in PRESENT if k not in env]
+    missing = [k for k in REQUIRED_VARS if not _get(env, k)]
+    missing += [k for k in PRESENT_VARS if k not in env]
     if missing:
         raise ServeEnvError(f"serve.env: missing required variable(s): {', '.join(missing)}")
 
@@ -149,49 +254,44 @@ def patches_for(env: Mapping[str, str]) -> list[str]:
     return names
 
 
+def _value(env: Mapping[str, str], var: Var) -> str:
+    if var.check == "int":
+        return _int(env, var.name)
+    if var.check == "port":
+        return _int(env, var.name, 1, 65535)
+    if var.check == "fraction":
+        return _fraction(env, var.name)
+    return _word(env, var.name)
+
+
 def build_serve_argv(env: Mapping[str, str]) -> list[str]:
-    """The full ``vllm serve`` argv for a serve.env mapping (flags in the table's order).
+    """The full ``vllm serve`` argv for a serve.env mapping, in SERVE_ENV's order.
 
     Raises ServeEnvError naming the first offending variable(s)."""
     _check_presence(env)
     model = _get(env, "SF_MODEL")
     if model.startswith("-") or any(c.isspace() for c in model):
         raise ServeEnvError(f"SF_MODEL={model!r}: not a repo id or path")
-    argv = ["vllm", "serve", model]
-
-    revision = _word(env, "SF_REVISION")
-    if revision and not model_is_path(model):
-        argv += ["--revision", revision]
-    argv += ["--served-model-name", _word(env, "SF_SERVED_MODEL_NAME")]
-    argv += ["--host", _word(env, "SF_HOST")]
-    argv += ["--port", _int(env, "SF_PORT", 1, 65535)]
-    argv += ["--max-model-len", _int(env, "SF_MAX_MODEL_LEN")]
-    argv += ["--max-num-seqs", _int(env, "SF_MAX_NUM_SEQS")]
-    argv += ["--max-num-batched-tokens", _int(env, "SF_MAX_NUM_BATCHED_TOKENS")]
-    argv += ["--gpu-memory-utilization", _fraction(env, "SF_GPU_MEMORY_UTILIZATION")]
-    argv += ["--load-format", _word(env, "SF_LOAD_FORMAT")]
-    argv += ["--attention-backend", _word(env, "SF_ATTENTION_BACKEND")]
-
-    # An empty parser setting turns that parser off in every profile (MTP included).
-    tool_parser = _word(env, "SF_TOOL_CALL_PARSER")
-    if tool_parser:
-        argv += ["--enable-auto-tool-choice", "--tool-call-parser", tool_parser]
-    reasoning_parser = _word(env, "SF_REASONING_PARSER")
-    if reasoning_parser:
-        argv += ["--reasoning-parser", reasoning_parser]
-
-    chunked = _flag01(env, "SF_CHUNKED_PREFILL")
-    argv.append("--enable-chunked-prefill" if chunked else "--no-enable-chunked-prefill")
-    prefix = _flag01(env, "SF_PREFIX_CACHING")
-    # Explicit both ways: vLLM's default differs between versions and model types.
-    argv.append("--enable-prefix-caching" if prefix else "--no-enable-prefix-caching")
-
-    spec = speculative_config(env)
-    if spec is not None:
-        argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
-
-    argv += extra_args(env)
-    patches_for(env)  # validate here too: a bad SF_PATCHES must fail the deploy's tests
+    argv = ["vllm", "serve"]
+    for var in SERVE_ENV:
+        if var.argv == "positional":
+            argv.append(model)
+        elif var.argv == "value":
+            argv += [var.flag, _value(env, var)]
+        elif var.argv == "value-if-set":
+            value = _value(env, var)
+            if value and not (var.name == "SF_REVISION" and model_is_path(model)):
+                argv += [*var.flag.split(), value]
+        elif var.argv == "switch":
+            argv.append(var.flag if _flag01(env, var.name) else f"--no-{var.flag[2:]}")
+        elif var.argv == "json":
+            spec = speculative_config(env)
+            if spec is not None:
+                argv += [var.flag, json.dumps(spec, separators=(",", ":"))]
+        elif var.argv == "args":
+            argv += extra_args(env)
+        elif var.argv == "plan":
+            patches_for(env)  # validate here too: a bad SF_PATCHES must fail the deploy's tests
     return argv
 
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 import difflib
 import hashlib
 import ipaddress
-import json
 import logging
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -30,6 +30,7 @@ from pydantic import (
     model_validator,
 )
 
+from runtime import serve_args  # the one builder of the `vllm serve` argv (also in the container)
 from sparkfleet.profiles import INTEL_INT4, PROFILES, Profile
 
 try:  # pyinfra is the runtime, but the model is also used by plain unit tests
@@ -39,7 +40,7 @@ except ImportError:  # pragma: no cover
 
 log = logging.getLogger("sparkfleet")
 
-# The seeds measured 0.82 as the most a 128 GiB Spark takes without swapping the OS.
+# The reference recipe measured 0.82 as the most a 128 GiB Spark takes without swapping the OS.
 MEASURED_GPU_MEMORY_UTILIZATION = 0.82
 MAX_CONTEXT = 262144
 CONTAINER_MODEL_DIR = "/model"
@@ -65,7 +66,7 @@ MIRROR_OFF = (None, "", "none", "off", "false")
 
 _FIXES: dict[str, str] = {
     "profile": "pick one of the profiles, e.g. --data profile=dense",
-    "gpu_memory_utilization": "use a fraction between 0.10 and 0.95; the seeds measured 0.82 as safe on a 128 GiB Spark",
+    "gpu_memory_utilization": "use a fraction between 0.10 and 0.95; the reference recipe measured 0.82 as safe on a 128 GiB Spark",
     "max_model_len": f"use a context length from 1 to {MAX_CONTEXT}",
     "port": "use a TCP port from 1 to 65535",
     "num_speculative_tokens": "use 0 (off) to 16, or leave it unset for the profile's default",
@@ -74,6 +75,7 @@ _FIXES: dict[str, str] = {
     "api_key": "use 'auto' (generated per fleet), 'none' (trusted network only) or a key of 16+ characters",
     "fleet_mirror": "use 'auto' (the first host of group `mirror`, else of the inventory), a host of the inventory, or none",
     "mirror_olah": "use a pip requirement like olah==0.5.4",
+    "fleet_endpoint": "use 'auto' (the first host of group `endpoint`, else none), a host of the inventory, or none",
 }
 
 
@@ -92,6 +94,7 @@ class Settings(BaseModel):
     model_revisions: dict[str, str]
     model_dir: str | None
     build_hybrid: bool
+    verify_weights: bool
     hybrid_dir: str
     # Where it comes from
     image: str
@@ -105,11 +108,14 @@ class Settings(BaseModel):
     mirror_registry_port: int = Field(ge=1, le=65535)
     mirror_dir: str
     mirror_olah: str
-    mirror_apt_repo: str | None
-    mirror_apt_key_url: str | None
     mirror_tls_dir: str
     image_registry_url: str | None
-    # Serving settings (the seeds' validated stack)
+    # The fleet endpoint: HAProxy over every serving host (sparkfleet/endpoint.py)
+    fleet_endpoint: str | None
+    endpoint_port: int = Field(ge=1, le=65535)
+    endpoint_metrics_port: int = Field(ge=1, le=65535)
+    endpoint_timeout_s: int = Field(ge=60, le=86400)
+    # Serving settings (the reference recipe's validated stack)
     served_model_name: str
     bind_address: str
     port: int = Field(ge=1, le=65535)
@@ -129,6 +135,7 @@ class Settings(BaseModel):
     num_speculative_tokens: int | None = Field(ge=0, le=16)
     extra_serve_args: list[str]
     vllm_env: dict[str, str]
+    patches: list[str] | None
     # Access
     api_key: SecretStr
     api_key_file: str
@@ -136,9 +143,16 @@ class Settings(BaseModel):
     serving: bool
     force: bool
     ready_timeout_s: int = Field(ge=10, le=7200)
+    # Rolling changes (sparkfleet/rollout.py)
+    rollout: Literal["rolling", "all"]
+    rollout_batch: int = Field(ge=1, le=1024)
+    drain_timeout_s: int = Field(ge=0, le=86400)
+    rollout_min_acceptance: float = Field(ge=1.0, le=17.0)
     # Host preparation
     nvidia_apt_repo: str
     nvidia_apt_key_url: str
+    apt_repo: str | None
+    apt_key_url: str | None
     image_size_gib: float = Field(gt=0)
     image_unpack_ratio: float = Field(ge=1)
     artifact_sizes_gib: dict[str, float]
@@ -186,7 +200,7 @@ class Settings(BaseModel):
                 raise ValueError(f"revision {rev!r} of {repo} is not a branch, tag or commit")
         return value
 
-    @field_validator("fleet_mirror", mode="before")
+    @field_validator("fleet_mirror", "fleet_endpoint", mode="before")
     @classmethod
     def _mirror_name(cls, value: Any) -> Any:
         if value is False or (isinstance(value, str) and value.strip().lower() in MIRROR_OFF):
@@ -198,8 +212,14 @@ class Settings(BaseModel):
     @field_validator("mirror_address")
     @classmethod
     def _hostname(cls, value: str | None) -> str | None:
-        if value is not None and not _HOSTNAME.match(value):
-            raise ValueError("must be a host name or an IPv4 address")
+        if value is None:
+            return None
+        try:
+            return str(ipaddress.ip_address(value.strip("[]")))
+        except ValueError:
+            pass
+        if not _HOSTNAME.match(value):
+            raise ValueError("must be a host name, an IPv4 or an IPv6 address")
         return value
 
     @field_validator("mirror_olah")
@@ -230,8 +250,8 @@ class Settings(BaseModel):
             raise ValueError("not an image reference")
         return value
 
-    @field_validator("hf_endpoint", "nvidia_apt_repo", "nvidia_apt_key_url", "mirror_apt_repo",
-                     "mirror_apt_key_url", "image_registry_url")
+    @field_validator("hf_endpoint", "nvidia_apt_repo", "nvidia_apt_key_url", "apt_repo",
+                     "apt_key_url", "image_registry_url")
     @classmethod
     def _url(cls, value: str | None) -> str | None:
         if value is not None and not _URL.match(value):
@@ -290,7 +310,7 @@ class Settings(BaseModel):
             raise ValueError("names a results directory: use letters, digits and ._-")
         return value
 
-    @field_validator("checks", "bench", mode="before")
+    @field_validator("checks", "bench", "patches", mode="before")
     @classmethod
     def _comma_list(cls, value: Any) -> Any:
         # `--data checks=smoke,decode` arrives as one string.
@@ -301,7 +321,7 @@ class Settings(BaseModel):
     @field_validator("checks", "bench")
     @classmethod
     def _check_names(cls, value: list[str]) -> list[str]:
-        known = {"smoke", "decode", "e2e", "agent"}
+        known = {"smoke", "tools", "decode", "e2e", "agent"}
         unknown = [name for name in value if name not in known]
         if unknown:
             raise ValueError(f"unknown check(s) {unknown}; known: {', '.join(sorted(known))}")
@@ -315,11 +335,16 @@ class Settings(BaseModel):
             raise ValueError("set either model_dir or build_hybrid, not both")
         if "agent" in self.checks + self.bench and not self.agent_state_db:
             raise ValueError(
-                "the agent bench replays a Hermes state.db: set agent_state_db "
+                "the agent bench replays turns from an agent's session database (Hermes' state.db): "
+                "set agent_state_db "
                 "(e.g. --data agent_state_db=~/.hermes/state.db)"
             )
-        if (self.mirror_apt_repo is None) != (self.mirror_apt_key_url is None):
-            raise ValueError("set both mirror_apt_repo and mirror_apt_key_url, or neither")
+        if (self.apt_repo is None) != (self.apt_key_url is None):
+            raise ValueError("set both apt_repo and apt_key_url, or neither")
+        if (self.apt_repo and self.apt_repo.rstrip("/") == self.nvidia_apt_repo.rstrip("/")
+                and self.apt_key_url != self.nvidia_apt_key_url):
+            # apt takes one Signed-By per URL: both lists name one keyring (container_runtime.py).
+            raise ValueError("apt_repo is nvidia_apt_repo: give it the same key (apt_key_url = nvidia_apt_key_url)")
         if self.num_speculative_tokens and not self.profile_spec.speculative_method:
             raise ValueError(
                 f"profile {self.profile} has no speculative decoder; "
@@ -328,7 +353,7 @@ class Settings(BaseModel):
         # The serving command is built here too, by the same code the container runs, so
         # a flag it refuses (e.g. a secret in extra_serve_args) fails now, not after a restart.
         try:
-            serve_args().build_serve_argv(self.serve_env())
+            serve_args.build_serve_argv(self.serve_env())
         except ValueError as exc:
             raise ValueError(f"the serving command cannot be built: {exc}") from None
         return self
@@ -380,7 +405,10 @@ class Settings(BaseModel):
         return repos
 
     @property
-    def patches(self) -> list[str]:
+    def patch_plan(self) -> list[str]:
+        """The runtime patches the serve wrapper applies: ``patches``, else the profile's."""
+        if self.patches is not None:
+            return list(self.patches)
         patches = [p for p in self.profile_spec.patches if p != "kv_unify" or self.speculative_method == "dflash"]
         if self.prefix_caching and self.speculative_method == "dflash":
             patches.insert(patches.index("kv_unify") + 1, "prefix_align")
@@ -404,65 +432,30 @@ class Settings(BaseModel):
 
     @property
     def compile_signature(self) -> str:
-        """What invalidates vLLM's torch.compile cache (the seeds' startup crash): the
+        """What invalidates vLLM's torch.compile cache (the reference recipe's startup crash): the
         engine, the checkpoint served, the patches and the speculative decoder."""
         env = self.serve_env()
         parts = [self.image, env["SF_MODEL"], env["SF_REVISION"], env["SF_PATCHES"], env["SF_SPECULATIVE_CONFIG"]]
         return f"profile={self.profile} " + hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
+    @property
+    def serve_model(self) -> str:
+        """What vLLM serves: the container's /model for a local checkpoint, else the repo."""
+        return CONTAINER_MODEL_DIR if self.local_model_dir else self.model_repo
+
+    @property
+    def serve_revision(self) -> str:
+        return "" if self.local_model_dir else self.revision(self.model_repo)
+
     def serve_env(self) -> dict[str, str]:
-        """The non-secret environment of the serving container (docs/architecture.md)."""
-        model = CONTAINER_MODEL_DIR if self.local_model_dir else self.model_repo
-        spec = self.speculative_config
-        env = {
-            "SF_PROFILE": self.profile,
-            "SF_MODEL": model,
-            "SF_REVISION": "" if self.local_model_dir else self.revision(self.model_repo),
-            "SF_SERVED_MODEL_NAME": self.served_model_name,
-            "SF_HOST": self.bind_address,
-            "SF_PORT": str(self.port),
-            "SF_MAX_MODEL_LEN": str(self.max_model_len),
-            "SF_MAX_NUM_SEQS": str(self.max_num_seqs),
-            "SF_MAX_NUM_BATCHED_TOKENS": str(self.max_num_batched_tokens),
-            "SF_GPU_MEMORY_UTILIZATION": f"{self.gpu_memory_utilization:g}",
-            "SF_LOAD_FORMAT": self.load_format,
-            "SF_ATTENTION_BACKEND": self.attention_backend,
-            "SF_TOOL_CALL_PARSER": self.tool_call_parser,
-            "SF_REASONING_PARSER": self.reasoning_parser,
-            "SF_CHUNKED_PREFILL": "1" if self.chunked_prefill else "0",
-            "SF_PREFIX_CACHING": "1" if self.prefix_caching else "0",
-            "SF_SPECULATIVE_CONFIG": json.dumps(spec, separators=(",", ":")) if spec else "",
-            "SF_EXTRA_ARGS": json.dumps(self.extra_serve_args) if self.extra_serve_args else "",
-            "SF_PATCHES": ",".join(self.patches),
-            "HF_HOME": "/hf",
-            "VLLM_CACHE_ROOT": "/hf/.vllm_cache",
-            # The deploy fetched everything beforehand: starting never waits on the hub.
-            "HF_HUB_OFFLINE": "1",
-            # The seeds' memory profiler otherwise over-reserves for CUDA graphs on GB10.
-            "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS": "0",
-        }
-        if self.hf_endpoint:
-            env["HF_ENDPOINT"] = self.hf_endpoint
+        """The non-secret environment of the serving container: runtime/serve_args.py's
+        SERVE_ENV rendered from these settings (docs/architecture.md), then ``vllm_env``."""
+        env = serve_args.render_env(lambda name: getattr(self, name))
         env.update(self.vllm_env)
         return env
 
     def artifact_size_gib(self, name: str) -> float:
         return self.artifact_sizes_gib.get(name, 0.0)
-
-
-def serve_args():
-    """runtime/serve_args.py: the one builder of the `vllm serve` argv (stdlib, also in the container)."""
-    import importlib.util
-    import sys
-
-    module = sys.modules.get("serve_args")
-    if module is None:
-        path = Path(__file__).resolve().parents[1] / "runtime" / "serve_args.py"
-        spec = importlib.util.spec_from_file_location("serve_args", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["serve_args"] = module
-        spec.loader.exec_module(module)
-    return module
 
 
 # --- fleet-wide validation ----------------------------------------------------------
@@ -525,7 +518,7 @@ def validate_fleet(hosts: Iterable[Any]) -> dict[str, Settings]:
         except ConfigError as exc:
             problems.extend(str(exc).split("\n  ")[1:])
     if not problems:
-        problems = _mirror_problems(hosts, settings)
+        problems = _mirror_problems(hosts, settings) + chosen_endpoint(hosts, settings)[1]
     if problems:
         raise ConfigError(
             "\n  ".join(["invalid configuration, nothing was changed on any host:", *problems])
@@ -533,7 +526,7 @@ def validate_fleet(hosts: Iterable[Any]) -> dict[str, Settings]:
     for name, s in settings.items():
         if s.gpu_memory_utilization > MEASURED_GPU_MEMORY_UTILIZATION:
             log.warning(
-                "%s: gpu_memory_utilization=%s is above the %s the seeds measured as safe; "
+                "%s: gpu_memory_utilization=%s is above the %s the reference recipe measured as safe; "
                 "a Spark's unified memory may swap and stall the host",
                 name, s.gpu_memory_utilization, MEASURED_GPU_MEMORY_UTILIZATION,
             )
@@ -542,6 +535,7 @@ def validate_fleet(hosts: Iterable[Any]) -> dict[str, Settings]:
 
 _FLEET_CACHE: dict[int, dict[str, Settings]] = {}
 _MIRROR_CACHE: dict[int, dict[str, "Mirror | None"]] = {}
+_SUDO_CHECKED: set[tuple[int, str]] = set()
 
 
 def fleet_settings() -> Settings:
@@ -549,10 +543,23 @@ def fleet_settings() -> Settings:
     from pyinfra import host, state
 
     key = id(state)
+    if (key, host.name) not in _SUDO_CHECKED:  # before any fact: sudo must not prompt mid-run
+        from sparkfleet.remote import check_sudo
+
+        check_sudo(host)
+        _SUDO_CHECKED.add((key, host.name))
     if key not in _FLEET_CACHE:
         _FLEET_CACHE[key] = validate_fleet(state.inventory)
         _MIRROR_CACHE[key] = fleet_mirrors(state.inventory, _FLEET_CACHE[key])
     return _FLEET_CACHE[key][host.name]
+
+
+def all_settings() -> dict[str, Settings]:
+    """Every host's settings by inventory name (validated once per run)."""
+    from pyinfra import state
+
+    fleet_settings()
+    return _FLEET_CACHE[id(state)]
 
 
 def host_mirror() -> "Mirror | None":
@@ -560,7 +567,9 @@ def host_mirror() -> "Mirror | None":
     from pyinfra import host, state
 
     fleet_settings()
-    return _MIRROR_CACHE[id(state)][host.name]
+    from sparkfleet.mirror.names import located  # it asks the hosts: the mirror's address
+
+    return located(state, host, _MIRROR_CACHE[id(state)])
 
 
 # --- the mirror (fleet_mirror) ----------------------------------------------------------------
@@ -574,18 +583,23 @@ class Mirror:
     """The host that serves the fleet's model files (an HF mirror) and image (a registry)."""
 
     host: str  # its inventory name
-    address: str  # how the other hosts reach it
+    address: str | None  # how the other hosts reach it (None: found on the hosts, mirror.names)
     hf_port: int
     registry_port: int
     is_self: bool  # the current host is the mirror
 
     @property
+    def netloc_host(self) -> str:
+        """The address as URLs and registry names write it (IPv6 in brackets)."""
+        return f"[{self.address}]" if self.address and ":" in self.address else str(self.address)
+
+    @property
     def hf_endpoint(self) -> str:
-        return f"http://{self.address}:{self.hf_port}"
+        return f"http://{self.netloc_host}:{self.hf_port}"
 
     @property
     def registry(self) -> str:
-        return f"{self.address}:{self.registry_port}"
+        return f"{self.netloc_host}:{self.registry_port}"
 
 
 def _chosen_mirrors(hosts: list[Any], settings: dict[str, Settings]) -> tuple[dict[str, str | None], list[str]]:
@@ -626,17 +640,44 @@ def fleet_mirrors(hosts: Iterable[Any], settings: dict[str, Settings]) -> dict[s
     chosen, problems = _chosen_mirrors(hosts, settings)
     if problems:
         raise ConfigError("\n  ".join(["invalid configuration, nothing was changed on any host:", *problems]))
-    data = {h.name: h.data for h in hosts}
     sources: dict[str, Mirror | None] = {}
     for name, mirror in chosen.items():
         if mirror is None:
             sources[name] = None
             continue
         ms = settings[mirror]
-        ssh_hostname = data[mirror].get("ssh_hostname") if hasattr(data[mirror], "get") else None
-        address = ms.mirror_address or ssh_hostname or mirror
-        sources[name] = Mirror(mirror, str(address), ms.mirror_hf_port, ms.mirror_registry_port, name == mirror)
+        # The controller's name for the mirror (an SSH alias, a .local name) may mean
+        # nothing to the other hosts: unless mirror_address says, it is found on them.
+        sources[name] = Mirror(mirror, ms.mirror_address, ms.mirror_hf_port, ms.mirror_registry_port, name == mirror)
     return sources
+
+
+#: An inventory group of this name picks the fleet endpoint for fleet_endpoint="auto".
+ENDPOINT_GROUP = "endpoint"
+
+
+def chosen_endpoint(hosts: list[Any], settings: dict[str, Settings]) -> tuple[str | None, list[str]]:
+    """The host that serves the fleet endpoint (None: none), and what is wrong. ``auto``
+    is the first host of the inventory group ``endpoint``, else none: a router is a new
+    port and a new way in on a host, so the inventory opts in."""
+    names = [h.name for h in hosts]
+    grouped = [h.name for h in hosts if ENDPOINT_GROUP in (getattr(h, "groups", None) or ())]
+    chosen: dict[str, str | None] = {}
+    problems: list[str] = []
+    for name in names:
+        want = settings[name].fleet_endpoint
+        if want == "auto":
+            chosen[name] = (grouped or [None])[0]
+        elif want is None or want in names:
+            chosen[name] = want
+        else:
+            problems.append(f"{name}: `fleet_endpoint` = {want!r} is not a host of the inventory "
+                            f"({', '.join(names)}). Fix: {_FIXES['fleet_endpoint']}")
+    if not problems and len(set(chosen.values())) > 1:
+        problems.append("the hosts name different fleet endpoints ("
+                        + ", ".join(f"{n}: {e or 'none'}" for n, e in chosen.items())
+                        + "). Fix: give every host the same fleet_endpoint")
+    return (next(iter(chosen.values()), None) if not problems else None), problems
 
 
 def project_defaults() -> dict[str, Any]:

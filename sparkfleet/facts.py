@@ -1,16 +1,20 @@
 """sparkfleet's own facts: what pyinfra's built-in facts do not read.
 
-Each is a small ``FactBase`` answering one question about a host, cheap and cacheable.
-Where pyinfra has a fact (``server.Arch``, ``server.Which``, ``hardware.Cpus``,
-``files.File``, ``files.FileContents``, ``systemd.SystemdStatus``, ``docker.DockerImage``,
-``docker.DockerSystemInfo``...) the steps use it directly.
+Where pyinfra has a fact the steps use it directly (``server.Arch``, ``server.Which``,
+``hardware.Cpus``, ``files.File``, ``files.FileContents``, ``systemd.SystemdStatus``,
+``systemd.SystemdEnabled``, ``docker.DockerSystemInfo``, ``docker.DockerImage``). Each
+fact here answers one question, cheaply; a program it needs that is missing makes it
+its default (``requires_command``), not an error.
 """
 
 from __future__ import annotations
 
+import json
 import shlex
 
+from pyinfra import host
 from pyinfra.api import FactBase
+from pyinfra.facts.docker import DockerSystemInfo
 
 from sparkfleet import hostpaths
 
@@ -20,90 +24,102 @@ MANIFEST_ACCEPT = (
     "application/vnd.docker.distribution.manifest.list.v2+json,application/vnd.oci.image.index.v1+json"
 )
 
-# --- docker --------------------------------------------------------------------------
+# --- built-in facts, read the way sparkfleet needs them ------------------------------
 
 
-class DockerRoot(FactBase["str | None"]):
-    """Docker's data root if the daemon answers, else None."""
+def docker_info() -> dict:
+    """``docker system info`` of this host as data (``docker.DockerSystemInfo``); {} when
+    docker is missing or its daemon does not answer, which the preflight reports."""
+    return host.get_fact(DockerSystemInfo, _ignore_errors=True) or {}
+
+
+# --- the host (preflight) ------------------------------------------------------------
+
+
+class Gpu(FactBase["dict[str, str] | None"]):
+    """The first GPU as ``nvidia-smi`` reports it, or None without a working nvidia-smi."""
+
+    def requires_command(self) -> str:
+        return "nvidia-smi"
 
     def command(self) -> str:
-        return "docker info --format '{{.DockerRootDir}}' 2>/dev/null || true"
+        # A driver that does not answer is an answer too: its message parses as no GPU,
+        # and the preflight says what to do.
+        return "nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader 2>&1 || true"
 
     def process(self, output):
-        root = output[0].strip() if output else ""
-        return root if root.startswith("/") else None
+        for line in output:
+            parts = [p.strip() for p in line.split(",")]
+            if len(parts) == 3 and parts[0]:
+                return {"name": parts[0], "compute_cap": parts[1], "driver_version": parts[2]}
+        return None
 
 
-# --- the mirror --------------------------------------------------------------------------
-
-
-class CommandAvailable(FactBase[bool]):
-    """Whether ``program`` is on the PATH."""
+class FreeSpace(FactBase["dict[str, object]"]):
+    """Free bytes and mount point of the filesystem that holds (or will hold) ``path``."""
 
     @staticmethod
     def default():
-        return False
-
-    def command(self, program: str) -> str:
-        return f"command -v {shlex.quote(program)} >/dev/null && echo yes || echo no"
-
-    def process(self, output):
-        return bool(output) and output[0].strip() == "yes"
-
-
-class HostPython(FactBase["dict | None"]):
-    """The host's python3: version, machine and glibc (for the wheels the mirror needs)."""
-
-    def command(self) -> str:
-        return (
-            "python3 -c 'import sys, platform; print(sys.version_info[0], sys.version_info[1], "
-            "platform.machine(), platform.libc_ver()[1] or \"-\")' 2>/dev/null || true"
-        )
-
-    def process(self, output):
-        parts = output[0].split() if output else []
-        if len(parts) != 4 or not parts[0].isdigit():
-            return None
-        return {"major": int(parts[0]), "minor": int(parts[1]), "machine": parts[2], "glibc": parts[3]}
-
-
-class CPUCount(FactBase[int]):
-    """The host's CPU count (``nproc``)."""
-
-    @staticmethod
-    def default():
-        return 1
-
-    def command(self) -> str:
-        return "nproc 2>/dev/null || echo 1"
-
-    def process(self, output):
-        return int(output[0]) if output and output[0].strip().isdigit() else 1
-
-
-class FileFirstLine(FactBase["str | None"]):
-    """The first line of a small file, or None."""
+        return {"mount": "?", "free": 0}
 
     def command(self, path: str) -> str:
-        return f"head -n 1 {shlex.quote(path)} 2>/dev/null || true"
-
-    def process(self, output):
-        return output[0].strip() if output and output[0].strip() else None
-
-
-class RegistryManifest(FactBase["str | None"]):
-    """The digest the registry at ``url`` holds for ``path:reference``, or None."""
-
-    def command(self, url: str, path: str, reference: str, cacert: str) -> str:
-        q = shlex.quote
+        # The path may not exist yet: ask about its nearest existing parent.
         return (
-            f"curl -sfI -m 10 --cacert {q(cacert)} -H {q('Accept: ' + MANIFEST_ACCEPT)} "
-            f"{q(f'{url}/v2/{path}/manifests/{reference}')} 2>/dev/null | tr -d '\\r' "
-            "| sed -n 's/^[Dd]ocker-[Cc]ontent-[Dd]igest: *//p' || true"
+            f"p={shlex.quote(path)}; while [ ! -e \"$p\" ]; do p=$(dirname \"$p\"); done; "
+            "df -P -B1 \"$p\" | tail -n 1"
         )
 
     def process(self, output):
-        return output[0].strip() if output and output[0].startswith("sha256:") else None
+        fields = output[-1].split() if output else []
+        if len(fields) < 6:
+            return {"mount": "?", "free": 0}
+        return {"mount": fields[5], "free": int(fields[3])}
+
+
+class Memory(FactBase["dict[str, int]"]):
+    """MemTotal and MemAvailable in bytes (pyinfra's ``hardware.Memory`` has no MemAvailable)."""
+
+    @staticmethod
+    def default():
+        return {}
+
+    def command(self) -> str:
+        return "grep -E '^(MemTotal|MemAvailable):' /proc/meminfo"
+
+    def process(self, output):
+        values = {}
+        for line in output:
+            key, rest = line.split(":", 1)
+            values[key] = int(rest.split()[0]) * 1024
+        return values
+
+
+# --- weights -------------------------------------------------------------------------
+
+
+class CachedSnapshot(FactBase["str | None"]):
+    """The commit of a complete cached snapshot of ``repo_id@revision`` whose every blob
+    was verified at its present size, or None."""
+
+    def command(self, hf_home: str, repo_id: str, revision: str) -> str:
+        marker = shlex.quote(hostpaths.snapshot_marker(hf_home, repo_id, revision))
+        snapshot = shlex.quote(hostpaths.repo_cache_dir(hf_home, repo_id) + "/snapshots") + '/"$c"'
+        records = shlex.quote(f"{hf_home}/sparkfleet/verified")
+        # No marker, or a marker naming a snapshot that is gone: not cached. fetch_weights.py
+        # records each blob's size once it matched its hash: a blob missing, truncated or
+        # grown since shows here without reading it.
+        return (
+            f'c=$(cat {marker} 2>/dev/null) && [ -n "$c" ] && [ -d {snapshot} ] || exit 0; '
+            f'find {snapshot}/ ! -type d | while read -r f; do b=$(readlink -f "$f"); '
+            f's=$(stat -c %s "$b" 2>/dev/null) && [ "$(cat {records}/"${{b##*/}}" 2>/dev/null)" = "$s" ] '
+            '|| { echo unverified; break; }; done; echo "commit=$c"'
+        )
+
+    def process(self, output):
+        if "unverified" in output:
+            return None
+        commits = [line[len("commit="):] for line in output if line.startswith("commit=")]
+        return commits[0] if commits else None
 
 
 class DirBytes(FactBase[int]):
@@ -114,29 +130,115 @@ class DirBytes(FactBase[int]):
         return 0
 
     def command(self, path: str) -> str:
-        return f"du -sb {shlex.quote(path)} 2>/dev/null | cut -f1 || true"
+        return f"if [ -e {shlex.quote(path)} ]; then du -sb {shlex.quote(path)} | cut -f1; fi"
 
     def process(self, output):
         return int(output[0]) if output and output[0].strip().isdigit() else 0
 
 
-class MirrorUnits(FactBase["list[str]"]):
-    """Which of the mirror's services run or are enabled here (sparkfleet's own only)."""
+# --- the service ---------------------------------------------------------------------
+
+
+class UnitState(FactBase["dict[str, str]"]):
+    """ActiveState, SubState, start time, restart count and unit file state of a unit (what
+    ``systemd.SystemdStatus`` does not read: READY watches NRestarts)."""
+
+    @staticmethod
+    def default():
+        return {}
+
+    def requires_command(self, unit: str) -> str:
+        return "systemctl"
+
+    def command(self, unit: str) -> str:
+        return (f"systemctl show {shlex.quote(unit)} -p ActiveState -p SubState -p ExecMainStartTimestampMonotonic "
+                "-p NRestarts -p UnitFileState")
+
+    def process(self, output):
+        return dict(line.split("=", 1) for line in output if "=" in line)
+
+
+class ServedAnswer(FactBase["str | None"]):
+    """The served model's answer to a one-token ``prompt``, or None if it does not answer."""
+
+    def requires_command(self, address: str, port: int, model: str, prompt: str) -> str:
+        return "curl"
+
+    def command(self, address: str, port: int, model: str, prompt: str) -> str:
+        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0})
+        # The key travels in a 0600 header file, never on the command line. A server
+        # that does not answer yet is an answer (empty): the caller polls.
+        return (
+            f"curl -sS -m 10 -H @{hostpaths.AUTH_HEADER} -H 'Content-Type: application/json' "
+            f"-d {shlex.quote(body)} http://{address}:{port}/v1/completions || true"
+        )
+
+    def process(self, output):
+        try:
+            return json.loads("\n".join(output))["choices"][0]["text"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            return None
+
+
+class ServedModels(FactBase["list[str]"]):
+    """The model names the API lists (empty when it does not answer)."""
 
     @staticmethod
     def default():
         return []
 
+    def requires_command(self, address: str, port: int) -> str:
+        return "curl"
+
+    def command(self, address: str, port: int) -> str:
+        return f"curl -sS -m 5 -H @{hostpaths.AUTH_HEADER} http://{address}:{port}/v1/models || true"
+
+    def process(self, output):
+        try:
+            return [model["id"] for model in json.loads("\n".join(output))["data"]]
+        except (ValueError, KeyError, TypeError):
+            return []
+
+
+# --- the mirror --------------------------------------------------------------------------
+
+
+class HostPython(FactBase["dict | None"]):
+    """The host's python3: version, machine and glibc (for the wheels the mirror needs)."""
+
+    def requires_command(self) -> str:
+        return "python3"
+
     def command(self) -> str:
-        hf, registry, config = hostpaths.HF_MIRROR_UNIT, hostpaths.REGISTRY_UNIT, hostpaths.REGISTRY_CONFIG
         return (
-            f"for u in {hf} {registry}; do "
-            f"if [ $u = {registry} ] && ! grep -qs sparkfleet {config}; then continue; fi; "
-            "if systemctl is-active -q $u || systemctl is-enabled -q $u 2>/dev/null; then echo $u; fi; done"
+            "python3 -c 'import sys, platform; print(sys.version_info[0], sys.version_info[1], "
+            "platform.machine(), platform.libc_ver()[1] or \"-\")'"
         )
 
     def process(self, output):
-        return [line.strip() for line in output if line.strip()]
+        parts = output[0].split() if output else []
+        if len(parts) != 4 or not parts[0].isdigit():
+            return None
+        return {"major": int(parts[0]), "minor": int(parts[1]), "machine": parts[2], "glibc": parts[3]}
+
+
+class RegistryManifest(FactBase["str | None"]):
+    """The digest the registry at ``url`` holds for ``path:reference``, or None."""
+
+    def requires_command(self, url: str, path: str, reference: str, cacert: str) -> str:
+        return "curl"
+
+    def command(self, url: str, path: str, reference: str, cacert: str) -> str:
+        q = shlex.quote
+        # A registry that is not up yet, or holds no such manifest, answers nothing.
+        return (
+            f"curl -sfI -m 10 --cacert {q(cacert)} -H {q('Accept: ' + MANIFEST_ACCEPT)} "
+            f"{q(f'{url}/v2/{path}/manifests/{reference}')} | tr -d '\\r' "
+            "| sed -n 's/^[Dd]ocker-[Cc]ontent-[Dd]igest: *//p'"
+        )
+
+    def process(self, output):
+        return output[0].strip() if output and output[0].startswith("sha256:") else None
 
 
 class MirrorAnswers(FactBase[bool]):
@@ -146,6 +248,9 @@ class MirrorAnswers(FactBase[bool]):
     def default():
         return False
 
+    def requires_command(self, registry: str, hf_port: int) -> str:
+        return "curl"
+
     def command(self, registry: str, hf_port: int) -> str:
         return (
             f"curl -sf -m 5 --cacert {hostpaths.REGISTRY_CERT} https://{registry}/v2/ >/dev/null && "
@@ -154,3 +259,224 @@ class MirrorAnswers(FactBase[bool]):
 
     def process(self, output):
         return bool(output) and output[-1].strip() == "yes"
+
+
+class StartedRevision(FactBase["str | None"]):
+    """The revision the serving unit recorded when its running service started (the unit's
+    ExecStartPre copies it to ``path``, a runtime directory gone when the unit stops)."""
+
+    def command(self, path: str) -> str:
+        return f"cat {shlex.quote(path)} 2>/dev/null || true"
+
+    def process(self, output):
+        return output[0].strip() if output and output[0].strip() else None
+
+
+class PortHolders(FactBase["list[str]"]):
+    """Processes listening on ``port`` other than those of ``container``, as "name (pid N)"."""
+
+    @staticmethod
+    def default():
+        return []
+
+    def requires_command(self, port: int, container: str) -> str:
+        return "ss"
+
+    def command(self, port: int, container: str) -> str:
+        # The container's processes carry its id in their cgroup path (either cgroup driver).
+        return (
+            f"cid=$(docker inspect -f '{{{{.Id}}}}' {shlex.quote(container)} 2>/dev/null); "
+            f"for p in $(ss -Hltnp 'sport = :{int(port)}' | grep -o 'pid=[0-9]*' | cut -d= -f2 | sort -u); do "
+            '[ -n "$cid" ] && grep -q "$cid" /proc/$p/cgroup 2>/dev/null && continue; '
+            'echo "$(cat /proc/$p/comm 2>/dev/null) (pid $p)"; done'
+        )
+
+    def process(self, output):
+        return [line.strip() for line in output if line.strip()]
+
+
+class SshServerAddress(FactBase[str]):
+    """The address this host was reached at over SSH ($SSH_CONNECTION's third field; run
+    it with _sudo=False, sudo drops the variable), or "" (not SSH, or unknown)."""
+
+    @staticmethod
+    def default():
+        return ""
+
+    def command(self) -> str:
+        return 'echo "${SSH_CONNECTION:-}"'
+
+    def process(self, output):
+        fields = output[0].split() if output else []
+        return fields[2] if len(fields) >= 3 else ""
+
+
+class RouteSource(FactBase[str]):
+    """This host's source address on its route to ``address`` ("" when it has none)."""
+
+    @staticmethod
+    def default():
+        return ""
+
+    def command(self, address: str) -> str:
+        return f"ip route get {shlex.quote(address)} 2>/dev/null | sed -n 's/.* src \\([^ ]*\\).*/\\1/p' | head -n 1"
+
+    def process(self, output):
+        return output[0].strip() if output else ""
+
+
+# --- GPU access, the image store (the serving host as it is) ------------------------------
+
+GPUS_ALL = "--gpus all"
+CDI_ALL = "--device nvidia.com/gpu=all"
+GPU_FLAGS = (GPUS_ALL, CDI_ALL)  # the first that works is used
+
+
+class GpuAccess(FactBase["dict[str, object]"]):
+    """How docker gives this host's containers the GPU.
+
+    With ``image`` on the host, a GPU container of it runs ``nvidia-smi -L`` with each of
+    :data:`GPU_FLAGS` (the truth). Without, the evidence: the legacy hook and whether
+    dockerd started after it appeared, ``nvidia-cdi-hook``, a CDI spec for
+    ``nvidia.com/gpu``, docker's version and CDI spec dirs. Returns ``{"works": [flags],
+    "probed": bool, "evidence": {...}}``.
+    """
+
+    @staticmethod
+    def default():
+        return {"works": [], "probed": False, "evidence": {}}
+
+    def requires_command(self, image: str) -> str:
+        return "docker"
+
+    def command(self, image: str) -> str:
+        q = shlex.quote
+        probes = "".join(
+            f"docker run --rm --pull never {flag} --entrypoint nvidia-smi {q(image)} -L 2>/dev/null "
+            f"| grep -q '^GPU ' && echo {q('works=' + flag)}; "
+            for flag in GPU_FLAGS
+        )
+        return (
+            "echo docker=$(docker version --format '{{.Server.Version}}' 2>/dev/null); "
+            "echo cdi_dirs=$(docker info --format '{{json .CDISpecDirs}}' 2>/dev/null); "
+            "echo cdi_spec=$(grep -ls 'nvidia.com/gpu' /etc/cdi/* /var/run/cdi/* 2>/dev/null | head -n 1); "
+            "echo cdi_hook=$(command -v nvidia-cdi-hook); "
+            "h=$(command -v nvidia-container-runtime-hook); echo hook=$h; "
+            # dockerd registers the hook's --gpus driver only if the hook was there at its start.
+            "s=$(systemctl show docker.service -p ExecMainStartTimestamp --value 2>/dev/null); "
+            'if [ -n "$h" ] && [ -n "$s" ] && [ "$(stat -c %Z "$h")" -lt "$(date -d "$s" +%s)" ]; '
+            "then echo hook_registered=yes; fi; "
+            f"if docker image inspect --format . {q(image)} >/dev/null 2>&1; then echo probed=yes; {probes}fi; true"
+        )
+
+    def process(self, output):
+        evidence: dict[str, str] = {}
+        works: list[str] = []
+        for line in output:
+            key, _, value = line.strip().partition("=")
+            if key == "works":
+                works.append(value)
+            elif key:
+                evidence[key] = value
+        probed = evidence.pop("probed", "") == "yes"
+        if not probed:
+            works = [flag for flag in GPU_FLAGS if _evidently_works(flag, evidence)]
+        return {"works": works, "probed": probed, "evidence": evidence}
+
+
+def _evidently_works(flag: str, ev: dict[str, str]) -> bool:
+    cdi = bool(ev.get("cdi_spec")) and ev.get("cdi_dirs", "") not in ("", "null", "[]")
+    if flag == GPUS_ALL:
+        # Docker 28 maps --gpus to CDI only from 29 on (moby #50228).
+        major = ev.get("docker", "").split(".")[0]
+        docker_maps_gpus_to_cdi = major.isdigit() and int(major) >= 29 and bool(ev.get("cdi_hook"))
+        return ev.get("hook_registered") == "yes" or (docker_maps_gpus_to_cdi and cdi)
+    return cdi
+
+
+class ContainerdRoot(FactBase[str]):
+    """containerd's root directory (where Docker's containerd image store keeps images)."""
+
+    @staticmethod
+    def default():
+        return "/var/lib/containerd"
+
+    def requires_command(self) -> str:
+        return "containerd"
+
+    def command(self) -> str:
+        return "containerd config dump 2>/dev/null | sed -n \"s/^root = ['\\\"]\\(.*\\)['\\\"]$/\\1/p\" || true"
+
+    def process(self, output):
+        return output[0].strip() if output and output[0].startswith("/") else self.default()
+
+
+#: Reads the image's manifest from its registry on the host (stdlib only; anonymous or
+#: bearer-token auth as registries answer): prints the compressed bytes of its layers
+#: and config, for arm64 when the reference is a multi-platform index.
+_MANIFEST_SIZE_PY = r"""
+import json, re, sys, urllib.error, urllib.parse, urllib.request
+base, repo, ref, accept = sys.argv[1:5]
+token = None
+def get(ref):
+    global token
+    while True:
+        headers = {"Accept": accept, **({"Authorization": "Bearer " + token} if token else {})}
+        req = urllib.request.Request(f"{base}/v2/{repo}/manifests/{ref}", headers=headers)
+        try:
+            return json.load(urllib.request.urlopen(req, timeout=20))
+        except urllib.error.HTTPError as err:
+            challenge = err.headers.get("WWW-Authenticate", "")
+            if err.code != 401 or token is not None or not challenge.lower().startswith("bearer "):
+                raise
+            params = dict(re.findall(r'(\w+)="([^"]*)"', challenge))
+            realm = params.pop("realm")
+            doc = json.load(urllib.request.urlopen(realm + "?" + urllib.parse.urlencode(params), timeout=20))
+            token = doc.get("token") or doc.get("access_token") or ""
+doc = get(ref)
+if "manifests" in doc:
+    children = doc["manifests"]
+    arm = [m for m in children if m.get("platform", {}).get("architecture") == "arm64"]
+    doc = get((arm or children)[0]["digest"])
+print("compressed", doc["config"]["size"] + sum(layer["size"] for layer in doc["layers"]))
+"""
+
+
+class ManifestSize(FactBase["int | None"]):
+    """Compressed bytes of ``path:reference`` in the registry at ``url`` (None if unread)."""
+
+    def requires_command(self, url: str, path: str, reference: str) -> str:
+        return "python3"
+
+    def command(self, url: str, path: str, reference: str) -> str:
+        q = shlex.quote
+        return (
+            f"timeout 60 python3 -c {q(_MANIFEST_SIZE_PY)} {q(url)} {q(path)} {q(reference)} "
+            f"{q(MANIFEST_ACCEPT)} 2>/dev/null || true"
+        )
+
+    def process(self, output):
+        for line in output:
+            key, _, value = line.partition(" ")
+            if key == "compressed" and value.strip().isdigit():
+                return int(value)
+        return None
+
+
+class NewKills(FactBase["dict"]):
+    """The OOM guard's kills the deploy has not reported yet: {"lines": [...], "total": n}."""
+
+    @staticmethod
+    def default():
+        return {"lines": [], "total": 0}
+
+    def command(self) -> str:
+        log, reported = hostpaths.OOM_LOG, hostpaths.OOM_REPORTED
+        return (
+            f"n=$(cat {reported} 2>/dev/null || echo 0); t=$(cat {log} 2>/dev/null | wc -l); "
+            f'echo "total $t"; [ "$t" -gt "$n" ] && tail -n $((t - n)) {log}; true'
+        )
+
+    def process(self, output):
+        total = int(output[0].split()[1]) if output and output[0].startswith("total ") else 0
+        return {"lines": [line.strip() for line in output[1:] if line.strip()], "total": total}

@@ -13,10 +13,13 @@ SECRETS_ENV = f"{ETC_DIR}/secrets.env"  # VLLM_API_KEY, for serving and checks, 
 HF_ENV = f"{ETC_DIR}/hf.env"  # HF_TOKEN, for downloads and builds only, 0600
 AUTH_HEADER = f"{ETC_DIR}/api-auth.header"  # Authorization header for on-host curl, 0600
 RUNTIME_DIR = "/opt/sparkfleet/runtime"  # copy of the repo's runtime/, mounted at /host:ro
-TASKS_DIR = "/var/lib/sparkfleet/tasks"  # logs and exit codes of long steps
+TASK_UNIT_PREFIX = "sparkfleet-task-"  # transient units of long steps (sparkfleet/tasks.py)
 UNIT = "sparkfleet-serve.service"
 UNIT_PATH = f"/etc/systemd/system/{UNIT}"
 CONTAINER = "sparkfleet-serve"
+REVISION_FILE = f"{ETC_DIR}/serving.rev"  # hash of everything the service runs, as deployed
+STARTED_FILE = "/run/sparkfleet-serve/started.rev"  # the revision the running service started with
+LAST_GOOD_DIR = "/var/lib/sparkfleet/last-good"  # the last settings that got READY, for rollback
 COMPILE_SIGNATURE = "sparkfleet-compile-signature"  # in hf_home/.vllm_cache
 
 # --- the NVIDIA container runtime (every host) -----------------------------------------
@@ -24,6 +27,16 @@ DOCKER_DAEMON_JSON = "/etc/docker/daemon.json"
 NVIDIA_APT_KEYRING = "/usr/share/keyrings/nvidia-container-toolkit.asc"
 NVIDIA_APT_SOURCES = "/etc/apt/sources.list.d/nvidia-container-toolkit.list"
 NVIDIA_DEV_CHAR_RULE = "/etc/udev/rules.d/71-nvidia-dev-char.rules"  # NVIDIA's daemon-reload workaround
+# apt_repo's list and key (docker-registry, skopeo, haproxy, earlyoom), one for every step.
+ARCHIVE_APT_KEYRING = "/usr/share/keyrings/sparkfleet-archive.asc"
+ARCHIVE_APT_SOURCES = "/etc/apt/sources.list.d/sparkfleet-archive.list"
+
+# --- the OOM guard (every serving host) ------------------------------------------------
+EARLYOOM_DEFAULTS = "/etc/default/earlyoom"
+EARLYOOM_DROPIN = "/etc/systemd/system/earlyoom.service.d/sparkfleet.conf"
+OOM_HOOK = "/usr/local/lib/sparkfleet/oom-killed"  # run by earlyoom after a kill
+OOM_LOG = "/var/lib/sparkfleet/oom-guard.log"  # one line per kill
+OOM_REPORTED = "/var/lib/sparkfleet/oom-guard.reported"  # lines of OOM_LOG the deploy has shown
 
 # --- the HF cache layout (hf_home), shared with runtime/fetch_weights.py ---------------
 
@@ -43,7 +56,7 @@ MIRROR_OPT = "/opt/sparkfleet/mirror"
 OLAH_DIR = f"{MIRROR_OPT}/olah"
 OLAH_LIB = f"{OLAH_DIR}/lib"
 OLAH_MARKER = f"{OLAH_DIR}/installed"
-COPY_TOOL = f"{MIRROR_OPT}/sparkfleet-copy-image.py"
+DOCKER_AUTH = "/root/.docker/config.json"  # docker login's credentials, also read by the image copy
 HF_MIRROR_UNIT = "sparkfleet-hf-mirror.service"
 HF_MIRROR_UNIT_PATH = f"/etc/systemd/system/{HF_MIRROR_UNIT}"
 HF_MIRROR_CONFIG = f"{ETC_DIR}/hf-mirror.toml"
@@ -52,8 +65,6 @@ REGISTRY_CONFIG = "/etc/docker/registry/config.yml"
 REGISTRY_CERT = "/etc/docker/registry/sparkfleet-mirror.crt"
 REGISTRY_KEY = "/etc/docker/registry/sparkfleet-mirror.key"
 REGISTRY_USER = "docker-registry"
-MIRROR_APT_KEYRING = "/usr/share/keyrings/sparkfleet-mirror.asc"
-MIRROR_APT_SOURCES = "/etc/apt/sources.list.d/sparkfleet-mirror.list"
 
 
 def mirror_hf_cache(mirror_dir: str) -> str:

@@ -13,32 +13,17 @@ import shlex
 from dataclasses import dataclass
 
 from pyinfra import host
-from pyinfra.api import FactBase, FunctionCommand, operation
+from pyinfra.api import FunctionCommand, deploy, operation
 from pyinfra.api.exceptions import OperationError
+from pyinfra.facts.docker import DockerImage
 
 from sparkfleet import mirror, remote
 from sparkfleet.config import Settings, host_mirror
-from sparkfleet.facts import MANIFEST_ACCEPT
+from sparkfleet.facts import MANIFEST_ACCEPT, ContainerdRoot, ManifestSize, docker_info
 from sparkfleet.hostpaths import HF_ENV, RUNTIME_DIR, registry_ca_path
 from sparkfleet.mirror import ImageName, image_reference
 from sparkfleet.mirror.names import upstream_registry_url
 from sparkfleet.tasks import detached
-
-
-class Image(FactBase["dict | None"]):
-    """The local image ``reference`` resolves to: id and repo digests, or None."""
-
-    def command(self, reference: str) -> str:
-        return (
-            f"docker image inspect --format '{{{{json .Id}}}} {{{{json .RepoDigests}}}}' "
-            f"{shlex.quote(reference)} 2>/dev/null || true"
-        )
-
-    def process(self, output):
-        if not output or not output[0].startswith('"'):
-            return None
-        image_id, digests = output[0].split(" ", 1)
-        return {"id": json.loads(image_id), "repo_digests": json.loads(digests) or []}
 
 
 def pinned_digest(reference: str) -> str | None:
@@ -46,11 +31,11 @@ def pinned_digest(reference: str) -> str | None:
 
 
 def _present(ref: str) -> bool:
-    image = host.get_fact(Image, reference=ref)
-    if image is None:
+    images = host.get_fact(DockerImage, object_id=ref) or []
+    if not images:
         return False
     digest = pinned_digest(ref)
-    return digest is None or any(d.endswith("@" + digest) for d in image["repo_digests"])
+    return digest is None or any(d.endswith("@" + digest) for d in images[0].get("RepoDigests") or [])
 
 
 def is_present(reference: str) -> bool:
@@ -61,75 +46,24 @@ def is_present(reference: str) -> bool:
     return bool(used) and _present(ImageName.parse(reference).at(used.registry))
 
 
-#: Reads the image's manifest from its registry on the host (stdlib only; anonymous or
-#: bearer-token auth as registries answer): prints the compressed bytes of its layers
-#: and config, for arm64 when the reference is a multi-platform index.
-_MANIFEST_SIZE_PY = r"""
-import json, re, sys, urllib.error, urllib.parse, urllib.request
-base, repo, ref, accept = sys.argv[1:5]
-token = None
-def get(ref):
-    global token
-    while True:
-        headers = {"Accept": accept, **({"Authorization": "Bearer " + token} if token else {})}
-        req = urllib.request.Request(f"{base}/v2/{repo}/manifests/{ref}", headers=headers)
-        try:
-            return json.load(urllib.request.urlopen(req, timeout=20))
-        except urllib.error.HTTPError as err:
-            challenge = err.headers.get("WWW-Authenticate", "")
-            if err.code != 401 or token is not None or not challenge.lower().startswith("bearer "):
-                raise
-            params = dict(re.findall(r'(\w+)="([^"]*)"', challenge))
-            realm = params.pop("realm")
-            doc = json.load(urllib.request.urlopen(realm + "?" + urllib.parse.urlencode(params), timeout=20))
-            token = doc.get("token") or doc.get("access_token") or ""
-doc = get(ref)
-if "manifests" in doc:
-    children = doc["manifests"]
-    arm = [m for m in children if m.get("platform", {}).get("architecture") == "arm64"]
-    doc = get((arm or children)[0]["digest"])
-print("compressed", doc["config"]["size"] + sum(layer["size"] for layer in doc["layers"]))
-"""
+def image_store() -> dict | None:
+    """Where docker keeps images here (:func:`store_of` this host's ``docker info``)."""
+    return store_of(docker_info(), lambda: host.get_fact(ContainerdRoot))
 
 
-class ImageStore(FactBase["dict | None"]):
+def store_of(info: dict, containerd_root) -> dict | None:
     """Where docker keeps images: ``{"containerd": bool, "path": dir}``, or None when docker
     does not answer. Docker's containerd image store (``driver-type
     io.containerd.snapshotter.v1``, Docker 29's default) keeps the compressed blobs and
-    the unpacked snapshots under containerd's root, not ``DockerRootDir``."""
-
-    def command(self) -> str:
-        return (
-            "docker info --format '{{.DockerRootDir}} {{json .DriverStatus}}' 2>/dev/null || true; "
-            "containerd config dump 2>/dev/null | grep '^root = ' | tr -d \"'\\\"\" | sed 's/^root = /containerd_root /' || true"
-        )
-
-    def process(self, output):
-        if not output or not output[0].startswith("/"):
-            return None
-        root, _, status = output[0].partition(" ")
-        containerd_root = next((line.split(" ", 1)[1] for line in output[1:] if line.startswith("containerd_root ")),
-                               "/var/lib/containerd")
-        containerd = "io.containerd.snapshotter" in status
-        return {"containerd": containerd, "path": containerd_root if containerd else root}
-
-
-class ManifestSize(FactBase["int | None"]):
-    """Compressed bytes of ``path:reference`` in the registry at ``url`` (None if unread)."""
-
-    def command(self, url: str, path: str, reference: str) -> str:
-        q = shlex.quote
-        return (
-            f"timeout 60 python3 -c {q(_MANIFEST_SIZE_PY)} {q(url)} {q(path)} {q(reference)} "
-            f"{q(MANIFEST_ACCEPT)} 2>/dev/null || true"
-        )
-
-    def process(self, output):
-        for line in output:
-            key, _, value = line.partition(" ")
-            if key == "compressed" and value.strip().isdigit():
-                return int(value)
+    the unpacked snapshots under containerd's root (``containerd_root()``), not
+    ``DockerRootDir``."""
+    root = info.get("DockerRootDir")
+    if not root:
         return None
+    status = info.get("DriverStatus") or []
+    if any("io.containerd.snapshotter" in str(value) for pair in status for value in pair):
+        return {"containerd": True, "path": containerd_root()}
+    return {"containerd": False, "path": root}
 
 
 @dataclass(frozen=True)
@@ -158,29 +92,29 @@ def disk_needs(settings: Settings) -> dict[str, float]:
     GiB}. The classic store keeps the unpacked layers under DockerRootDir (each compressed
     layer is deleted once unpacked); the containerd store keeps both under containerd's
     root. Nothing when the image is there or docker does not answer (the preflight says so)."""
-    store = host.get_fact(ImageStore)
+    store = image_store()
     if store is None or is_present(settings.image):
         return {}
     size = sizes(settings)
     return {store["path"]: size.unpacked_gib + (size.compressed_gib if store["containerd"] else 0.0)}
 
 
-def one_shot(settings: Settings, name: str, args: str, extra_mounts: str = "") -> str:
-    """A one-shot run of the serving image's Python with the HF cache and runtime mounted.
+def one_shot(image: str, hf_home: str, hf_endpoint: str | None, name: str, args: str, extra_mounts: str = "") -> str:
+    """A one-shot run of the serving image's Python (container ``name``) with the HF cache
+    at /hf and the runtime at /host, for downloads and builds.
 
-    Downloads go to the mirror's HF endpoint when there is a mirror (fleet_mirror), else
-    to ``hf_endpoint``; the image is the reference the host pulled (never a new pull).
+    + image: the reference the host pulled (never a new pull)
+    + hf_endpoint: the mirror's HF endpoint, ``hf_endpoint``, or None for the hub
     """
     q = shlex.quote
-    endpoint_url = mirror.hf_endpoint(settings)
-    endpoint = f"-e HF_ENDPOINT={q(endpoint_url)} " if endpoint_url else ""
+    endpoint = f"-e HF_ENDPOINT={q(hf_endpoint)} " if hf_endpoint else ""
     return (
         f"docker rm -f {name} >/dev/null 2>&1; "
         f"docker run --rm --pull never --name {name} --network host --env-file {HF_ENV} "
         f"-e HF_HOME=/hf -e HF_HUB_DISABLE_TELEMETRY=1 {endpoint}"
         "-e HF_HUB_DISABLE_XET=1 "  # else hf_xet fetches from the Xet CAS, past HF_ENDPOINT and the mirror
-        f"-v {q(settings.hf_home)}:/hf -v {RUNTIME_DIR}:/host:ro {extra_mounts}"
-        f"--entrypoint python3 {q(image_reference(settings))} {args}"
+        f"-v {q(hf_home)}:/hf -v {RUNTIME_DIR}:/host:ro {extra_mounts}"
+        f"--entrypoint python3 {q(image)} {args}"
     )
 
 
@@ -213,22 +147,29 @@ def _verify(state, host, ref: str, expected: str | None, mirror_ref: str | None)
 
 
 @operation()
-def pulled(settings: Settings):
+def pulled(reference: str):
     """
     Pull the serving image unless this exact reference is already on the host.
 
-    + settings: validated settings (``image``; pin it as ``name@sha256:...`` for a fleet)
+    + reference: what to pull and run (the mirror registry's copy of ``image``, or ``image``;
+      pin it as ``name@sha256:...`` for a fleet)
 
     A tag that moved upstream is not re-pulled: pin a digest to change what runs. With a
     mirror the pull comes from its registry, and a host left with another digest than the
     fleet's fails with both digests named.
     """
     used = host_mirror()
-    ref = image_reference(settings, used)
-    if _present(ref):
-        host.noop(f"image {ref} is present")
+    if _present(reference):
+        host.noop(f"image {reference} is present")
         return
     if used:
         yield mirror.answers(used, "registry")
-    yield detached("image-pull", f"docker pull {shlex.quote(ref)}")
-    yield FunctionCommand(_verify, (ref, pinned_digest(ref), ref if used and not pinned_digest(ref) else None), {})
+    yield detached("image-pull", f"docker pull {shlex.quote(reference)}")
+    check_tag = reference if used and not pinned_digest(reference) else None
+    yield FunctionCommand(_verify, (reference, pinned_digest(reference), check_tag), {})
+
+
+@deploy("Serving image")
+def present(settings: Settings):
+    """The serving image on this host. Returns the pull operation (for the download report)."""
+    return pulled(name="serving image present", reference=image_reference(settings))

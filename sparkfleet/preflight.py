@@ -6,94 +6,24 @@ gets one failing operation listing every problem with its fix; the other hosts g
 
 from __future__ import annotations
 
-import shlex
 from dataclasses import dataclass, field
 
 from pyinfra import host, logger
-from pyinfra.api import FactBase, operation
-from pyinfra.facts.files import File
+from pyinfra.api import operation
+from pyinfra.facts.files import File, Sha256File
+from pyinfra.facts.server import Arch
 
-from sparkfleet import hybrid, image, mirror, remote, service, weights
+from sparkfleet import hybrid, image, mirror, remote, secrets, service, weights
 from sparkfleet.config import Settings
-from sparkfleet.facts import DockerRoot
+from sparkfleet.facts import FreeSpace, Gpu, Memory, docker_info
+from sparkfleet.hostpaths import SECRETS_ENV
+
+EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 
 GB10_NAME = "NVIDIA GB10"
 GB10_COMPUTE_CAPABILITY = "12.1"
 SPARK_ARCH = "aarch64"
 GIB = 1024**3
-
-
-# --- facts --------------------------------------------------------------------------
-
-
-class Architecture(FactBase[str]):
-    """The processor architecture as the kernel reports it (``uname -m``)."""
-
-    @staticmethod
-    def default():
-        return ""
-
-    def command(self) -> str:
-        return "uname -m"
-
-    def process(self, output):
-        return output[0].strip() if output else ""
-
-
-class Gpu(FactBase["dict[str, str] | None"]):
-    """The first GPU as ``nvidia-smi`` reports it, or None without a working nvidia-smi."""
-
-    def command(self) -> str:
-        return (
-            "nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader 2>/dev/null"
-            " || true"
-        )
-
-    def process(self, output):
-        for line in output:
-            parts = [p.strip() for p in line.split(",")]
-            if len(parts) == 3 and parts[0]:
-                return {"name": parts[0], "compute_cap": parts[1], "driver_version": parts[2]}
-        return None
-
-
-class FreeSpace(FactBase["dict[str, object]"]):
-    """Free bytes and mount point of the filesystem that holds (or will hold) ``path``."""
-
-    @staticmethod
-    def default():
-        return {"mount": "?", "free": 0}
-
-    def command(self, path: str) -> str:
-        # The path may not exist yet: ask about its nearest existing parent.
-        return (
-            f"p={shlex.quote(path)}; while [ ! -e \"$p\" ]; do p=$(dirname \"$p\"); done; "
-            "df -P -B1 \"$p\" | tail -n 1"
-        )
-
-    def process(self, output):
-        fields = output[-1].split() if output else []
-        if len(fields) < 6:
-            return {"mount": "?", "free": 0}
-        return {"mount": fields[5], "free": int(fields[3])}
-
-
-class Memory(FactBase["dict[str, int]"]):
-    """MemTotal and MemAvailable in bytes."""
-
-    @staticmethod
-    def default():
-        return {}
-
-    def command(self) -> str:
-        return "grep -E '^(MemTotal|MemAvailable):' /proc/meminfo"
-
-    def process(self, output):
-        values = {}
-        for line in output:
-            key, rest = line.split(":", 1)
-            values[key] = int(rest.split()[0]) * 1024
-        return values
 
 
 # --- checks -------------------------------------------------------------------------
@@ -137,7 +67,7 @@ def inspect(settings: Settings) -> Findings:
     gate = found.warnings if settings.force else found.problems
     force_hint = " (or --data force=true to try anyway)"
 
-    arch = host.get_fact(Architecture)
+    arch = host.get_fact(Arch)
     if arch != SPARK_ARCH:
         gate.append(f"processor is {arch or 'unknown'}, a DGX Spark is {SPARK_ARCH}{force_hint}")
 
@@ -155,7 +85,7 @@ def inspect(settings: Settings) -> Findings:
         if not gpu["driver_version"] or gpu["driver_version"].startswith("["):
             found.problems.append("nvidia-smi reports no driver version: reinstall the NVIDIA driver")
 
-    if host.get_fact(DockerRoot) is None:
+    if not docker_info().get("DockerRootDir"):
         found.problems.append(
             "docker is missing or its daemon does not answer: install docker and run "
             "`systemctl enable --now docker`"
@@ -188,6 +118,23 @@ def inspect(settings: Settings) -> Findings:
         size = image.sizes(settings)
         if size.source.startswith("image_size_gib"):
             found.warnings.append(f"image size from {size.source}: {size.unpacked_gib:.1f} GiB unpacked assumed")
+
+    key_file = secrets.api_key_path(settings)
+    try:
+        secrets.existing_api_key(settings.api_key, key_file)
+    except secrets.NotYetMade:
+        # A second checkout without the key would make a new one and re-key the fleet,
+        # cutting off every client: stop instead.
+        if host.get_fact(Sha256File, path=SECRETS_ENV) not in (None, EMPTY_SHA256):
+            found.problems.append(
+                f"this host already serves with an API key, and this checkout has none ({key_file} "
+                "is missing): copy that file (0600) from the checkout that deployed the fleet, or "
+                "give the key with --data api_key=..."
+            )
+
+    port = service.port_problem(settings)
+    if port:
+        found.problems.append(port)
 
     memory = host.get_fact(Memory)
     if memory_share and memory:

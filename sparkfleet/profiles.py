@@ -1,6 +1,6 @@
 """The serving profiles, as data.
 
-A profile names what the seeds measured: which checkpoint is served, which speculative
+A profile names what the reference recipe measured: which checkpoint is served, which speculative
 decoder drafts for it and which runtime patches the installed vLLM needs. Everything a
 profile does not fix (context, batch sizes, parsers...) lives in ``group_data/all.py``.
 """
@@ -26,7 +26,7 @@ class Profile(BaseModel):
     drafter: str | None = None
     # Patches the serve wrapper applies before vLLM starts (see runtime/patches/).
     patches: tuple[str, ...] = ("fla_shmem",)
-    # Published single-stream numbers from the seeds, for the report.
+    # The reference recipe's published single-stream numbers, for the report.
     measured: str = ""
 
 
@@ -38,7 +38,7 @@ PROFILES: dict[str, Profile] = {
         num_speculative_tokens=12,
         drafter=DFLASH_DRAFTER,
         patches=("kv_unify", "inc_fp8_shared", "int8_lmhead", "fla_shmem"),
-        measured="36.0 tok/s base decode (+28%), 59.0 tok/s albond e2e",
+        measured="36.0 tok/s base decode (+28%), 59.0 tok/s by albond's end-to-end method",
     ),
     "dflash": Profile(
         description="Intel INT4 + DFlash n=12 (agents, tool calls, code)",
@@ -47,7 +47,7 @@ PROFILES: dict[str, Profile] = {
         num_speculative_tokens=12,
         drafter=DFLASH_DRAFTER,
         patches=("kv_unify", "fla_shmem"),
-        measured="~81 tok/s on agent turns, 53.7 tok/s albond e2e",
+        measured="~81 tok/s on agent turns, 53.7 tok/s by albond's end-to-end method",
     ),
     "base": Profile(
         description="Intel INT4, no speculative decoding (baseline)",

@@ -6,6 +6,11 @@ connector arguments (``_sudo``, ``_sudo_user``, ``_sudo_password``, ``_use_sudo_
 download in sparkfleet goes through :func:`run`, :func:`put` and :func:`get`, which
 apply the host's own, so a host reached as an unprivileged SSH user with sudo behaves
 the same in a callback as in an operation.
+
+Uploads never pass through a file another user could read: pyinfra's own sudo upload
+(``files.put``) lands as ``/tmp/pyinfra-<sha1>`` with the SFTP server's default mode
+(0644 under sshd's umask 022) before it is copied; :func:`put` uploads into a 0700
+directory of the SSH user and copies into place under umask 077.
 """
 
 from __future__ import annotations
@@ -32,34 +37,101 @@ class Result:
     stderr: list[str]
 
 
-def run(host, command: str | StringCommand, timeout: int = 60) -> Result:
+def _unprivileged(arguments: dict) -> dict:
+    """The arguments for a command as the SSH user itself (its own temp directory)."""
+    return {k: v for k, v in arguments.items()
+            if k not in ("_sudo", "_sudo_user", "_use_sudo_login", "_sudo_password", "_preserve_sudo_env",
+                         "_su_user", "_use_su_login", "_preserve_su_env", "_su_password", "_doas", "_doas_user",
+                         "_dzdo", "_dzdo_user")}
+
+
+def run(host, command: str | StringCommand, timeout: int | None = 60, success_exit_codes: list[int] | None = None,
+        print_output: bool = False, as_login: bool = False) -> Result:
     """Run a shell ``command`` on ``host`` as the deploy does (sudo included).
 
     ``command`` is a shell command whose every variable part the caller has quoted;
-    nothing is printed (a secret on stdout stays off the controller's output).
+    nothing is printed unless asked (a secret on stdout stays off the controller's
+    output). ``as_login``: as the SSH user, without sudo (its environment, its files).
     """
     command = command if isinstance(command, StringCommand) else StringCommand(command)
-    arguments = {**connector_arguments(host), "_timeout": timeout}
-    ok, output = host.run_shell_command(command, print_output=False, **arguments)
+    arguments = connector_arguments(host)
+    if as_login:
+        arguments = _unprivileged(arguments)
+    arguments["_timeout"] = timeout
+    if success_exit_codes is not None:
+        arguments["_success_exit_codes"] = success_exit_codes
+    ok, output = host.run_shell_command(command, print_output=print_output, **arguments)
     return Result(ok, output.stdout_lines, output.stderr_lines)
 
 
-def put(host, source: str | bytes | io.IOBase, dest: str, mode: str | None = None) -> None:
-    """Upload a local file (path), bytes or a file object to ``dest`` on ``host``."""
+def put(host, source: str | bytes | io.IOBase, dest: str, mode: str = "0644", owner: str | None = None) -> None:
+    """Upload a local file (path), bytes or a file object to ``dest`` on ``host``, with
+    ``mode`` (and ``owner``, user[:group]) from the first byte on: through a 0700 directory
+    of the SSH user, copied into place under umask 077, then renamed over ``dest``."""
     if isinstance(source, bytes):
         source = io.BytesIO(source)
-    if not host.put_file(source, dest, print_output=False, **connector_arguments(host)):
-        raise OperationError(f"could not upload {dest}")
-    if mode is not None:
-        chmod = run(host, f"chmod {shlex.quote(mode)} {shlex.quote(dest)}")
-        if not chmod.ok:
-            raise OperationError(f"could not set the mode of {dest}: {' '.join(chmod.stderr)}")
+    q = shlex.quote
+    made = run(host, "mktemp -d", as_login=True)
+    if not made.ok or not made.stdout:
+        raise OperationError(f"could not make a private upload directory: {' '.join(made.stderr)}")
+    private = made.stdout[0].strip()
+    try:
+        if not host.put_file(source, f"{private}/upload", print_output=False,
+                             **_unprivileged(connector_arguments(host))):
+            raise OperationError(f"could not upload {dest}")
+        new = f"{dest}.sparkfleet-new"
+        chown = f" && chown {q(owner)} {q(new)}" if owner else ""
+        placed = run(host, f"umask 077 && cp {q(private + '/upload')} {q(new)} && chmod {q(mode)} {q(new)}"
+                           f"{chown} && mv -f {q(new)} {q(dest)}")
+        if not placed.ok:
+            raise OperationError(f"could not put {dest} in place: {' '.join(placed.stderr)}")
+    finally:
+        run(host, f"rm -rf {q(private)}", as_login=True)
+
+
+def uploaded(state, host, source: str | bytes, dest: str, mode: str = "0644", owner: str | None = None) -> bool:
+    """:func:`put` as an operation's command: ``yield FunctionCommand(remote.uploaded, (...), {})``."""
+    put(host, source, dest, mode, owner)
+    return True
 
 
 def get(host, remote: str, dest: str | io.IOBase) -> None:
-    """Download ``remote`` from ``host`` to a local path or file object."""
-    if not host.get_file(remote, dest, print_output=False, **connector_arguments(host)):
-        raise OperationError(f"could not download {remote}")
+    """Download ``remote`` from ``host`` to a local path or file object, through a 0700
+    directory of the SSH user (pyinfra's sudo download leaves a world-readable copy in /tmp)."""
+    q = shlex.quote
+    made = run(host, "mktemp -d", as_login=True)
+    if not made.ok or not made.stdout:
+        raise OperationError(f"could not make a private download directory: {' '.join(made.stderr)}")
+    private = made.stdout[0].strip()
+    try:
+        copied = run(host, f"cp {q(remote)} {q(private + '/download')} && chmod 0644 {q(private + '/download')}")
+        if not copied.ok or not host.get_file(f"{private}/download", dest, print_output=False,
+                                              **_unprivileged(connector_arguments(host))):
+            raise OperationError(f"could not download {remote}: {' '.join(copied.stderr)}")
+    finally:
+        run(host, f"rm -rf {q(private)}", as_login=True)
+
+
+def check_sudo(host) -> None:
+    """Raise :class:`~sparkfleet.config.ConfigError` when ``host`` is reached with sudo
+    that asks for a password nobody gave: pyinfra would prompt for it in the middle of
+    the run, once per host, with the other hosts' output scrolling past."""
+    from sparkfleet.config import ConfigError
+
+    arguments = connector_arguments(host)
+    if not arguments.get("_sudo") or arguments.get("_sudo_password"):
+        return
+    # Exit 0 and sudo's words prefixed: pyinfra answers a failed command that printed
+    # "a password is required" with a prompt of its own.
+    done = run(host, 'said=$(sudo -n true 2>&1) && echo ok || echo "sudo said: $said"', as_login=True)
+    if done.ok and done.stdout == ["ok"]:
+        return
+    said = " ".join(done.stdout + done.stderr).strip() or "no answer"
+    raise ConfigError(
+        f"{host.name}: sudo needs a password and none was given ({said}); nothing was changed on any host. "
+        "Fix: give `_sudo_password` in its host data (read from a 0600 file or the environment, as "
+        "inventory/sparks.py does), or run pyinfra with --same-sudo-password to type it once"
+    )
 
 
 def fail(message: str) -> StringCommand:

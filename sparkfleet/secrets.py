@@ -1,9 +1,9 @@
 """The controller's secrets: the fleet's API key, the HF token and the mirror registry's
 TLS certificate and key.
 
-Reading is free; writing happens only while a deploy executes (:func:`api_key` and
-:func:`mirror_tls` create what is missing), never while it plans, so ``--dry`` leaves
-the controller as it found it. Secrets never reach argv, unit files or output: hosts
+Reading is free; the deploy writes (:func:`make_api_key` and :func:`mirror_tls` create
+what is missing) only while it executes, never while it plans, so ``--dry`` leaves the
+controller as it found it. Secrets never reach argv, unit files or output: hosts
 get them as 0600 files (see sparkfleet/service.py).
 """
 
@@ -15,6 +15,8 @@ import os
 import re
 import secrets as _random
 from pathlib import Path
+
+from pydantic import SecretStr
 
 from sparkfleet.config import Mirror, Settings
 
@@ -34,38 +36,41 @@ class NotYetMade(Exception):
     """``api_key: auto`` and no key yet: the deploy makes it when it executes."""
 
 
-def existing_api_key(settings: Settings) -> str | None:
-    """The API key the fleet serves with (None for ``api_key=none``), without making one.
+def existing_api_key(api_key: SecretStr, key_file: Path) -> str | None:
+    """The API key the fleet serves with (None for ``none``), without making one.
 
     Raises :class:`NotYetMade` for ``auto`` before the first deploy made the key.
     """
-    raw = settings.api_key.get_secret_value()
+    raw = api_key.get_secret_value()
     if raw == "none":
         return None
     if raw != "auto":
         return raw
-    path = api_key_path(settings)
-    if not path.exists():
-        raise NotYetMade(str(path))
-    return path.read_text().strip()
+    if not key_file.exists():
+        raise NotYetMade(str(key_file))
+    return key_file.read_text().strip()
 
 
-def api_key(settings: Settings) -> str | None:
+def make_api_key(api_key: SecretStr, key_file: Path) -> str | None:
     """The API key, making the ``auto`` key (0600, once per project) if it is missing."""
     try:
-        return existing_api_key(settings)
+        return existing_api_key(api_key, key_file)
     except NotYetMade:
         pass
-    path = api_key_path(settings)
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    key_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     key = "sf-" + _random.token_urlsafe(32)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:  # made meanwhile by another host of this run
-        return path.read_text().strip()
+        return key_file.read_text().strip()
     with os.fdopen(fd, "w") as handle:
         handle.write(key + "\n")
     return key
+
+
+def api_key(settings: Settings) -> str | None:
+    """The fleet's API key (made if ``auto`` and missing): for code outside a deploy."""
+    return make_api_key(settings.api_key, api_key_path(settings))
 
 
 # --- HF token ----------------------------------------------------------------------------
@@ -105,7 +110,7 @@ def mirror_tls(tls_dir: str, mirror: Mirror) -> tuple[Path, Path]:
     except ValueError:
         alt = x509.DNSName(mirror.address)
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"sparkfleet mirror {mirror.address}")])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     certificate = (
         x509.CertificateBuilder()
         .subject_name(name)

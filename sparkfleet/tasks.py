@@ -1,42 +1,56 @@
 """Long host-side steps (image pulls, downloads, builds) with progress and log tails.
 
 pyinfra prints a command's output only when it ends. A 60 GiB download or a 40 GiB pull
-takes many minutes, so these run detached on the host (they also survive a dropped SSH
-connection and are picked up again by the next run instead of being started twice),
-while the controller polls them and prints one progress line per host at a steady pace.
-A failure shows the last lines of the task's log.
+takes many minutes, so each runs on the host as a transient systemd unit (``systemd-run``):
+systemd supervises it and journald keeps its output, it survives a dropped SSH connection,
+and a re-run finds it by its name instead of starting it twice (systemd holds one unit of
+a name). The controller polls the unit and prints one progress line per host at a steady
+pace; a failure shows the last lines of the unit's journal.
+
+The unit is started with ``--remain-after-exit`` and without ``--collect``: when the
+command ends the unit stays loaded, "active (exited)" after success, "failed" with its exit
+status otherwise, until the run that reads that result clears it (``stop`` or
+``reset-failed``), so the next run starts afresh. With ``--collect`` a failed unit is
+unloaded at once and its exit status is lost, both between two polls of a watching run
+and for a step that ended while no run watched. A transient unit does not outlive a
+reboot, so a unit is never mistaken for a step of an earlier boot.
+
+The unit starts with systemd's clean environment and its command line is the caller's
+command: a secret (the HF token) is read by the command from its 0600 file on the host,
+never passed to ``systemd-run``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 import shlex
+import signal
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import gevent
 from pyinfra import logger
-from pyinfra.api import FunctionCommand, StringCommand
-from pyinfra.api.arguments import CONNECTOR_ARGUMENT_KEYS, pop_global_arguments
+from pyinfra.api import FunctionCommand
 from pyinfra.api.exceptions import OperationError
 
-TASK_DIR = "/var/lib/sparkfleet/tasks"
+from sparkfleet import remote
+from sparkfleet.hostpaths import TASK_UNIT_PREFIX
+
 PROGRESS_EVERY_S = 15.0
 POLL_EVERY_S = 2.0
+TAIL_LINES = 20
+_PROPERTIES = "LoadState,ActiveState,SubState,Result,ExecMainStatus,ExecMainStartTimestamp"
 
 
-def connector_arguments(host) -> dict:
-    """The host's _sudo/_su_user/... settings, which raw shell calls must honour like facts do."""
-    arguments, _ = pop_global_arguments(host.state, host, {})
-    return {key: value for key, value in arguments.items() if key in CONNECTOR_ARGUMENT_KEYS}
+def unit_name(name: str, command: str) -> str:
+    """The transient unit that runs ``command`` as task ``name``.
 
-
-def shell(host, command: str, timeout: int = 60) -> tuple[bool, list[str]]:
-    """Run ``command`` on ``host`` as the deploy does (sudo included); (ok, stdout lines)."""
-    arguments = {**connector_arguments(host), "_timeout": timeout}
-    ok, output = host.run_shell_command(StringCommand(command), print_output=False, **arguments)
-    return ok, output.stdout_lines
-
+    Named by what it runs: a changed revision or image is a new unit, never mistaken for
+    a finished old one.
+    """
+    digest = hashlib.sha256(command.encode()).hexdigest()[:12]
+    return f"{TASK_UNIT_PREFIX}{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}-{digest}.service"
 
 
 def run_detached(
@@ -48,54 +62,95 @@ def run_detached(
 ) -> None:
     """Run ``command`` on ``host`` as task ``name`` and wait for it, printing progress.
 
-    ``command`` is a shell command whose every variable part the caller has quoted.
+    ``command`` is a shell command whose every variable part the caller has quoted. A
+    unit of the same command that is running is waited on; one that ended while no run
+    watched reports its result here (and is then cleared).
     """
-    # The task is named by what it runs: a changed revision or image is a new task, never
-    # mistaken for a finished old one.
-    base = f"{TASK_DIR}/{name}-{hashlib.sha256(command.encode()).hexdigest()[:12]}"
+    unit = unit_name(name, command)
     q = shlex.quote
-    boot_id = "$(cat /proc/sys/kernel/random/boot_id)"
+    # systemd expands $NAME in a unit's command line; "$$" is its escape for "$".
+    argv = f"/bin/sh -c {q(command.replace('$', '$$'))}"
     start = (
-        f"mkdir -p {TASK_DIR} && "
-        # A task still running from an interrupted run is waited on, not started twice;
-        # its pid counts only within the same boot (pids are reused after a reboot).
-        f"if [ -f {q(base + '.pid')} ] && [ \"$(cut -d' ' -f2 {q(base + '.pid')})\" = \"{boot_id}\" ] "
-        f"&& kill -0 \"$(cut -d' ' -f1 {q(base + '.pid')})\" 2>/dev/null; then echo attached; "
-        f"else rm -f {q(base + '.rc')}; "
-        # A subshell, so that an `exit` in the command still records its status.
-        f"setsid sh -c {q(f'( {command} ) > {base}.log 2>&1; echo $? > {base}.rc.tmp && mv {base}.rc.tmp {base}.rc; rm -f {base}.pid')} "
-        f"< /dev/null > /dev/null 2>&1 & echo \"$! {boot_id}\" > {q(base + '.pid')}; echo started; fi"
+        f"if [ \"$(systemctl show -P LoadState {unit})\" = not-found ]; then "
+        f"systemd-run --quiet --unit={unit} --description={q('sparkfleet ' + name)} --remain-after-exit "
+        f"{argv} 2>&1 && echo started; else echo found; fi"
     )
-    ok, lines = shell(host, start)
-    if not ok:
-        raise OperationError(f"could not start {name}: {' '.join(lines)}")
+    done = remote.run(host, start)  # with the host's sudo: systemd-run needs root
+    lines = done.stdout
+    if not done.ok or not lines or lines[-1] not in ("started", "found"):
+        raise OperationError(f"could not start {name} as {unit}: {' '.join(lines + done.stderr)}")
+    if lines[-1] == "found":
+        logger.info(f"{host.print_prefix}{name}: found {unit} of an earlier run")
     started = time.monotonic()
     last_report = started
     while True:
-        ok, lines = shell(host, f"cat {q(base + '.rc')} 2>/dev/null || echo running")
-        state = lines[-1].strip() if lines else "running"
-        if state != "running":
+        state = _unit_state(host, unit)
+        if state.get("LoadState") == "not-found":
+            raise OperationError(f"{name}: {unit} is gone before this run saw it end (stopped by hand, "
+                                 "the host rebooted, or another run read its result)")
+        if (state.get("ActiveState"), state.get("SubState")) in (("failed", "failed"), ("active", "exited")):
             break
         now = time.monotonic()
         if now - started > timeout_s:
-            raise OperationError(f"{name} did not finish within {timeout_s:.0f} s")
+            raise OperationError(f"{name} did not finish within {timeout_s:.0f} s; it goes on as {unit}")
         if now - last_report >= PROGRESS_EVERY_S:
             last_report = now
-            detail = describe_progress(host) if describe_progress else _last_log_line(host, base)
+            detail = describe_progress(host) if describe_progress else _last_log_line(host, unit, state)
             logger.info(f"{host.print_prefix}{name}: running for {now - started:.0f} s — {detail}")
         gevent.sleep(POLL_EVERY_S)  # yields to the other hosts' greenlets
-    if state != "0":
-        _, tail = shell(host, f"tail -n 20 {q(base + '.log')} 2>/dev/null")
+    if state["ActiveState"] == "failed":
+        tail = _journal(host, unit, state, TAIL_LINES)
+        remote.run(host, f"systemctl reset-failed {unit}")
         raise OperationError(
-            f"{name} failed (exit {state}); last lines of {base}.log:\n    " + "\n    ".join(tail)
+            f"{name} failed ({_why(state)}); last lines of journalctl -u {unit}:\n    " + "\n    ".join(tail)
         )
+    _print_reports(host, name, unit, state)
+    remote.run(host, f"systemctl stop {unit}")
     logger.info(f"{host.print_prefix}{name}: done in {time.monotonic() - started:.0f} s")
 
 
-def _last_log_line(host, base: str) -> str:
+#: A step's output lines that begin so are shown in the deploy's output when it ends
+#: (what a step found and did that the operator must know, e.g. a repaired file).
+REPORT_PREFIX = "report: "
+
+
+def _print_reports(host, name: str, unit: str, state: dict[str, str]) -> None:
+    for line in _journal(host, unit, state, 500):
+        if line.startswith(REPORT_PREFIX):
+            logger.warning(f"{host.print_prefix}{name}: {line[len(REPORT_PREFIX):]}")
+
+
+def _unit_state(host, unit: str) -> dict[str, str]:
+    # Timestamps in UTC with microseconds: journalctl --since reads them back exactly.
+    done = remote.run(host, f"systemctl show --timestamp=us+utc -p {_PROPERTIES} {unit}")
+    # A failed poll (a dropped connection) reads as still running: the next one decides.
+    return dict(line.split("=", 1) for line in done.stdout if "=" in line) if done.ok else {}
+
+
+def _journal(host, unit: str, state: dict[str, str], lines: int) -> list[str]:
+    """The last ``lines`` of this run of the unit's output (a unit name recurs when a
+    failed step is run again: its start time tells the runs apart)."""
+    since = state.get("ExecMainStartTimestamp", "")
+    since_arg = f" --since={shlex.quote(since)}" if since else ""
+    return remote.run(host, f"journalctl -q -a -o cat --no-pager _SYSTEMD_UNIT={unit}{since_arg} -n {lines}").stdout
+
+
+def _last_log_line(host, unit: str, state: dict[str, str]) -> str:
     # Progress bars redraw with \r: keep the last redraw of the last line.
-    _, lines = shell(host, f"tail -c 400 {shlex.quote(base + '.log')} 2>/dev/null | tr '\\r' '\\n' | grep -v '^$' | tail -n 1")
+    lines = [part for line in _journal(host, unit, state, 1) for part in line.split("\r") if part.strip()]
     return lines[-1].strip()[:160] if lines else "no output yet"
+
+
+def _why(state: dict[str, str]) -> str:
+    result, status = state.get("Result", ""), state.get("ExecMainStatus", "")
+    if result == "exit-code":
+        return f"exit {status}"
+    if result in ("signal", "core-dump") and status.isdigit():
+        try:
+            return f"killed by {signal.Signals(int(status)).name}"
+        except ValueError:
+            return f"killed by signal {status}"
+    return f"{result}, status {status}"
 
 
 def detached(name: str, command: str, describe_progress=None, timeout_s: float = 6 * 3600) -> FunctionCommand:

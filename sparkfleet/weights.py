@@ -3,7 +3,8 @@
 Downloads run inside the serving image with its huggingface_hub (the host needs only
 docker), into the host's HF cache, resumably; with a mirror (fleet_mirror) through the
 mirror's HF endpoint, every host at once. A repository counts as cached when
-``runtime/fetch_weights.py`` wrote its completion marker and the snapshot it names exists.
+``runtime/fetch_weights.py`` wrote its completion marker, the snapshot it names exists and
+every blob of it was verified against its hash at its present size.
 """
 
 from __future__ import annotations
@@ -11,75 +12,86 @@ from __future__ import annotations
 import shlex
 
 from pyinfra import host
-from pyinfra.api import FactBase, operation
+from pyinfra.api import deploy, operation
 
 from sparkfleet import mirror, remote
 from sparkfleet.config import Settings, host_mirror
-from sparkfleet.hostpaths import repo_cache_dir, snapshot_marker
+from sparkfleet.facts import CachedSnapshot
+from sparkfleet.hostpaths import repo_cache_dir
 from sparkfleet.image import one_shot
 from sparkfleet.tasks import detached
 
 GIB = 1024**3
 
 
-class CachedSnapshot(FactBase["str | None"]):
-    """The commit of a complete cached snapshot of ``repo_id@revision``, or None."""
-
-    def command(self, hf_home: str, repo_id: str, revision: str) -> str:
-        marker = shlex.quote(snapshot_marker(hf_home, repo_id, revision))
-        snapshots = shlex.quote(repo_cache_dir(hf_home, repo_id) + "/snapshots")
-        return f'c=$(cat {marker} 2>/dev/null) && [ -n "$c" ] && [ -d {snapshots}/"$c" ] && echo "$c" || true'
-
-    def process(self, output):
-        return output[0].strip() if output and output[0].strip() else None
-
-
-def _progress(repo_id: str, settings: Settings):
-    expected = settings.artifact_size_gib(repo_id)
-
+def _progress(repo_id: str, hf_home: str, expected_gib: float):
     def describe(target_host) -> str:
-        done = remote.run(target_host, f"du -sb {shlex.quote(repo_cache_dir(settings.hf_home, repo_id))} 2>/dev/null | cut -f1")
+        done = remote.run(target_host, f"du -sb {shlex.quote(repo_cache_dir(hf_home, repo_id))} 2>/dev/null | cut -f1")
         got = int(done.stdout[0]) / GIB if done.ok and done.stdout and done.stdout[0].isdigit() else 0.0
-        share = f" of ~{expected:.2f} GiB ({100 * got / expected:.0f}%)" if expected else ""
+        share = f" of ~{expected_gib:.2f} GiB ({100 * got / expected_gib:.0f}%)" if expected_gib else ""
         return f"{repo_id}: {got:.2f} GiB{share}"
 
     return describe
 
 
-def missing_repos(settings: Settings) -> list[str]:
-    """The repositories the profile needs that this host has no complete snapshot of."""
-    return [
-        repo for repo in settings.repos_to_fetch
-        if host.get_fact(CachedSnapshot, hf_home=settings.hf_home, repo_id=repo, revision=settings.revision(repo)) is None
-    ]
+def _missing(repos: dict[str, str], hf_home: str, verify: bool = False) -> list[str]:
+    if verify:  # verify_weights: every blob hashed again, so every repository visited
+        return list(repos)
+    return [repo for repo, revision in repos.items()
+            if host.get_fact(CachedSnapshot, hf_home=hf_home, repo_id=repo, revision=revision) is None]
+
+
+def wanted(settings: Settings) -> dict[str, str]:
+    """The repositories this host's profile needs in its HF cache, with their revisions."""
+    return {repo: settings.revision(repo) for repo in settings.repos_to_fetch}
 
 
 def repo_dirs(settings: Settings) -> list[str]:
     """The cache directories of the repositories this host still has to fetch."""
-    return [repo_cache_dir(settings.hf_home, repo) for repo in missing_repos(settings)]
+    missing = _missing(wanted(settings), settings.hf_home, settings.verify_weights)
+    return [repo_cache_dir(settings.hf_home, repo) for repo in missing]
 
 
 def disk_needs(settings: Settings) -> dict[str, float]:
     """What the downloads still need on this host: {hf_home: GiB}."""
-    return {settings.hf_home: sum(settings.artifact_size_gib(repo) for repo in missing_repos(settings))}
+    missing = _missing(wanted(settings), settings.hf_home)
+    return {settings.hf_home: sum(settings.artifact_size_gib(repo) for repo in missing)}
 
 
 @operation()
-def cached(settings: Settings):
+def cached(repos: dict[str, str], hf_home: str, image: str, hf_endpoint: str | None, sizes_gib: dict[str, float],
+           verify: bool = False):
     """
-    Download what the profile serves into the host's HF cache, unless complete.
+    Download each repository into the host's HF cache, unless its snapshot is complete.
 
-    + settings: validated settings (profile, ``model_revisions``, ``hf_home``, ``hf_endpoint``)
+    + repos: repo id -> revision (branch, tag or commit)
+    + hf_home: the host's HF cache
+    + image: the serving image's reference on the host (downloads run inside it)
+    + hf_endpoint: where to download from (the mirror's HF endpoint; None: the hub)
+    + sizes_gib: expected sizes, for the progress lines
+    + verify: hash every cached blob again (``verify_weights``), not only new ones
     """
-    missing = missing_repos(settings)
+    missing = _missing(repos, hf_home, verify)
     if not missing:
-        host.noop(f"cached: {', '.join(settings.repos_to_fetch) or 'nothing to fetch'}")
+        host.noop(f"cached: {', '.join(repos) or 'nothing to fetch'}")
         return
-    yield f"mkdir -p {shlex.quote(settings.hf_home)}"
+    yield f"mkdir -p {shlex.quote(hf_home)}"
     used = host_mirror()
     if used:
         yield mirror.answers(used, "hf")
     for repo in missing:
         task = "fetch-" + repo.replace("/", "--")
-        args = f"/host/fetch_weights.py {shlex.quote(repo)} --revision {shlex.quote(settings.revision(repo))}"
-        yield detached(task, one_shot(settings, "sparkfleet-" + task.lower(), args), _progress(repo, settings))
+        args = f"/host/fetch_weights.py {shlex.quote(repo)} --revision {shlex.quote(repos[repo])}"
+        if verify:
+            args += " --verify"
+        command = one_shot(image, hf_home, hf_endpoint, "sparkfleet-" + task.lower(), args)
+        yield detached(task, command,
+                       _progress(repo, hf_home, sizes_gib.get(repo, 0.0)))
+
+
+@deploy("Weights")
+def fetched(settings: Settings):
+    """The profile's weights in the HF cache. Returns the download operation (for the report)."""
+    return cached(name="weights in the HF cache", repos=wanted(settings), hf_home=settings.hf_home,
+                  image=mirror.image_reference(settings), hf_endpoint=mirror.hf_endpoint(settings),
+                  sizes_gib=settings.artifact_sizes_gib, verify=settings.verify_weights)

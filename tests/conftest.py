@@ -1,9 +1,33 @@
-"""Make ``tests/`` importable so tests can ``from support.vllm_source import ...``."""
+"""Make ``tests/`` importable so tests can ``from support.vllm_source import ...``, and
+mark the tests that download as ``network`` (``make test-unit`` leaves them out)."""
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
+import pytest
+
 _TESTS_DIR = str(Path(__file__).resolve().parent)
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
+
+#: Fixtures that fetch from the internet on a cold cache (tests/runtime/conftest.py).
+_DOWNLOADING_FIXTURES = {"vllm_tree"}
+
+
+def _downloads(item) -> bool:
+    """A test downloads when it uses real vLLM sources (PyPI sdists, tests/support/vllm_source.py)
+    directly or through a fixture; tests that download otherwise carry the marker themselves."""
+    if _DOWNLOADING_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return True
+    module = getattr(item, "module", None)
+    return module is not None and any(
+        getattr(value, "__name__", None) == "support.vllm_source" or getattr(value, "__module__", None) == "support.vllm_source"
+        for value in vars(module).values()
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _downloads(item):
+            item.add_marker(pytest.mark.network)

@@ -110,7 +110,7 @@ def test_a_serving_command_vllm_would_refuse_fails_validation():
 
 @pytest.mark.parametrize("key", ["HF_TOKEN", "SF_MODEL", "MY_SECRET", "OPENAI_API_KEY", "VLLM_API_KEY"])
 def test_vllm_env_keeps_secrets_and_our_own_keys_out(key):
-    assert f"`vllm_env`" in error_for(vllm_env={key: "x"})
+    assert "`vllm_env`" in error_for(vllm_env={key: "x"})
 
 
 def test_compile_signature_follows_what_is_compiled():

@@ -63,3 +63,14 @@ def test_invalid_data_exits_before_any_host_is_touched():
         out = changes(result)
         assert needle in out and "nothing was changed" in out
         assert "Detected changes" not in out
+
+
+def test_planning_writes_nothing_on_the_controller(tmp_path):
+    """--dry on a fresh controller: the API key and the mirror's certificate are planned,
+    and made only by a deploy that executes."""
+    key, tls = tmp_path / "api-key", tmp_path / "mirror-tls"
+    result = plan("gb10,gb10", f"api_key_file={key}", f"mirror_tls_dir={tls}")
+    out = changes(result)
+    assert result.returncode == 0, out[-3000:]
+    assert "API key in 0600 files" in out and "registry certificate made on the controller" in out
+    assert not key.exists() and not tls.exists()

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import json
 import runpy
-import sys
 from pathlib import Path
 
 import pytest
 
+from runtime.serve_args import build_serve_argv, patches_for
 from sparkfleet.config import validate_host_data
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "runtime"))
-from serve_args import build_serve_argv, patches_for  # noqa: E402
 
 DEFAULTS = {k: v for k, v in runpy.run_path(str(ROOT / "group_data" / "all.py")).items() if not k.startswith("__")}
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from sparkfleet.container_runtime import CDI_ALL, GPUS_ALL, GpuAccess
-from sparkfleet.image import ImageStore, ManifestSize
-from sparkfleet.oomguard import NewKills, earlyoom_args
+from sparkfleet.facts import CDI_ALL, GPUS_ALL, ContainerdRoot, GpuAccess, ManifestSize, NewKills
+from sparkfleet.image import store_of
+from sparkfleet.oomguard import earlyoom_args
 
 SPEC = ["docker=28.5.2", 'cdi_dirs=["/etc/cdi","/var/run/cdi"]', "cdi_spec=/etc/cdi/nvidia.yaml",
         "cdi_hook=/usr/bin/nvidia-cdi-hook", "hook="]
@@ -31,14 +31,13 @@ def test_without_the_image_the_evidence_decides():
 
 
 def test_the_image_store_is_read_from_docker_info():
-    classic = ImageStore().process(['/var/lib/docker [["Backing Filesystem","extfs"]]'])
-    assert classic == {"containerd": False, "path": "/var/lib/docker"}
-    c8d = ImageStore().process(['/var/lib/docker [["driver-type","io.containerd.snapshotter.v1"]]',
-                                "containerd_root /data/containerd"])
-    assert c8d == {"containerd": True, "path": "/data/containerd"}
-    assert ImageStore().process(['/var/lib/docker [["driver-type","io.containerd.snapshotter.v1"]]'])["path"] \
-        == "/var/lib/containerd"
-    assert ImageStore().process([]) is None
+    classic = {"DockerRootDir": "/var/lib/docker", "DriverStatus": [["Backing Filesystem", "extfs"]]}
+    assert store_of(classic, lambda: "unused") == {"containerd": False, "path": "/var/lib/docker"}
+    c8d = {"DockerRootDir": "/var/lib/docker", "DriverStatus": [["driver-type", "io.containerd.snapshotter.v1"]]}
+    assert store_of(c8d, lambda: "/data/containerd") == {"containerd": True, "path": "/data/containerd"}
+    assert store_of({}, lambda: "unused") is None
+    assert ContainerdRoot().process(["/data/containerd"]) == "/data/containerd"
+    assert ContainerdRoot().process([]) == "/var/lib/containerd"
 
 
 def test_manifest_size_needs_the_scripts_answer():
@@ -51,8 +50,5 @@ def test_new_kills_and_the_guard_line():
                                                                           "total": 2}
     assert NewKills().process(["total 2"])["lines"] == []
 
-    class S:
-        oom_guard_min_available_gib = 4.0
-
-    args = earlyoom_args(S())
+    args = earlyoom_args(4.0)
     assert args.startswith("-M 4194304 -s 100,100 ") and "--avoid" in args and "sshd" in args

@@ -1,8 +1,15 @@
-"""Detached long-running host tasks: progress, failure log tails, and re-attaching."""
+"""Long host steps as transient systemd units: progress, failure log tails, re-attaching,
+results kept for the next run, sudo, and secrets kept out of the unit.
+
+The steps need a host's systemd, so they run on a simulated Spark (marked e2e; fails -
+does not skip - without root). A fleet that is already up is used (its spark-1, the
+units cleaned up after each test); otherwise one of 1 host is booted for the module and
+removed at its end.
+"""
 
 from __future__ import annotations
 
-import subprocess
+import os
 import threading
 import time
 from types import SimpleNamespace
@@ -10,70 +17,221 @@ from types import SimpleNamespace
 import pytest
 from pyinfra.api.exceptions import OperationError
 
-from sparkfleet import tasks
+from sparkfleet import remote, tasks
+from sparkfleet.hostpaths import TASK_UNIT_PREFIX
+
+pytestmark = pytest.mark.e2e
+
+HOST = "spark-1"
 
 
-class LocalHost:
-    """Just enough of a pyinfra host to run shell commands on this machine."""
+@pytest.fixture(scope="module")
+def tb():
+    if os.geteuid() != 0:
+        pytest.fail("the task tests need root (they run on a simulated Spark)", pytrace=False)
+    from sparkfleet.testbed import fleet
+    from sparkfleet.testbed.proc import missing_tools
 
-    name = "local"
-    print_prefix = "[local] "
+    if missing_tools():
+        pytest.fail(f"missing tools for the testbed: {missing_tools()}", pytrace=False)
+    status = fleet.status()
+    if status and any(h["name"] == HOST and h["pid"] and h["ssh"] for h in status["hosts"]):
+        yield fleet.load()
+        return
+    bed = fleet.up(1, login_kind="root", names="plain")
+    try:
+        yield bed
+    finally:
+        fleet.down()
 
-    def run_shell_command(self, command, print_output=False, _timeout=60):
+
+class FleetHost:
+    """Just enough of a pyinfra host to run shell commands on a simulated Spark over SSH."""
+
+    name = HOST
+    print_prefix = f"[{HOST}] "
+
+    def __init__(self, tb):
+        self.tb = tb
+
+    def run_shell_command(self, command, print_output=False, _timeout=60, **_):
         text = command.get_raw_value() if hasattr(command, "get_raw_value") else str(command)
-        proc = subprocess.run(["sh", "-c", text], capture_output=True, text=True, timeout=60)
-        return proc.returncode == 0, SimpleNamespace(stdout_lines=proc.stdout.splitlines())
+        proc = self.tb.exec(HOST, text, timeout=_timeout)
+        return proc.returncode == 0, SimpleNamespace(stdout_lines=proc.stdout.splitlines(),
+                                                     stderr_lines=proc.stderr.splitlines())
 
 
-@pytest.fixture(autouse=True)
-def fast(monkeypatch, tmp_path):
-    monkeypatch.setattr(tasks, "TASK_DIR", str(tmp_path / "tasks"))
+@pytest.fixture
+def host(tb, monkeypatch):
     monkeypatch.setattr(tasks, "POLL_EVERY_S", 0.05)
-    monkeypatch.setattr(tasks, "PROGRESS_EVERY_S", 0.2)
-    monkeypatch.setattr(tasks, "connector_arguments", lambda host: {})
+    monkeypatch.setattr(tasks, "PROGRESS_EVERY_S", 0.5)
+    monkeypatch.setattr(remote, "connector_arguments", lambda host: {})
+    yield FleetHost(tb)
+    # Whatever a test left (a unit it stopped watching) goes, so tests stay independent.
+    tb.exec(HOST, f"for u in $(systemctl list-units --all --plain --no-legend '{TASK_UNIT_PREFIX}*' "
+                  "| cut -d' ' -f1); do systemctl stop $u; systemctl reset-failed $u; done; rm -rf /tmp/tasks-test /var/tmp/tasks-test")
 
 
-def test_progress_is_reported_while_the_task_runs(caplog):
+def sh(tb, command: str) -> str:
+    proc = tb.exec(HOST, command)
+    assert proc.returncode == 0, f"{command!r}: {proc.stdout}{proc.stderr}"
+    return proc.stdout
+
+
+def unit_state(tb, name: str, command: str) -> str:
+    return sh(tb, f"systemctl show -P ActiveState {tasks.unit_name(name, command)}").strip()
+
+
+def test_progress_is_reported_while_the_task_runs(host, caplog):
     caplog.set_level("INFO", logger="pyinfra")
-    tasks.run_detached(LocalHost(), "slow", "for i in 1 2 3 4 5 6; do echo step $i; sleep 0.15; done")
+    tasks.run_detached(host, "slow", "for i in 1 2 3 4 5 6; do echo step $i; sleep 0.4; done")
     progress = [r.message for r in caplog.records if "slow: running for" in r.message]
     assert progress, caplog.text
     assert any("step" in line for line in progress)
     assert "slow: done" in caplog.text
 
 
-def test_a_failing_task_shows_the_tail_of_its_log():
+def test_progress_shows_the_last_redraw_of_a_progress_bar(host, caplog):
+    caplog.set_level("INFO", logger="pyinfra")
+    tasks.run_detached(host, "bar", "printf 'bar 10%%\\rbar 20%%\\rbar 30%%\\n'; sleep 1.5")
+    progress = [r.message for r in caplog.records if "bar: running for" in r.message]
+    assert progress and progress[-1].endswith("bar 30%"), caplog.text
+
+
+def test_a_failing_task_shows_the_tail_of_its_log(host, tb):
+    command = "echo first; echo 'disk quota exceeded' >&2; exit 3"
     with pytest.raises(OperationError) as caught:
-        tasks.run_detached(LocalHost(), "broken", "echo first; echo 'disk quota exceeded' >&2; exit 3")
+        tasks.run_detached(host, "broken", command)
     message = str(caught.value)
     assert "exit 3" in message and "disk quota exceeded" in message
+    # The failure was read, so the unit is cleared: the next run tries again.
+    assert unit_state(tb, "broken", command) == "inactive"
 
 
-def test_a_task_still_running_from_an_interrupted_run_is_attached_not_restarted(tmp_path):
-    marker = tmp_path / "starts"
-    command = f"echo x >> {marker}; sleep 1"
-    first = threading.Thread(target=tasks.run_detached, args=(LocalHost(), "once", command))
-    first.start()
-    time.sleep(0.3)
-    tasks.run_detached(LocalHost(), "once", command)  # a second run while the first goes on
-    first.join()
-    assert marker.read_text().count("x") == 1
+def test_the_tail_is_of_this_run_not_an_earlier_one_of_the_same_step(host, tb):
+    sh(tb, "mkdir -p /tmp/tasks-test")
+    command = "n=$(cat /tmp/tasks-test/n 2>/dev/null || echo 0); echo $((n+1)) > /tmp/tasks-test/n; echo attempt-$n; exit 1"
+    for attempt in range(2):
+        with pytest.raises(OperationError) as caught:
+            tasks.run_detached(host, "retried", command)
+        assert f"attempt-{attempt}" in str(caught.value)
+    assert "attempt-0" not in str(caught.value)
 
 
-def test_a_changed_command_is_a_new_task_not_the_finished_old_one(tmp_path):
-    out = tmp_path / "out"
-    tasks.run_detached(LocalHost(), "fetch", f"echo rev-a > {out}")
-    tasks.run_detached(LocalHost(), "fetch", f"echo rev-b > {out}")
-    assert out.read_text().strip() == "rev-b"
+def test_a_killed_task_says_by_what(host, tb):
+    command = "echo going; kill -9 $$"
+    with pytest.raises(OperationError) as caught:
+        tasks.run_detached(host, "killed", command)
+    assert "killed by SIGKILL" in str(caught.value)
 
 
-def test_a_pid_from_another_boot_is_not_attached_to(tmp_path):
-    marker = tmp_path / "ran"
-    command = f"echo yes > {marker}"
-    base = f"{tasks.TASK_DIR}/stale-" + __import__("hashlib").sha256(command.encode()).hexdigest()[:12]
-    (tmp_path / "tasks").mkdir(exist_ok=True)
-    # A live pid (ours) recorded in a different boot, and an old success code.
-    open(base + ".pid", "w").write(f"{__import__('os').getpid()} some-other-boot\n")
-    open(base + ".rc", "w").write("0\n")
-    tasks.run_detached(LocalHost(), "stale", command)
-    assert marker.read_text().strip() == "yes"
+class CutOff(Exception):
+    pass
+
+
+class CutOffHost(FleetHost):
+    """A run whose controller goes away right after it started the step."""
+
+    calls = 0
+
+    def run_shell_command(self, command, print_output=False, _timeout=60):
+        self.calls += 1
+        if self.calls > 1:
+            raise CutOff()
+        return super().run_shell_command(command, print_output, _timeout)
+
+
+def test_a_task_still_running_from_an_interrupted_run_is_attached_not_restarted(host, tb, caplog):
+    caplog.set_level("INFO", logger="pyinfra")
+    sh(tb, "mkdir -p /tmp/tasks-test")
+    command = "echo x >> /tmp/tasks-test/starts; sleep 2"
+    with pytest.raises(CutOff):
+        tasks.run_detached(CutOffHost(tb), "once", command)
+    assert unit_state(tb, "once", command) == "active"
+    tasks.run_detached(host, "once", command)  # the next run, while the step goes on
+    assert "once: found" in caplog.text and "once: done" in caplog.text
+    assert sh(tb, "cat /tmp/tasks-test/starts").count("x") == 1
+
+
+def test_a_task_that_ended_while_no_run_watched_reports_to_the_next_run(host, tb):
+    # Started by a run that was cut off (here: started by hand as that run would have).
+    sh(tb, "mkdir -p /tmp/tasks-test")
+    ok = "echo x >> /tmp/tasks-test/ok"
+    bad = "echo x >> /tmp/tasks-test/bad; echo 'no space left on device'; exit 28"
+    for name, command in (("unwatched-ok", ok), ("unwatched-bad", bad)):
+        sh(tb, f"systemd-run --quiet --unit={tasks.unit_name(name, command)} --remain-after-exit /bin/sh -c \"{command}\"")
+    time.sleep(1)
+    tasks.run_detached(host, "unwatched-ok", ok)  # the finished step is not run again
+    assert sh(tb, "cat /tmp/tasks-test/ok").count("x") == 1
+    with pytest.raises(OperationError) as caught:
+        tasks.run_detached(host, "unwatched-bad", bad)
+    assert "exit 28" in str(caught.value) and "no space left on device" in str(caught.value)
+    assert sh(tb, "cat /tmp/tasks-test/bad").count("x") == 1
+    # Reported once: the run after that starts the step again.
+    with pytest.raises(OperationError):
+        tasks.run_detached(host, "unwatched-bad", bad)
+    assert sh(tb, "cat /tmp/tasks-test/bad").count("x") == 2
+
+
+def test_a_changed_command_is_a_new_task_not_the_finished_old_one(host, tb):
+    sh(tb, "mkdir -p /tmp/tasks-test")
+    tasks.run_detached(host, "fetch", "echo rev-a > /tmp/tasks-test/out")
+    tasks.run_detached(host, "fetch", "echo rev-b > /tmp/tasks-test/out")
+    assert sh(tb, "cat /tmp/tasks-test/out").strip() == "rev-b"
+
+
+def test_a_unit_of_a_rebooted_host_is_not_waited_on(host, tb):
+    # A step cut short by a reboot leaves nothing that looks running or finished: the
+    # next run starts it again.
+    sh(tb, "mkdir -p /var/tmp/tasks-test && rm -f /var/tmp/tasks-test/*")
+    command = "echo x >> /var/tmp/tasks-test/ran; [ -f /var/tmp/tasks-test/rebooted ] || sleep 600"
+    sh(tb, f"systemd-run --quiet --unit={tasks.unit_name('cut', command)} --remain-after-exit /bin/sh -c '{command}'")
+    tb.restart_host(HOST)
+    assert unit_state(tb, "cut", command) == "inactive"
+    sh(tb, "touch /var/tmp/tasks-test/rebooted")
+    tasks.run_detached(host, "cut", command)
+    assert sh(tb, "cat /var/tmp/tasks-test/ran").count("x") == 2
+
+
+def test_the_secret_a_task_reads_stays_out_of_the_unit(host, tb):
+    secret = "hf_taskSecret0123456789"
+    sh(tb, f"mkdir -p /tmp/tasks-test && (umask 077; echo HF_TOKEN={secret} > /tmp/tasks-test/hf.env)")
+    command = ". /tmp/tasks-test/hf.env; echo token of ${#HF_TOKEN} characters; sleep 1.5"
+    watcher = threading.Thread(target=tasks.run_detached, args=(host, "secret", command))
+    watcher.start()
+    time.sleep(0.8)
+    unit = tasks.unit_name("secret", command)
+    seen = sh(tb, f"systemctl show {unit}; cat /proc/[0-9]*/cmdline | tr '\\0' ' '; cat /proc/[0-9]*/environ | tr '\\0' ' '")
+    watcher.join()
+    seen += sh(tb, f"journalctl -a -o verbose --no-pager -u {unit}")
+    assert "token of 23 characters" in seen  # the task did read it, on the host
+    assert secret not in seen
+
+
+def test_tasks_run_with_the_hosts_sudo(tb, monkeypatch):
+    """Through a real pyinfra host that logs in as a plain user and uses sudo: without
+    the connector arguments systemd-run would be refused."""
+    monkeypatch.setattr(tasks, "POLL_EVERY_S", 0.05)
+    address = next(h["address"] for h in tb.status()["hosts"] if h["name"] == HOST)
+    sh(tb, "id deployer >/dev/null 2>&1 || useradd -m -s /bin/sh deployer; "
+           "install -d -o deployer -m 700 ~deployer/.ssh && install -o deployer -m 600 /root/.ssh/authorized_keys ~deployer/.ssh/; "
+           "echo 'deployer ALL=(ALL) NOPASSWD: ALL' > /etc/sudoers.d/deployer; rm -f /tmp/tasks-sudo")
+    from pyinfra.api import Config, Inventory, State
+    from pyinfra.api.connect import connect_all
+
+    data = {"ssh_hostname": address, "ssh_user": "deployer", "ssh_key": str(tb.ssh_key),
+            "ssh_strict_host_key_checking": "no", "ssh_known_hosts_file": "/dev/null"}
+    for sudo in (False, True):
+        state = State(Inventory(([(HOST, {**data, "_sudo": sudo})], {})), Config())
+        connect_all(state)
+        pyhost = state.inventory.get_host(HOST)
+        try:
+            if sudo:
+                tasks.run_detached(pyhost, "as-root", "id -u > /tmp/tasks-sudo")
+            else:
+                with pytest.raises(OperationError, match="could not start"):
+                    tasks.run_detached(pyhost, "as-root", "id -u > /tmp/tasks-sudo")
+        finally:
+            pyhost.disconnect()
+    assert sh(tb, "cat /tmp/tasks-sudo").strip() == "0"
+    sh(tb, "userdel -r deployer 2>/dev/null; rm -f /etc/sudoers.d/deployer /tmp/tasks-sudo")

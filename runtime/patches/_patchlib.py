@@ -1,11 +1,21 @@
 """Shared plumbing for the runtime patches: find vLLM, find anchors, apply once, write atomically.
 
-Every patch is a small program (``python3 <patch>.py [--vllm-root DIR]``) that edits the
-installed vLLM in place before ``vllm serve`` starts. The protocol with ``serve.py``:
+Every patch is a small program (``python3 <patch>.py [--vllm-root DIR] [--check]``) that
+edits the installed vLLM in place before ``vllm serve`` starts. The protocol with
+``serve.py``:
 
-* exactly one status line on stdout: ``sparkfleet-patch: <name>: <outcome>: <detail>``
-  with outcome one of ``applied``, ``already-applied``, ``not-needed``, ``failed``;
-* exit code 0 for the first three, 1 for ``failed`` (2 for a usage error).
+* exactly one status line on stdout: ``sparkfleet-patch: {"name", "outcome", "file",
+  "vllm", "detail"}`` (one JSON object), outcome one of
+
+  - ``applied`` (``would-apply`` with ``--check``, which writes nothing): the anchors
+    are there and the patched file compiles;
+  - ``already-present``: the fix is in this vLLM - ours from an earlier start, or the
+    same fix in another form (upstream's, or the image's own edit), recognised by the
+    patch's ``present`` check;
+  - ``not-needed``: this vLLM does not take the path the patch fixes;
+  - ``cannot-apply``: an anchor is missing and the fix is not recognisable either;
+
+* exit code 0 for all but ``cannot-apply`` (1; 2 for a usage error).
 
 stdlib only: it runs with the serving image's interpreter, and in tests without vLLM.
 """
@@ -14,28 +24,34 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib.util
+import json
 import os
 import re
 import sys
 import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 STATUS_PREFIX = "sparkfleet-patch:"
 
 APPLIED = "applied"
-ALREADY = "already-applied"
+WOULD_APPLY = "would-apply"
+ALREADY = "already-present"
 NOT_NEEDED = "not-needed"
-FAILED = "failed"
-OUTCOMES = (APPLIED, ALREADY, NOT_NEEDED, FAILED)
-EXIT_CODES = {APPLIED: 0, ALREADY: 0, NOT_NEEDED: 0, FAILED: 1}
+FAILED = "cannot-apply"
+OUTCOMES = (APPLIED, WOULD_APPLY, ALREADY, NOT_NEEDED, FAILED)
+EXIT_CODES = {APPLIED: 0, WOULD_APPLY: 0, ALREADY: 0, NOT_NEEDED: 0, FAILED: 1}
 
 ENV_VLLM_ROOT = "SPARKFLEET_VLLM_ROOT"
 
 
 class PatchFailed(Exception):
     """The patch cannot be applied; the message names file, vLLM version and anchor."""
+
+    def __init__(self, message: str, file: str | None = None):
+        super().__init__(message)
+        self.file = file
 
 
 class NotNeeded(Exception):
@@ -48,6 +64,7 @@ class Vllm:
 
     root: Path
     version: str
+    check_only: bool = False  # --check: decide everything, write nothing
 
     def path(self, relpath: str) -> Path:
         """``relpath`` as in the sdist, e.g. ``vllm/v1/core/kv_cache_utils.py``."""
@@ -190,7 +207,11 @@ def find_defining_file(vllm: Vllm, relpaths: Sequence[str], qualname: str) -> Pa
         p = vllm.path(rel)
         if p.is_file() and def_span(p.read_text(encoding="utf-8"), qualname) is not None:
             return p
-    raise PatchFailed(f"none of {', '.join(relpaths)} (vLLM {vllm.version}) defines anchor {qualname}()")
+    existing = [rel for rel in relpaths if vllm.path(rel).is_file()]
+    raise PatchFailed(
+        f"none of {', '.join(relpaths)} (vLLM {vllm.version}) defines anchor {qualname}()",
+        file=(existing or list(relpaths))[0],
+    )
 
 
 # --- editing -----------------------------------------------------------------------
@@ -249,6 +270,19 @@ def atomic_write(path: Path, text: str) -> None:
         raise
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What a patch found: its outcome, the file it decided on, and why."""
+
+    outcome: str
+    detail: str
+    file: str | None = None
+
+
+# A check that reads a file's text and returns a reason when it holds (else None).
+Check = Callable[[str], "str | None"]
+
+
 def patch_file(
     vllm: Vllm,
     name: str,
@@ -256,66 +290,94 @@ def patch_file(
     edits: Sequence[Edit],
     *,
     append: str = "",
-    gate: Callable[[str], str | None] | None = None,
-) -> tuple[str, str]:
-    """Apply one patch to one file. Order: sentinel (already applied) -> capability gate
-    (returns a reason when upstream is already correct) -> anchors -> compile -> write."""
+    gate: Check | None = None,
+    present: Check | None = None,
+) -> Verdict:
+    """Apply one patch to one file. Order: our sentinel (already present) -> ``present``
+    (the same fix in another form: upstream's or the image's own edit; returns a reason)
+    -> ``gate`` (this vLLM does not take the path; returns a reason) -> anchors ->
+    compile -> write (with ``vllm.check_only``: stop before writing)."""
     rel = vllm.rel(path)
     where = f"{rel} (vLLM {vllm.version})"
     text = path.read_text(encoding="utf-8")
     if sentinel(name) in text:
-        return ALREADY, where
+        return Verdict(ALREADY, f"{where}: applied by sparkfleet at an earlier start", rel)
+    if present is not None:
+        reason = present(text)
+        if reason:
+            return Verdict(ALREADY, f"{where}: {reason}", rel)
     if gate is not None:
         reason = gate(text)
         if reason:
-            return NOT_NEEDED, f"{where}: {reason}"
-    new_text = apply_edits(text, edits, where)
+            return Verdict(NOT_NEEDED, f"{where}: {reason}", rel)
+    try:
+        new_text = apply_edits(text, edits, where)
+    except PatchFailed as exc:
+        raise PatchFailed(str(exc), file=rel) from None
     if append:
         new_text = new_text.rstrip("\n") + "\n\n\n" + append.strip("\n") + "\n"
     if sentinel(name) not in new_text:  # programming error in the patch itself
-        raise PatchFailed(f"{where}: patch text lacks its sentinel {sentinel(name)}")
+        raise PatchFailed(f"{where}: patch text lacks its sentinel {sentinel(name)}", file=rel)
     try:
         compile(new_text, str(path), "exec")
     except SyntaxError as exc:  # never leave a broken vLLM behind
-        raise PatchFailed(f"{where}: patched text does not compile: {exc}") from exc
+        raise PatchFailed(f"{where}: patched text does not compile: {exc}", file=rel) from exc
+    if vllm.check_only:
+        return Verdict(WOULD_APPLY, where, rel)
     atomic_write(path, new_text)
-    return APPLIED, where
+    return Verdict(APPLIED, where, rel)
 
 
 # --- the program ------------------------------------------------------------------
 
 
-def status_line(name: str, outcome: str, detail: str) -> str:
-    detail = " ".join(detail.split())  # one line, whatever the message held
-    return f"{STATUS_PREFIX} {name}: {outcome}: {detail}"
+def status_line(name: str, verdict: Verdict, version: str | None = None) -> str:
+    doc = {
+        "name": name,
+        "outcome": verdict.outcome,
+        "file": verdict.file,
+        "vllm": version,
+        "detail": " ".join(verdict.detail.split()),  # one line, whatever the message held
+    }
+    return f"{STATUS_PREFIX} {json.dumps(doc, sort_keys=True)}"
 
 
-def parse_status_line(line: str) -> tuple[str, str, str] | None:
-    """(name, outcome, detail) from a status line, else None."""
+def parse_status_line(line: str) -> dict | None:
+    """The status object of a status line (name, outcome, file, vllm, detail), else None."""
     if not line.startswith(STATUS_PREFIX):
         return None
-    parts = line[len(STATUS_PREFIX) :].strip().split(": ", 2)
-    if len(parts) < 2 or parts[1] not in OUTCOMES:
+    try:
+        doc = json.loads(line[len(STATUS_PREFIX) :])
+    except ValueError:
         return None
-    return parts[0], parts[1], parts[2] if len(parts) > 2 else ""
+    if not isinstance(doc, dict) or doc.get("outcome") not in OUTCOMES or not isinstance(doc.get("name"), str):
+        return None
+    return doc
 
 
-def run(name: str, apply: Callable[[Vllm], tuple[str, str]], argv: Sequence[str] | None = None) -> int:
+def run(name: str, apply: Callable[[Vllm], "Verdict | tuple[str, str]"], argv: Sequence[str] | None = None) -> int:
     """Entry point of every patch program."""
     parser = argparse.ArgumentParser(prog=f"{name}.py", description=f"sparkfleet vLLM patch {name}")
     parser.add_argument(
         "--vllm-root",
         help=f"directory that holds the vllm/ package (default: ${ENV_VLLM_ROOT}, else import vllm)",
     )
+    parser.add_argument("--check", action="store_true", help="decide what the patch would do; write nothing")
     args = parser.parse_args(argv)
+    version = None
     try:
         vllm = locate_vllm(args.vllm_root)
-        outcome, detail = apply(vllm)
+        version = vllm.version
+        if args.check:
+            vllm = Vllm(vllm.root, vllm.version, check_only=True)
+        verdict = apply(vllm)
+        if not isinstance(verdict, Verdict):
+            verdict = Verdict(*verdict)
     except NotNeeded as exc:
-        outcome, detail = NOT_NEEDED, str(exc)
+        verdict = Verdict(NOT_NEEDED, str(exc))
     except PatchFailed as exc:
-        outcome, detail = FAILED, str(exc)
+        verdict = Verdict(FAILED, str(exc), exc.file)
     except Exception as exc:  # report, don't traceback: serve.py shows this line
-        outcome, detail = FAILED, f"unexpected {type(exc).__name__}: {exc}"
-    print(status_line(name, outcome, detail), flush=True)
-    return EXIT_CODES[outcome]
+        verdict = Verdict(FAILED, f"unexpected {type(exc).__name__}: {exc}")
+    print(status_line(name, verdict, version), flush=True)
+    return EXIT_CODES[verdict.outcome]

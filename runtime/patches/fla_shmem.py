@@ -8,18 +8,19 @@ the small tiles although the big-tile configs fit in 99 KiB (the same budget FLA
 accepts for Ada). The patch uses Ada's bar on compute capability 12.x. Prefill/TTFT
 only: decode runs the recurrent kernel. Harmless, so serve.py tolerates its failure.
 
-Capability gate: from vLLM ~0.30 GDN prefill on sm12x defaults to FlashInfer's kernel
+Not needed: from vLLM ~0.30 GDN prefill on sm12x defaults to FlashInfer's kernel
 (``_resolve_gdn_prefill_backend`` lists capability family 120), so FLA's chunk kernels
-are off the default path and the patch is skipped as not needed.
+are off the default path. Already present: ``check_shared_mem`` itself already asks the
+device's compute capability (an image's own sm12x edit).
 """
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _patchlib as pl  # noqa: E402
+try:  # imported as runtime.patches.<name> (controller, tests)
+    from . import _patchlib as pl
+except ImportError:  # run as a program (/host/patches/<name>.py): its directory is sys.path[0]
+    import _patchlib as pl
 
 NAME = "fla_shmem"
 CANDIDATES = (
@@ -76,11 +77,20 @@ def gdn_prefill_off_fla(vllm: pl.Vllm) -> str | None:
     return None
 
 
-def apply(vllm: pl.Vllm) -> tuple[str, str]:
+def asks_capability(text: str) -> str | None:
+    """The fix in another form: the bar already depends on the device's capability."""
+    for ident in ("get_device_capability", "is_device_capability", "is_device_capability_family"):
+        if pl.code_uses(text, FUNC, ident):
+            return f"{FUNC}() already sets the bar by compute capability ({ident})"
+    return None
+
+
+def apply(vllm: pl.Vllm) -> pl.Verdict:
     path = pl.find_defining_file(vllm, CANDIDATES, FUNC)
     edit = pl.Edit("shared-memory bar", ANCHOR, REPLACEMENT, scope=FUNC)
     return pl.patch_file(
-        vllm, NAME, path, [edit], append=HELPER, gate=lambda _text: gdn_prefill_off_fla(vllm)
+        vllm, NAME, path, [edit], append=HELPER, present=asks_capability,
+        gate=lambda _text: gdn_prefill_off_fla(vllm),
     )
 
 

@@ -13,18 +13,19 @@ a first check in ``INCConfig.get_quant_method`` that hands those layers an
 ``Fp8LinearMethod`` before INC's own 16-bit/INT4 dispatch. For a checkpoint without FP8
 tensors nothing changes.
 
-Capability gate: skipped when INCConfig already defines its own ``maybe_update_config``
-that reads safetensors metadata (the open upstream PR). ``inc.py`` became the package
-``quantization/inc/``; both layouts are patched.
+Already present: when INCConfig defines its own ``maybe_update_config`` that reads
+safetensors metadata (the open upstream PR, which images carry as an overlay), or its
+``get_quant_method`` already hands layers an ``Fp8LinearMethod``. ``inc.py`` became the
+package ``quantization/inc/``; both layouts are patched.
 """
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _patchlib as pl  # noqa: E402
+try:  # imported as runtime.patches.<name> (controller, tests)
+    from . import _patchlib as pl
+except ImportError:  # run as a program (/host/patches/<name>.py): its directory is sys.path[0]
+    import _patchlib as pl
 
 NAME = "inc_fp8_shared"
 CANDIDATES = (
@@ -174,16 +175,19 @@ def _sparkfleet_fp8_dense_method(cfg, layer, prefix):
 '''
 
 
-def upstream_detects(text: str) -> str | None:
+def detects_fp8_layers(text: str) -> str | None:
+    """The fix in another form: INC finds FP8 layers itself (the upstream PR's shape)."""
     if pl.code_uses(text, "INCConfig.maybe_update_config", "get_safetensors_params_metadata"):
-        return "upstream INCConfig.maybe_update_config() already reads safetensors metadata"
+        return "INCConfig.maybe_update_config() already reads safetensors metadata for FP8 layers"
+    if pl.code_uses(text, SCOPE, "Fp8LinearMethod"):
+        return "INCConfig.get_quant_method() already dispatches FP8 layers to Fp8LinearMethod"
     return None
 
 
-def apply(vllm: pl.Vllm) -> tuple[str, str]:
+def apply(vllm: pl.Vllm) -> pl.Verdict:
     path = pl.find_defining_file(vllm, CANDIDATES, SCOPE)
     edit = pl.Edit("INC layer dispatch", ANCHOR, REPLACEMENT, scope=SCOPE)
-    return pl.patch_file(vllm, NAME, path, [edit], append=HELPERS, gate=upstream_detects)
+    return pl.patch_file(vllm, NAME, path, [edit], append=HELPERS, present=detects_fp8_layers)
 
 
 if __name__ == "__main__":

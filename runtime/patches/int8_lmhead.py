@@ -6,7 +6,7 @@ decode step. ``LogitsProcessor._get_logits`` is patched to call
 the kernel in ``runtime/int8_lmhead.py`` (at ``$SPARKFLEET_RUNTIME_DIR``, default
 ``/host``): ``int8_logits(hidden, weight)``, or ``Int8LMHead.for_weight(weight)(hidden)``
 (quantized per row on first use, cached per weight). The BF16 weight is left untouched: the DFlash drafter shares
-this very head module, and zeroing/replacing it corrupts the drafter (the seeds' lesson).
+this very head module, and zeroing/replacing it corrupts the drafter (the reference recipe's lesson).
 Anything unusual (bias, a quantized or non-BF16 head, CPU, a fp32 head dtype, the
 kernel not importable, ``SPARKFLEET_INT8_LMHEAD=0``) falls back to vLLM's own path.
 

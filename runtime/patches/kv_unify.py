@@ -14,17 +14,18 @@ padding alone (block size unchanged) mis-strides the drafter's KV and collapses
 acceptance. A scaled mamba block differs from ``cache_config.block_size``; with prefix
 caching on, ``prefix_align`` makes the hash block size cope with that.
 
-Capability gate: newer vLLM (function moved to ``kv_cache_planning.py``) pads pages
-itself; when the function body already handles ``page_size_padded`` the patch is skipped.
+Already present: newer vLLM (function moved to ``kv_cache_planning.py``) pads pages
+itself, and an image may carry its own padding edit; either way the function's code then
+handles ``page_size_padded``, and the patch reports the fix as already present.
 """
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _patchlib as pl  # noqa: E402
+try:  # imported as runtime.patches.<name> (controller, tests)
+    from . import _patchlib as pl
+except ImportError:  # run as a program (/host/patches/<name>.py): its directory is sys.path[0]
+    import _patchlib as pl
 
 NAME = "kv_unify"
 FUNC = "unify_kv_cache_spec_page_size"
@@ -93,16 +94,17 @@ def _sparkfleet_unify_page(layer_spec, max_page_size):
 '''
 
 
-def upstream_pads(text: str) -> str | None:
+def pads_pages(text: str) -> str | None:
+    """The fix in another form: the function pads pages (upstream's, or an image's edit)."""
     if pl.code_uses(text, FUNC, "page_size_padded"):
-        return f"upstream {FUNC}() already pads pages (fixed in this vLLM)"
+        return f"{FUNC}() already pads pages (the fix, in this vLLM's own form)"
     return None
 
 
-def apply(vllm: pl.Vllm) -> tuple[str, str]:
+def apply(vllm: pl.Vllm) -> pl.Verdict:
     path = pl.find_defining_file(vllm, CANDIDATES, FUNC)
     edit = pl.Edit("ratio-only unify", ANCHOR, REPLACEMENT, scope=FUNC)
-    return pl.patch_file(vllm, NAME, path, [edit], append=HELPER, gate=upstream_pads)
+    return pl.patch_file(vllm, NAME, path, [edit], append=HELPER, present=pads_pages)
 
 
 if __name__ == "__main__":

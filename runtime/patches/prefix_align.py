@@ -11,17 +11,20 @@ DFlash drafter the groups' block sizes legitimately diverge (kv_unify scales the
 
 A mamba group in ``align`` mode (what vLLM selects for prefix caching on hybrid
 models) checkpoints its state at block boundaries, so the GCD is valid for it: back off
-only for mamba groups that are *not* in align mode. Newer vLLM made exactly this change;
-when the back-off condition already reads ``mamba_cache_mode`` the patch is skipped.
+only for mamba groups that are *not* in align mode.
+
+Already present: newer vLLM made exactly this change (the back-off condition reads
+``mamba_cache_mode``); an image may instead drop the mamba back-off altogether, so that
+every group hashes by the GCD. Either form is recognised as the fix.
 """
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _patchlib as pl  # noqa: E402
+try:  # imported as runtime.patches.<name> (controller, tests)
+    from . import _patchlib as pl
+except ImportError:  # run as a program (/host/patches/<name>.py): its directory is sys.path[0]
+    import _patchlib as pl
 
 NAME = "prefix_align"
 FUNC = "resolve_kv_cache_block_sizes"
@@ -50,16 +53,19 @@ REPLACEMENT = f"""\
 """
 
 
-def upstream_aligned(text: str) -> str | None:
+def hashes_aligned_by_gcd(text: str) -> str | None:
+    """The fix in another form: align-mode mamba groups (or all groups) hash by the GCD."""
     if pl.code_uses(text, FUNC, "mamba_cache_mode"):
-        return f"upstream {FUNC}() already hashes align-mode mamba groups by the GCD"
+        return f"{FUNC}() already hashes align-mode mamba groups by the GCD"
+    if pl.code_uses(text, FUNC, "gcd") and not pl.code_uses(text, FUNC, "MambaSpec"):
+        return f"{FUNC}() has no mamba back-off: every group hashes by the GCD"
     return None
 
 
-def apply(vllm: pl.Vllm) -> tuple[str, str]:
+def apply(vllm: pl.Vllm) -> pl.Verdict:
     path = pl.find_defining_file(vllm, CANDIDATES, FUNC)
     edit = pl.Edit("mamba back-off to scheduler block size", ANCHOR, REPLACEMENT, scope=FUNC)
-    return pl.patch_file(vllm, NAME, path, [edit], gate=upstream_aligned)
+    return pl.patch_file(vllm, NAME, path, [edit], present=hashes_aligned_by_gcd)
 
 
 if __name__ == "__main__":

@@ -8,5 +8,5 @@
 - ``settings.py`` the one accessor of the checks' host data.
 - ``results.py`` result files on the controller (``results/<run-id>/<host>.json``).
 
-The report itself is ``sparkfleet.report`` (``sparkfleet report results/<run-id>``).
+The report itself is ``sparkfleet.bench.report`` (``sparkfleet report results/<run-id>``).
 """

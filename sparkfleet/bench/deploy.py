@@ -13,7 +13,7 @@ runs every operation. The program's progress lines stream live, prefixed by host
 A host whose checks cannot run (server down, container missing, SSH gone, failed earlier
 in the deploy) still gets a result file, ``status: failed`` with the reason, and fails
 in pyinfra's summary; the others report. When the collect operation has ended on every
-host, the fleet report (``sparkfleet.report``) is written next to the results and printed.
+host, the fleet report (``sparkfleet.bench.report``) is written next to the results and printed.
 """
 
 from __future__ import annotations
@@ -26,17 +26,20 @@ import shlex
 import shutil
 import sqlite3
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Union
 
-from pyinfra import host, state
+from pyinfra import state
 from pyinfra.api import StringCommand, deploy
+from pyinfra.api.exceptions import OperationError
 from pyinfra.api.state import BaseStateCallback
 from pyinfra.operations import files, python
 
-from .results import failed_result, now_iso, result_path, run_dir, write_json
+from sparkfleet import remote as host_commands  # "remote" names the result path below
 from sparkfleet.config import fleet_settings
 
+from .onhost.schema import ProgramSettings, failed_result, now_iso
+from .results import result_path, run_dir, write_json
 from .settings import BenchSettings, bench_settings, parse_check_names, run_id_for
 
 ONHOST_SRC = Path(__file__).resolve().parent / "onhost"
@@ -57,26 +60,24 @@ _LOCK_MESSAGE = (
 # --- the command that runs on the host -------------------------------------------------------
 
 
-def program_args(s: BenchSettings, names: Sequence[str], run_id: str, host_name: str,
-                 remote_result: str, remote_state_db: Optional[str], secrets_file: str) -> List[str]:
-    args = [
-        "--base-url", s.base_url, "--model", s.served_model_name, "--checks", ",".join(names),
-        "--out", remote_result, "--run-id", run_id, "--host", host_name,
-        "--secrets-file", secrets_file,
-        "--runs", str(s.bench_runs), "--warmup", str(s.bench_warmup),
-        "--max-tokens", str(s.bench_max_tokens), "--timeout", str(s.bench_timeout_s),
-        "--agent-sessions", str(s.agent_sessions),
-        "--agent-max-context-tokens", str(s.agent_max_context_tokens),
-        "--agent-max-tokens", str(s.agent_max_tokens),
-    ]
-    if s.bench_prompt:
-        args += ["--prompt", s.bench_prompt]
-    if remote_state_db:
-        args += ["--state-db", remote_state_db]
-    return args
+# Seconds between the program's "still running" lines.
+HEARTBEAT_S = 15.0
 
 
-def remote_paths(s: BenchSettings, run_id: str) -> Dict[str, str]:
+def program_settings(s: BenchSettings, names: Sequence[str], run_id: str, host_name: str,
+                     remote_result: str, remote_state_db: str | None, secrets_file: str) -> ProgramSettings:
+    """The on-host program's one settings document, from the validated host settings."""
+    return ProgramSettings(
+        base_url=s.base_url, model=s.served_model_name, checks=list(names), out=remote_result, run_id=run_id,
+        host=host_name, secrets_file=secrets_file, runs=s.bench_runs, warmup=s.bench_warmup,
+        max_tokens=s.bench_max_tokens, prompt=s.bench_prompt, state_db=remote_state_db,
+        agent_sessions=s.agent_sessions, agent_max_context_tokens=s.agent_max_context_tokens,
+        agent_max_tokens=s.agent_max_tokens, timeout_s=float(s.bench_timeout_s), heartbeat_s=HEARTBEAT_S,
+        quiet=False,
+    )
+
+
+def remote_paths(s: BenchSettings, run_id: str) -> dict[str, str]:
     return {
         "code_root": f"{s.bench_dir}/code",
         "code": f"{s.bench_dir}/code/{REMOTE_PACKAGE}",
@@ -100,15 +101,14 @@ def bench_command(s: BenchSettings, names: Sequence[str], run_id: str, host_name
         f"rm -f {q(p['result'])}",
     ]
     if s.bench_runner == "host":
-        args = program_args(s, names, run_id, host_name, p["result"], state_db, SECRETS_ENV)
+        doc = program_settings(s, names, run_id, host_name, p["result"], state_db, SECRETS_ENV).to_json()
         lines.append(
             f"cd {q(p['code_root'])} && PYTHONPATH={q(p['code_root'])} PYTHONUNBUFFERED=1 "
-            f"flock -n -E {LOCKED_EXIT} {q(p['lock'])} python3 -m {REMOTE_PACKAGE} "
-            + " ".join(q(a) for a in args)
+            f"flock -n -E {LOCKED_EXIT} {q(p['lock'])} python3 -m {REMOTE_PACKAGE} --settings {q(doc)}"
         )
         lines.append(_LOCK_MESSAGE)
         return "\n".join(lines)
-    args = program_args(s, names, run_id, host_name, p["result"], state_db, CONTAINER_SECRETS)
+    doc = program_settings(s, names, run_id, host_name, p["result"], state_db, CONTAINER_SECRETS).to_json()
     container = q(SERVE_CONTAINER)
     lines += [
         # The image the serving container runs, by ID: it has python3 and prometheus_client,
@@ -124,13 +124,13 @@ def bench_command(s: BenchSettings, names: Sequence[str], run_id: str, host_name
         f" -e PYTHONPATH={CONTAINER_CODE_ROOT} -e PYTHONUNBUFFERED=1"
         f" -v {q(p['code'] + ':' + CONTAINER_CODE_ROOT + '/' + REMOTE_PACKAGE + ':ro')}"
         f" -v {q(s.bench_dir + ':' + s.bench_dir)}"
-        f" \"$@\" \"$IMAGE\" -m {REMOTE_PACKAGE} " + " ".join(q(a) for a in args),
+        f" \"$@\" \"$IMAGE\" -m {REMOTE_PACKAGE} --settings {q(doc)}",
         _LOCK_MESSAGE,
     ]
     return "\n".join(lines)
 
 
-def failure_reason(stdout: List[str], stderr: List[str]) -> str:
+def failure_reason(stdout: list[str], stderr: list[str]) -> str:
     """The last meaningful stderr lines of a run that left no result file."""
     lines = [ln.strip() for ln in stderr if ln.strip()] or [ln.strip() for ln in stdout if ln.strip()]
     tail = " | ".join(lines[-3:]) if lines else "no output"
@@ -139,7 +139,7 @@ def failure_reason(stdout: List[str], stderr: List[str]) -> str:
 
 # --- the state.db snapshot (controller side) ---------------------------------------------------
 
-_SNAPSHOTS: Dict[str, str] = {}
+_SNAPSHOTS: dict[str, str] = {}
 
 
 def snapshot_state_db(path: str) -> str:
@@ -178,14 +178,14 @@ def snapshot_state_db(path: str) -> str:
 class _Collector:
     """One per pyinfra run and run id: knows each host's fate and writes the report once."""
 
-    def __init__(self, pyinfra_state, results_dir: str, run_id: str, names: List[str]) -> None:
+    def __init__(self, pyinfra_state, results_dir: str, run_id: str, names: list[str]) -> None:
         self.state = pyinfra_state
         self.dir = run_dir(results_dir, run_id)
         self.run_id = run_id
         self.names = names
         self.expected = [h.name for h in pyinfra_state.inventory if pyinfra_state.is_host_in_limit(h)]
         # Hosts already failed at plan time failed to connect.
-        self.reasons: Dict[str, str] = {
+        self.reasons: dict[str, str] = {
             h.name: "unreachable: pyinfra could not connect to the host" for h in pyinfra_state.failed_hosts
         }
         self.written: set = set()
@@ -210,7 +210,7 @@ class _Collector:
                 reason = self.reasons.get(name, "did not finish its checks (see the pyinfra output)")
                 self.record(name, failed_result(name, self.run_id, reason, self.names))
         try:
-            from sparkfleet import report
+            from sparkfleet.bench import report
 
             report.write_and_print(self.dir)
         except Exception as exc:  # the results are on disk; `sparkfleet report` can retry
@@ -229,10 +229,10 @@ class _CollectorCallbacks(BaseStateCallback):
             self.collector.finish()
 
 
-_COLLECTORS: Dict[tuple, _Collector] = {}
+_COLLECTORS: dict[tuple, _Collector] = {}
 
 
-def _collector_for(s: BenchSettings, run_id: str, names: List[str]) -> _Collector:
+def _collector_for(s: BenchSettings, run_id: str, names: list[str]) -> _Collector:
     current = state._get_module()  # the State itself, not pyinfra's context proxy
     key = (id(current), run_id)
     if key not in _COLLECTORS:
@@ -253,7 +253,7 @@ def _collector_for(s: BenchSettings, run_id: str, names: List[str]) -> _Collecto
 # --- execute-time callback, per host ---------------------------------------------------------------
 
 
-def _run_and_collect(state, host, settings: BenchSettings, names: List[str],  # noqa: F811
+def _run_and_collect(state, host, settings: BenchSettings, names: list[str],  # noqa: F811
                      run_id: str, collector: _Collector) -> bool:
     """Run the bench on the host, fetch its result; on any failure write one with the reason.
 
@@ -262,22 +262,20 @@ def _run_and_collect(state, host, settings: BenchSettings, names: List[str],  # 
     pass them and to use the return value as the operation's success.
     """
     pyinfra_host = host
-    sudo = {"_sudo": True} if pyinfra_host.data.get("_sudo") else {}
     command = bench_command(settings, names, run_id, pyinfra_host.name)
-    ok, output = pyinfra_host.run_shell_command(
-        StringCommand(command), print_output=True, _success_exit_codes=[0, 1], **sudo
-    )
+    done = host_commands.run(pyinfra_host, StringCommand(command), timeout=None, success_exit_codes=[0, 1],
+                             print_output=True)
     remote = remote_paths(settings, run_id)["result"]
-    result: Optional[dict] = None
-    if ok:
+    result: dict | None = None
+    if done.ok:
         buffer = io.BytesIO()
         try:
-            pyinfra_host.get_file(remote, buffer, **sudo)
+            host_commands.get(pyinfra_host, remote, buffer)
             result = json.loads(buffer.getvalue())
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, OperationError) as exc:
             result = failed_result(pyinfra_host.name, run_id, f"cannot fetch {remote}: {exc}", names)
     else:
-        reason = failure_reason(output.stdout_lines, output.stderr_lines)
+        reason = failure_reason(done.stdout, done.stderr)
         result = failed_result(pyinfra_host.name, run_id, reason, names)
     result["host"] = pyinfra_host.name
     result["run_id"] = run_id
@@ -292,8 +290,8 @@ def _run_and_collect(state, host, settings: BenchSettings, names: List[str],  # 
 
 
 @deploy("sparkfleet checks")
-def run_checks(names: Union[Sequence[str], str, None] = None) -> None:
-    """Run the named checks (smoke, decode, e2e, agent) on this host and collect the result.
+def run_checks(names: Sequence[str] | str | None = None) -> None:
+    """Run the named checks (smoke, tools, decode, e2e, agent) on this host and collect the result.
 
     + names: the checks; None reads data ``checks`` (``--data checks=smoke,decode``)
 
@@ -327,9 +325,10 @@ def run_checks(names: Union[Sequence[str], str, None] = None) -> None:
         exclude_dir=["__pycache__"],
     )
     if "agent" in wanted:
-        files.put(
+        python.call(  # 0600 from its first byte (files.put with sudo passes through /tmp as 0644)
             name="sparkfleet checks: upload the state.db snapshot",
-            src=snapshot_state_db(str(settings.agent_state_db)),
+            function=host_commands.uploaded,
+            source=snapshot_state_db(str(settings.agent_state_db)),
             dest=paths["state_db"],
             mode="0600",
         )

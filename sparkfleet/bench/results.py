@@ -1,6 +1,6 @@
 """Result files on the controller: ``<results_dir>/<run-id>/<host>.json``.
 
-A host file is whatever the on-host bench wrote (schema ``sparkfleet.bench/1``), plus
+A host file is whatever the on-host bench wrote (``onhost/schema.py``), plus
 what only the controller knows (``host``, ``collected_at``). A host that could not
 produce one — unreachable, failed before its checks, bench crashed — gets a file too,
 with ``status: failed`` and the reason, so the report shows it as failed, not missing.
@@ -8,15 +8,14 @@ with ``status: failed`` and the reason, so the report shows it as failed, not mi
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Dict, List, Optional
 
-SCHEMA = "sparkfleet.bench/1"
+from .onhost.schema import SCHEMA, failed_result
+
 REPORT_STEM = "fleet-report"
 
 
@@ -31,24 +30,6 @@ def run_dir(results_dir: str, run_id: str) -> Path:
 
 def result_path(directory: Path, host_name: str) -> Path:
     return directory / f"{safe_host_name(host_name)}.json"
-
-
-def now_iso() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-
-
-def failed_result(host_name: str, run_id: str, reason: str, checks: Optional[List[str]] = None) -> dict:
-    return {
-        "schema": SCHEMA,
-        "host": host_name,
-        "run_id": run_id,
-        "status": "failed",
-        "reason": reason,
-        # The checks did not run: no per-check entries, only what was asked.
-        "checks": {},
-        "requested_checks": list(checks or []),
-        "collected_at": now_iso(),
-    }
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -66,9 +47,9 @@ def write_json(path: Path, data: dict) -> None:
         raise
 
 
-def load_run(directory: Path) -> Dict[str, dict]:
+def load_run(directory: Path) -> dict[str, dict]:
     """host name -> result, for every host file of a run (report files are skipped)."""
-    out: Dict[str, dict] = {}
+    out: dict[str, dict] = {}
     for path in sorted(Path(directory).glob("*.json")):
         if path.name.startswith(".") or path.stem == REPORT_STEM:
             continue

@@ -5,14 +5,16 @@ from __future__ import annotations
 import ipaddress
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any
 
-CHECK_NAMES = ("smoke", "decode", "e2e", "agent")
+from .onhost.schema import CHECK_NAMES
+
 RUNNERS = ("docker", "host")
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
-def parse_check_names(value: Union[str, Sequence[str], None]) -> List[str]:
+def parse_check_names(value: str | Sequence[str] | None) -> list[str]:
     """``"smoke,decode"`` (what ``--data checks=...`` gives) or a list; validated, in order."""
     if value is None or value is False:
         return []
@@ -31,17 +33,17 @@ class BenchSettings:
     port: int
     served_model_name: str
     bind_address: str
-    checks: List[str]
-    bench: List[str]
+    checks: list[str]
+    bench: list[str]
     bench_runs: int
     bench_warmup: int
     bench_max_tokens: int
-    agent_state_db: Optional[str]
+    agent_state_db: str | None
     agent_sessions: int
     agent_max_context_tokens: int
-    run_id: Optional[str]
+    run_id: str | None
     results_dir: str
-    bench_prompt: Optional[str]
+    bench_prompt: str | None
     agent_max_tokens: int
     bench_timeout_s: int
     bench_runner: str
@@ -74,7 +76,7 @@ def bench_settings(data: Any) -> BenchSettings:
     return BenchSettings(**{name: getattr(data, name) for name in BenchSettings.__dataclass_fields__})
 
 
-_PROCESS_RUN_ID: Optional[str] = None
+_PROCESS_RUN_ID: str | None = None
 
 
 def run_id_for(settings: BenchSettings) -> str:

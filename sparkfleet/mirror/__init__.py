@@ -8,16 +8,18 @@ is the mirror, and every host (the mirror too) downloads from it over the LAN, i
   (:mod:`sparkfleet.mirror.registry`); hosts pull it by digest.
 
 The mirror host runs both (:mod:`sparkfleet.mirror.server`); every host trusts the
-registry's certificate and checks the mirror answers before it fetches
-(:mod:`sparkfleet.mirror.clients`); the deploy prints what came from where
-(:mod:`sparkfleet.mirror.report`). With ``fleet_mirror=none`` nothing here runs and
+registry's certificate (:mod:`sparkfleet.mirror.tls`) and checks the mirror answers
+before it fetches (:mod:`sparkfleet.mirror.clients`); the deploy prints what came from
+where (:mod:`sparkfleet.mirror.report`). With ``fleet_mirror=none`` nothing here runs and
 every host downloads from upstream.
 """
 
 from __future__ import annotations
 
+from pyinfra.api import deploy
+
 from sparkfleet.config import Settings, host_mirror
-from sparkfleet.mirror import clients, server
+from sparkfleet.mirror import clients, server, tls
 from sparkfleet.mirror.clients import answers
 from sparkfleet.mirror.names import ImageName, hf_endpoint, image_reference
 from sparkfleet.mirror.report import track
@@ -25,17 +27,21 @@ from sparkfleet.mirror.report import track
 __all__ = ["ImageName", "answers", "configured", "disk_needs", "hf_endpoint", "image_reference", "track"]
 
 
+@deploy("Mirror")
 def configured(settings: Settings) -> list:
     """The mirror for this host: served here (the mirror host), trusted (every host using
     it), or stopped (a host that served it before). Returns the operations it declared."""
     mirror = host_mirror()
     ops: list = []
+    if mirror:
+        ops.append(tls.made(name="registry certificate made on the controller",
+                            tls_dir=settings.mirror_tls_dir, mirror=mirror))
+        # Trusted first: the mirror host's own image copy into its registry checks it too.
+        ops.append(tls.trusted(settings.mirror_tls_dir, mirror))
     if mirror and mirror.is_self:
         ops += server.served(settings, mirror)
     else:
         ops += clients.former_mirror_stopped()
-    if mirror:
-        ops.append(clients.trusted(settings, mirror))
     return ops
 
 
@@ -46,4 +52,3 @@ def disk_needs(settings: Settings, image_gib: float, hf_gib: float) -> dict[str,
     if not mirror or not mirror.is_self:
         return {}
     return {settings.mirror_dir: image_gib + hf_gib}
-

@@ -1,6 +1,5 @@
-"""Every host that uses the mirror: it trusts the registry's certificate and checks that
-the mirror answers before it pulls or downloads; a host that was the mirror before
-stops its services."""
+"""Every host of a fleet with a mirror checks that the mirror answers before it pulls
+or downloads; a host that was the mirror before stops its services."""
 
 from __future__ import annotations
 
@@ -8,12 +7,13 @@ import shlex
 
 from pyinfra import host
 from pyinfra.api import StringCommand
-from pyinfra.operations import files, systemd
+from pyinfra.facts.files import FileContents
+from pyinfra.facts.systemd import SystemdEnabled, SystemdStatus
+from pyinfra.operations import systemd
 
-from sparkfleet import remote, secrets
-from sparkfleet.config import Mirror, Settings
-from sparkfleet.facts import MirrorUnits
-from sparkfleet.hostpaths import registry_ca_path
+from sparkfleet import remote
+from sparkfleet.config import Mirror
+from sparkfleet.hostpaths import HF_MIRROR_UNIT, REGISTRY_CONFIG, REGISTRY_UNIT, registry_ca_path
 
 
 def answers(mirror: Mirror, service: str) -> StringCommand:
@@ -28,19 +28,24 @@ def answers(mirror: Mirror, service: str) -> StringCommand:
         what = f"HF mirror {mirror.hf_endpoint}"
     return remote.fail_unless(
         probe,
-        f"the mirror {mirror.host} does not answer ({what}): see its errors above, "
-        "or deploy with --data fleet_mirror=none to download from upstream",
+        f"the mirror {mirror.host} does not answer ({what}): see its errors above, set mirror_address "
+        "to an address of it this host reaches, or deploy with --data fleet_mirror=none to download from upstream",
     )
 
 
-def trusted(settings: Settings, mirror: Mirror):
-    """Docker on this host trusts the mirror registry's certificate (no restart needed)."""
-    cert, _ = secrets.mirror_tls(settings.mirror_tls_dir, mirror)
-    return files.put(name="mirror: its registry certificate trusted by docker",
-                     src=str(cert), dest=registry_ca_path(mirror.registry), mode="644")
+def _former_units() -> list[str]:
+    """The mirror's services that run or are enabled here; docker-registry only when its
+    configuration is ours (a registry the host runs for itself is not ours to stop)."""
+    units = [HF_MIRROR_UNIT]
+    config = host.get_fact(FileContents, path=REGISTRY_CONFIG) or []
+    if any("sparkfleet" in line for line in config):
+        units.append(REGISTRY_UNIT)
+    active = host.get_fact(SystemdStatus, services=units)
+    enabled = host.get_fact(SystemdEnabled, services=units)
+    return [unit for unit in units if active.get(unit) or enabled.get(unit)]
 
 
 def former_mirror_stopped() -> list:
     """A host that was the mirror before (fleet_mirror moved or off): its services stopped."""
     return [systemd.service(name=f"former mirror: {unit} stopped", service=unit, running=False, enabled=False)
-            for unit in host.get_fact(MirrorUnits)]
+            for unit in _former_units()]

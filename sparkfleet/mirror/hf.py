@@ -19,17 +19,18 @@ import shlex
 import subprocess
 import sys
 import tempfile
+from itertools import chain
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from pyinfra import host
 from pyinfra.api import FunctionCommand, StringCommand, operation
 from pyinfra.api.exceptions import OperationError
+from pyinfra.facts.files import FileContents
 
-from sparkfleet import remote
-from sparkfleet.facts import FileFirstLine, HostPython
+from sparkfleet import olah_wheels, remote
+from sparkfleet.facts import HostPython
 from sparkfleet.hostpaths import OLAH_DIR, OLAH_MARKER
-from sparkfleet.config import Settings
 
 #: On the controller: olah's wheels per requirement and host Python.
 WHEELHOUSE = Path(".sparkfleet/wheelhouse")
@@ -47,7 +48,8 @@ def controller_wheelhouse(requirement: str, python: dict) -> Path:
         platforms += ["manylinux1_x86_64", "manylinux2010_x86_64"]
     if re.match(r"^2\.\d+$", glibc):
         platforms += [f"manylinux_2_{m}_{machine}" for m in range(17, int(glibc.split(".")[1]) + 1)]
-    key = hashlib.sha256(json.dumps([requirement, tag, sorted(platforms), pip.__version__]).encode()).hexdigest()[:16]
+    inputs = [requirement, tag, sorted(platforms), pip.__version__, olah_wheels.WITHOUT_DEPS]
+    key = hashlib.sha256(json.dumps(inputs).encode()).hexdigest()[:16]
     final = WHEELHOUSE / f"{re.sub(r'[^A-Za-z0-9]+', '-', requirement)}-cp{tag}-{machine}-{key}"
     if (final / ".complete").exists():
         return final
@@ -56,7 +58,8 @@ def controller_wheelhouse(requirement: str, python: dict) -> Path:
     common = [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "-d", str(tmp)]
     target = ["--only-binary=:all:", "--python-version", f"{python['major']}.{python['minor']}",
               "--implementation", "cp", "--abi", f"cp{tag}", *[a for p in platforms for a in ("--platform", p)]]
-    for args in ([*common, *target, requirement], [*common, "--no-deps", f"pip=={pip.__version__}"]):
+    pip_wheel = [*common, "--no-deps", f"pip=={pip.__version__}"]
+    for args in chain(olah_wheels.downloads([*common, *target], requirement, tmp), [pip_wheel]):
         done = subprocess.run(args, capture_output=True, text=True, timeout=900)
         if done.returncode != 0:
             raise OperationError(
@@ -82,7 +85,7 @@ def _install_olah(state, host, requirement: str, python: dict) -> bool:  # pyinf
         f"set -e; cd {OLAH_DIR}; rm -rf wheels lib.new; mkdir wheels; tar xzf wheels.tar.gz -C wheels; "
         "pip=$(ls wheels/pip-*.whl | head -n 1); "
         f"python3 \"$pip/pip\" install -q --disable-pip-version-check --root-user-action=ignore --no-index "
-        f"--find-links wheels --target lib.new {q(requirement)}; "
+        "--no-deps --target lib.new $(ls wheels/*.whl | grep -v /pip-); "  # the set is the closure (olah_wheels)
         f"rm -rf lib; mv lib.new lib; rm -rf wheels wheels.tar.gz; echo {q(requirement)} > {OLAH_MARKER}"
     )
     done = remote.run(host, StringCommand("sh", "-c", q(script)), timeout=900)
@@ -92,24 +95,24 @@ def _install_olah(state, host, requirement: str, python: dict) -> bool:  # pyinf
 
 
 @operation()
-def installed(settings: Settings):
+def installed(requirement: str):
     """
-    Install the HF mirror (``mirror_olah``, e.g. olah==0.5.4) into /opt/sparkfleet/mirror/olah.
+    Install the HF mirror into /opt/sparkfleet/mirror/olah.
 
-    + settings: validated settings (``mirror_olah``)
+    + requirement: the pip requirement (``mirror_olah``, e.g. olah==0.5.4)
 
     The controller downloads the wheels for the host's python3 and uploads them; the host
     installs them with pip run from its wheel: it needs python3 (3.10+), no pip, no index.
     """
-    if host.get_fact(FileFirstLine, path=OLAH_MARKER) == settings.mirror_olah:
-        host.noop(f"{settings.mirror_olah} is installed")
+    if (host.get_fact(FileContents, path=OLAH_MARKER) or [None])[0] == requirement:
+        host.noop(f"{requirement} is installed")
         return
     python = host.get_fact(HostPython)
     if python is None or (python["major"], python["minor"]) < (3, 10):
         yield remote.fail("the HF mirror (olah) needs python3 3.10 or newer on the mirror host; "
                           "install it, or pick another fleet_mirror")
         return
-    yield FunctionCommand(_install_olah, (settings.mirror_olah, python), {})
+    yield FunctionCommand(_install_olah, (requirement, python), {})
 
 
 def upstream_hub(hf_endpoint: str | None) -> tuple[str, str, str]:

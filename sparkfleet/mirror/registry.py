@@ -1,47 +1,64 @@
 """The mirror registry: Debian/Ubuntu ``docker-registry`` over TLS, holding a byte-exact
-copy of the serving image made by ``templates/sparkfleet-copy-image.py``.
+copy of the serving image made by ``skopeo copy`` (Debian/Ubuntu ``skopeo``).
 
 Why a copy and not a pull-through cache: measured on the testbed, docker-registry 2.8's
 proxy reads every cold blob from upstream twice (once to store it, once to serve it) and
 once more per concurrent client (2.0x and 3.9x the image). A ``docker save``/``load``
 fan-out sends the uncompressed layers (3.2x the bytes here) and loses the digest.
+
+Why skopeo: measured on the testbed (benchmarks/bench_image_copy.py), ``skopeo copy --all
+--preserve-digests`` keeps the manifest's digest (an index too, children included), reads
+each blob from upstream once, skips the blobs the mirror already holds (a cut-off copy
+goes on with the blobs it did not finish) and re-reads only the image's config (under a
+kilobyte) when run again.
 """
 
 from __future__ import annotations
 
-import json
+import posixpath
 import shlex
+from urllib.parse import urlsplit
 
 from pyinfra import host
 from pyinfra.api import FunctionCommand, operation
+from pyinfra.facts.server import Which
 
 from sparkfleet import remote
-from sparkfleet.config import Mirror, Settings
-from sparkfleet.facts import CommandAvailable, RegistryManifest
-from sparkfleet.hostpaths import COPY_TOOL, MIRROR_APT_KEYRING, MIRROR_APT_SOURCES, REGISTRY_CERT
-from sparkfleet.mirror.names import ImageName, upstream_registry_url
+from sparkfleet.config import Mirror
+from sparkfleet.facts import RegistryManifest
+from sparkfleet.hostpaths import (
+    ARCHIVE_APT_KEYRING,
+    ARCHIVE_APT_SOURCES,
+    DOCKER_AUTH,
+    REGISTRY_CERT,
+    mirror_registry_storage,
+    registry_ca_path,
+)
+from sparkfleet.mirror.names import ImageName
 from sparkfleet.mirror.report import report_of
 from sparkfleet.tasks import detached
 
 
 @operation()
-def installed(settings: Settings):
+def installed(apt_repo: str | None, apt_key_url: str | None):
     """
-    Install ``docker-registry`` (the CNCF registry, "distribution") when it is missing.
+    Install ``docker-registry`` (the CNCF registry, "distribution") and ``skopeo`` (the
+    image copy) when one is missing.
 
-    + settings: validated settings (``mirror_apt_repo``/``mirror_apt_key_url``: a repository to
-      take it from; None: the host's own archives, Ubuntu universe / Debian main)
+    + apt_repo, apt_key_url: a repository to take it from and its signing key
+      (``apt_repo``/``apt_key_url``); None: the host's own archives,
+      Ubuntu universe / Debian main
     """
-    if host.get_fact(CommandAvailable, program="docker-registry"):
-        host.noop("docker-registry is installed")
+    if all(host.get_fact(Which, command=program) for program in ("docker-registry", "skopeo")):
+        host.noop("docker-registry and skopeo are installed")
         return
     q = shlex.quote
-    if settings.mirror_apt_repo:
-        yield f"curl -fsSL --retry 3 {q(settings.mirror_apt_key_url)} -o {MIRROR_APT_KEYRING}"
-        yield f"echo {q(f'deb [signed-by={MIRROR_APT_KEYRING}] {settings.mirror_apt_repo} /')} > {MIRROR_APT_SOURCES}"
+    if apt_repo:
+        yield f"curl -fsSL --retry 3 {q(apt_key_url)} -o {ARCHIVE_APT_KEYRING}"
+        yield f"echo {q(f'deb [signed-by={ARCHIVE_APT_KEYRING}] {apt_repo} /')} > {ARCHIVE_APT_SOURCES}"
         # Only that list is refreshed: the rest of the host's apt state is not ours.
         yield (
-            f"apt-get update -o Dir::Etc::sourcelist={MIRROR_APT_SOURCES} -o Dir::Etc::sourceparts=- "
+            f"apt-get update -o Dir::Etc::sourcelist={ARCHIVE_APT_SOURCES} -o Dir::Etc::sourceparts=- "
             "-o APT::Get::List-Cleanup=0"
         )
     else:
@@ -49,40 +66,63 @@ def installed(settings: Settings):
     # Our config.yml replaces the package's; keep it on upgrades.
     yield (
         "DEBIAN_FRONTEND=noninteractive apt-get install -y -o Dpkg::Options::=--force-confold "
-        "--no-install-recommends docker-registry"
+        "--no-install-recommends docker-registry skopeo"
     )
 
 
 @operation()
-def image_copied(settings: Settings, mirror: Mirror):
+def image_copied(image: str, upstream: str, result_dir: str, mirror: Mirror):
     """
     Copy the serving image, byte for byte, into the mirror registry unless it holds it.
 
-    + settings: validated settings (``image``, ``image_registry_url``)
+    + image: the serving image's reference (``image``)
+    + upstream: the URL of the registry to copy it from
+    + result_dir: where the copy tool leaves its count of bytes (``mirror_dir``)
     + mirror: this host, the mirror
     """
-    name = ImageName.parse(settings.image)
+    name = ImageName.parse(image)
     local = f"https://{mirror.registry}"
     if host.get_fact(RegistryManifest, url=local, path=name.path, reference=name.digest or name.tag,
                      cacert=REGISTRY_CERT):
         host.noop(f"the mirror registry holds {name.path}@{name.digest or name.tag}")
         return
     q = shlex.quote
-    result = f"{settings.mirror_dir}/image-copy.json"
-    command = (
-        f"rm -f {q(result)}; python3 {COPY_TOOL} {q(upstream_registry_url(settings.image, settings.image_registry_url))} "
-        f"{q(name.path)} {q(name.digest or name.tag or 'latest')} {q(local)} --cacert {REGISTRY_CERT} "
-        f"--result {q(result)}" + (f" --tag {q(name.tag)}" if name.tag else "")
-    )
-    yield detached("image-copy", command)
+    storage = q(mirror_registry_storage(result_dir))
+    result = q(f"{result_dir}/image-copy-bytes")
+    copy = copy_command(upstream, name, mirror.registry, posixpath.dirname(registry_ca_path(mirror.registry)))
+    # What came from upstream, measured: the registry stores blobs (and manifests) as fetched,
+    # each in a file named data.
+    stored = f"find {storage} -type f -name data -printf '%s\\n' | awk '{{s += $1}} END {{print s + 0}}'"
+    yield detached("image-copy", f"rm -f {result}; before=$({stored}) && {copy} && "
+                                 f"echo $(( $({stored}) - before )) > {result}")
     yield FunctionCommand(_record_copy, (result,), {})
 
 
+def copy_command(upstream_url: str, name: ImageName, registry: str, cert_dir: str) -> str:
+    """The ``skopeo copy`` of image ``name`` from the registry at ``upstream_url`` into
+    ``registry`` (TLS, its certificate in ``cert_dir``: where docker trusts it), byte for byte.
+
+    ``--all``: an index is copied whole, children included (the registry accepts an index
+    only with every child, and only the whole index keeps its digest). Credentials for a
+    private upstream are docker's (``docker login`` on the mirror host), never argv.
+    """
+    url = urlsplit(upstream_url)
+    # skopeo names Docker Hub docker.io (also where docker login keeps its credentials).
+    upstream = "docker.io" if url.netloc == "registry-1.docker.io" else url.netloc
+    # skopeo takes a tag or a digest, not both: read by digest, keep the tag in the copy.
+    source = f"{upstream}/{name.path}" + (f"@{name.digest}" if name.digest else f":{name.tag}")
+    dest = f"{registry}/{name.path}" + (f":{name.tag}" if name.tag else f"@{name.digest}")
+    q = shlex.quote
+    return (
+        f"skopeo copy --all --preserve-digests --retry-times 3 --src-authfile {DOCKER_AUTH} "
+        + ("--src-tls-verify=false " if url.scheme == "http" else "")
+        + f"--dest-cert-dir {q(cert_dir)} "
+        f"{q('docker://' + source)} {q('docker://' + dest)}"
+    )
+
+
 def _record_copy(state, host, result_path: str) -> bool:  # pyinfra passes state, host
-    done = remote.run(host, f"cat {shlex.quote(result_path)}")
-    try:
-        result = json.loads("\n".join(done.stdout))
-    except ValueError:
-        return True
-    report_of(state).copy = result
+    done = remote.run(host, f"cat {result_path}")
+    if done.ok and done.stdout and done.stdout[0].strip().isdigit():
+        report_of(state).copy = {"upstream_bytes": int(done.stdout[0])}
     return True

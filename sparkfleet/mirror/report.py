@@ -1,9 +1,12 @@
 """What crossed the WAN and the LAN: printed once the download steps ended on every host.
 
 Measured, not assumed: bytes a host received are its HF cache's growth (weights) and the
-mirror registry's access log for its address (image); bytes from upstream are what the
-copy tool read (image) and the growth of the HF mirror's cache (weights, which it stores
-as fetched). Nothing is printed when nothing was fetched.
+mirror registry's access log for its address (image); bytes from upstream are the
+mirror's own view: what the copy tool read (image) and the growth of the HF mirror's
+cache (weights, which olah stores as fetched). A host that received more weights than
+the HF mirror holds took them past it (hf_xet goes to the Xet CAS, past HF_ENDPOINT):
+that is printed as such, never as "from the mirror". Nothing is printed when nothing
+was fetched.
 """
 
 from __future__ import annotations
@@ -102,7 +105,11 @@ class MirrorReport(BaseStateCallback):
             if mirror in inventory:
                 registry_bytes.update(_registry_bytes_by_client(inventory[mirror], self.wall_start))
         lines: list[str] = []
-        totals = {"image_mirror": 0, "weights_mirror": 0, "weights_direct": 0, "direct_image_hosts": 0}
+        totals = {"image_mirror": 0, "weights_mirror": 0, "weights_direct": 0, "direct_image_hosts": 0,
+                  "weights_past": 0}
+        # What the HF mirror holds now: no host can have received more through it.
+        holds = {m: _dir_bytes(inventory[m], [mirror_hf_cache(self.mirror_dir)])
+                 for m in mirrors if m in inventory and self.mirror_dir}
         for name in names:
             record = self.hosts[name]
             parts = []
@@ -112,13 +119,17 @@ class MirrorReport(BaseStateCallback):
             if record.mirror:
                 client = _client_address(inventory[name], record.mirror.address) if name in inventory else ""
                 image = registry_bytes.get(client, 0)
+                held = holds.get(record.mirror.host)
+                past = max(0, weights - held - MIB) if held is not None else 0
                 totals["image_mirror"] += image
-                totals["weights_mirror"] += weights
+                totals["weights_mirror"] += weights - past
+                totals["weights_past"] += past
                 if self._fetched(record, "image_op"):
                     parts.append(f"image {_mib(image)} from the mirror")
                 if self._fetched(record, "weights_op"):
-                    parts.append(f"weights {_mib(weights)} from the mirror")
-                parts.append("0 B from upstream")
+                    parts.append(f"weights {_mib(weights - past)} from the mirror")
+                if past:
+                    parts.append(f"weights {_mib(past)} NOT through the mirror (more than it holds: Xet?)")
             else:
                 totals["weights_direct"] += weights
                 if self._fetched(record, "image_op"):
@@ -135,6 +146,8 @@ class MirrorReport(BaseStateCallback):
             if self.hf_cache_before is not None and mirror in inventory and self.mirror_dir:
                 grown = _dir_bytes(inventory[mirror], [mirror_hf_cache(self.mirror_dir)]) - self.hf_cache_before
                 upstream.append(f"weights {_mib(max(0, grown))} (into the HF mirror's cache)")
+        if totals["weights_past"]:
+            upstream.append(f"weights {_mib(totals['weights_past'])} past the mirror (hf_xet? see HF_HUB_DISABLE_XET)")
         if totals["weights_direct"]:
             upstream.append(f"weights {_mib(totals['weights_direct'])} downloaded directly")
         if totals["direct_image_hosts"]:

@@ -8,13 +8,12 @@ from pathlib import Path
 
 from pyinfra import host
 from pyinfra.api import StringCommand, operation
+from pyinfra.facts.hardware import Cpus
 from pyinfra.operations import files, systemd
 
-from sparkfleet import secrets
 from sparkfleet.config import Mirror, Settings
-from sparkfleet.facts import CPUCount, MirrorAnswers
+from sparkfleet.facts import MirrorAnswers
 from sparkfleet.hostpaths import (
-    COPY_TOOL,
     HF_MIRROR_CONFIG,
     HF_MIRROR_UNIT,
     HF_MIRROR_UNIT_PATH,
@@ -27,7 +26,8 @@ from sparkfleet.hostpaths import (
     mirror_hf_cache,
     mirror_registry_storage,
 )
-from sparkfleet.mirror import hf, registry
+from sparkfleet.mirror import hf, registry, tls
+from sparkfleet.mirror.names import upstream_registry_url
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
 
@@ -35,57 +35,56 @@ TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
 def served(settings: Settings, mirror: Mirror) -> list:
     """The registry (image copy included) and the HF mirror on this host, the mirror.
     Returns the operations it declared (for the report)."""
-    cert, key = secrets.mirror_tls(settings.mirror_tls_dir, mirror)
-    installed = registry.installed(name="mirror: docker-registry installed", settings=settings)
+    installed = registry.installed(name="docker-registry and skopeo installed", apt_repo=settings.apt_repo,
+                                   apt_key_url=settings.apt_key_url)
     storage = files.directory(
-        name="mirror: registry storage", path=mirror_registry_storage(settings.mirror_dir),
+        name="registry storage", path=mirror_registry_storage(settings.mirror_dir),
         user=REGISTRY_USER, group=REGISTRY_USER, mode="750",
     )
-    tls = [
-        files.put(name="mirror: registry certificate", src=str(cert), dest=REGISTRY_CERT, mode="644"),
-        files.put(name="mirror: registry key", src=str(key), dest=REGISTRY_KEY,
-                  user="root", group=REGISTRY_USER, mode="640"),
-    ]
+    certificate = tls.on_registry(settings.mirror_tls_dir, mirror)
     config = files.template(
-        name="mirror: registry configuration", src=str(TEMPLATES / "registry-mirror.yml.j2"),
+        name="registry configuration", src=str(TEMPLATES / "registry-mirror.yml.j2"),
         dest=REGISTRY_CONFIG, mode="644", storage=mirror_registry_storage(settings.mirror_dir),
         port=mirror.registry_port, cert=REGISTRY_CERT, key=REGISTRY_KEY,
     )
-    registry_feeds = (installed, storage, *tls, config)
-    systemd.service(name=f"mirror: {REGISTRY_UNIT} running", service=REGISTRY_UNIT, running=True, enabled=True)
+    registry_feeds = (installed, storage, *certificate, config)
+    systemd.service(name=f"{REGISTRY_UNIT} running", service=REGISTRY_UNIT, running=True, enabled=True)
     systemd.service(
-        name=f"mirror: {REGISTRY_UNIT} restarted for its new configuration", service=REGISTRY_UNIT,
+        name=f"{REGISTRY_UNIT} restarted for its new configuration", service=REGISTRY_UNIT,
         restarted=True, _if=lambda: any(op.did_change() for op in registry_feeds),
     )
 
-    olah = hf.installed(name=f"mirror: HF mirror ({settings.mirror_olah}) installed", settings=settings)
+    olah = hf.installed(name=f"HF mirror ({settings.mirror_olah}) installed", requirement=settings.mirror_olah)
     scheme, netloc, lfs_netloc = hf.upstream_hub(settings.hf_endpoint)
     hf_config = files.template(
-        name="mirror: HF mirror configuration", src=str(TEMPLATES / "hf-mirror.toml.j2"),
+        name="HF mirror configuration", src=str(TEMPLATES / "hf-mirror.toml.j2"),
         dest=HF_MIRROR_CONFIG, mode="644", port=mirror.hf_port, repos=mirror_hf_cache(settings.mirror_dir),
-        scheme=scheme, netloc=netloc, lfs_netloc=lfs_netloc, address=mirror.address,
+        scheme=scheme, netloc=netloc, lfs_netloc=lfs_netloc, address=mirror.netloc_host,
+        listen="::" if ":" in str(mirror.address) else "0.0.0.0",
     )
     hf_unit = files.template(
-        name=f"mirror: systemd unit {HF_MIRROR_UNIT}", src=str(TEMPLATES / "sparkfleet-hf-mirror.service.j2"),
+        name=f"systemd unit {HF_MIRROR_UNIT}", src=str(TEMPLATES / "sparkfleet-hf-mirror.service.j2"),
         dest=HF_MIRROR_UNIT_PATH, mode="644", lib=OLAH_LIB, config=HF_MIRROR_CONFIG,
         data_dir=f"{settings.mirror_dir}/hf", requirement=settings.mirror_olah,
         # olah spends ~tens of ms of CPU per request; one process per core, up to 4.
-        workers=max(1, min(4, host.get_fact(CPUCount))),
+        workers=max(1, min(4, host.get_fact(Cpus) or 1)),
     )
-    hf_data = files.directory(name="mirror: HF mirror cache", path=mirror_hf_cache(settings.mirror_dir))
-    systemd.daemon_reload(name="mirror: systemd reload for the HF mirror unit", _if=hf_unit.did_change)
-    systemd.service(name=f"mirror: {HF_MIRROR_UNIT} running", service=HF_MIRROR_UNIT, running=True, enabled=True)
+    hf_data = files.directory(name="HF mirror cache", path=mirror_hf_cache(settings.mirror_dir))
+    systemd.daemon_reload(name="systemd reload for the HF mirror unit", _if=hf_unit.did_change)
+    systemd.service(name=f"{HF_MIRROR_UNIT} running", service=HF_MIRROR_UNIT, running=True, enabled=True)
     hf_feeds = (olah, hf_config, hf_unit, hf_data)
     systemd.service(
-        name=f"mirror: {HF_MIRROR_UNIT} restarted for its new configuration", service=HF_MIRROR_UNIT,
+        name=f"{HF_MIRROR_UNIT} restarted for its new configuration", service=HF_MIRROR_UNIT,
         restarted=True, _if=lambda: any(op.did_change() for op in hf_feeds),
     )
     # Both answer before anything is fetched from them.
-    ready = answering(name="mirror: registry and HF mirror answer", mirror=mirror)
-    tool = files.put(name="mirror: image copy tool", src=str(TEMPLATES / "sparkfleet-copy-image.py"),
-                     dest=COPY_TOOL, mode="755")
-    copy = registry.image_copied(name="mirror: serving image copied from upstream", settings=settings, mirror=mirror)
-    return [installed, olah, ready, tool, copy]
+    ready = answering(name="registry and HF mirror answer", mirror=mirror)
+    copy = registry.image_copied(
+        name="serving image copied from upstream", image=settings.image,
+        upstream=upstream_registry_url(settings.image, settings.image_registry_url),
+        result_dir=settings.mirror_dir, mirror=mirror,
+    )
+    return [installed, olah, ready, copy]
 
 
 @operation(is_idempotent=False)

@@ -3,8 +3,9 @@
 A flat repository (`deb [signed-by=...] http://10.213.0.1:8091/ /`) holding
 `nvidia-container-toolkit` (Architecture: all, no dependencies, so it installs on the
 offline hosts), built with dpkg-deb from the stand-ins in simhw, and Debian's real
-`docker-registry` (what a Spark's fleet source installs from Ubuntu's archive; downloaded
-once with `apt-get download` and cached; its dependencies are in the host root); indexed
+`docker-registry`, `skopeo` and `haproxy` (what a Spark's mirror and fleet endpoint install
+from Ubuntu's archive; downloaded once with `apt-get download` and cached, with the libraries
+the host root lacks); indexed
 with apt-ftparchive and signed (InRelease, Release.gpg) with a testbed key generated once
 and cached. The ASCII-armored public key is served at /gpgkey, as NVIDIA serves theirs.
 """
@@ -19,8 +20,12 @@ from .proc import TestbedError, log, run
 from .state import ServiceState
 
 GNUPGHOME = paths.CACHE_DIR / "gnupg"
-#: Real Debian packages the hosts may install from this repository (the fleet source's).
-ARCHIVE_PACKAGES = ("docker-registry", "earlyoom")  # earlyoom: the OOM guard (oomguard.py)
+#: Real Debian packages the hosts may install from this repository: the mirror's registry and
+#: skopeo (the image copy), the fleet endpoint's haproxy, the OOM guard's earlyoom, and the
+#: libraries they need that the host root lacks.
+ARCHIVE_PACKAGES = ("docker-registry", "skopeo", "libgpgme11", "golang-github-containers-common",
+                    "golang-github-containers-image", "containernetworking-plugins",
+                    "haproxy", "earlyoom", "liblua5.3-0", "libopentracing-c-wrapper0", "libopentracing1")
 ARCHIVE_DEBS = paths.CACHE_DIR / "debs-archive"
 KEY_UID = "sparkfleet testbed apt signing key <testbed@sparkfleet.invalid>"
 REPO_DIR = paths.STATE_DIR / "apt"

@@ -95,7 +95,7 @@ def remove(dirs: list[str]) -> list[str]:
     for d in dirs:
         if not os.path.isdir(d):
             continue
-        for root, subdirs, _files in os.walk(d, topdown=False):
+        for root, subdirs, _files in os.walk(d, topdown=False):  # noqa: B007
             try:
                 os.rmdir(root)
             except OSError:

@@ -27,7 +27,6 @@ import hashlib
 import json
 import os
 import shutil
-import struct
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from runtime.safetensors_io import TensorSource, write_file
 
 INTEL = "Intel/Qwen3.5-122B-A10B-int4-AutoRound"
 DONOR = "Qwen/Qwen3.5-122B-A10B-FP8"
@@ -269,7 +270,7 @@ def _bf16_linear(name: str, shape: tuple[int, int]) -> Tensor:
 
 def intel_quantized(name: str) -> bool:
     """Which Linears AutoRound quantized to INT4 in the Intel checkpoint:
-    routed experts and attention (the seeds: 'attention as INT4'); BF16 are the
+    routed experts and attention (the reference recipe: 'attention as INT4'); BF16 are the
     shared experts, the router `mlp.gate`, `shared_expert_gate`, embeddings,
     lm_head, MTP and vision.  GUESS: the tiny-output `in_proj_a/b` stay BF16."""
     if name.startswith(("mtp.", "model.visual.")):
@@ -473,17 +474,9 @@ def dflash_config(d: Dims = D) -> dict:
 
 
 def write_safetensors(path: Path, tensors: list[Tensor]) -> None:
-    hdr: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    off = 0
-    for name, dt, shape, data in tensors:
-        hdr[name] = {"dtype": dt, "shape": list(shape), "data_offsets": [off, off + len(data)]}
-        off += len(data)
-    raw = json.dumps(hdr, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as fh:
-        fh.write(struct.pack("<Q", len(raw)) + raw)
-        for t in tensors:
-            fh.write(t[3])
+    """One safetensors file, written by the runtime's own writer (the hybrid builder's)."""
+    write_file(path, [TensorSource.from_bytes(name, dt, shape, data) for name, dt, shape, data in tensors],
+               metadata={"format": "pt"})
 
 
 def write_sharded(d: Path, tensors: list[Tensor], extra: dict[str, list[Tensor]] | None = None,

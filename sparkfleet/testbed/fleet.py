@@ -12,9 +12,10 @@ import contextlib
 import fcntl
 import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from . import aptrepo, cleanup, hosts, hubservice, image, keys, login, network, paths, registry, rootfs, switches
 from .proc import TestbedError, log, pid_alive, pid_matches, require_root, require_tools, run
@@ -186,14 +187,14 @@ def _up(state: State, names: list[str], host_switches: dict[str, dict[str, Any]]
         "image_size_gib": round(state.image["size_bytes"] / hubservice.GIB, 6),
         "artifact_sizes_gib": hubservice.repo_sizes_gib(revisions),
         "ready_timeout_s": READY_TIMEOUT_S,
-        # The simulated engine claims no GPU memory and runs in ~30 MiB (docker top); the hosts see the
+        # The simulated engine claims no GPU memory and runs in ~30 MiB; the hosts see the
         # shared machine's memory (README, "How faithful"), so the preflight gets those needs.
         "gpu_memory_utilization": 0.1,
         "engine_startup_memory_gib": 0.5,
         # The fleet source (fleet_mirror) installs docker-registry from the testbed's apt
         # repository (a Spark: from Ubuntu's archive) and copies the image over plain HTTP.
-        "mirror_apt_repo": paths.APT_URL,
-        "mirror_apt_key_url": paths.APT_KEY_URL,
+        "apt_repo": paths.APT_URL,
+        "apt_key_url": paths.APT_KEY_URL,
         "image_registry_url": f"http://{paths.REGISTRY}",
     }
 
@@ -360,6 +361,7 @@ class Testbed:
     def kill_host(self, name: str) -> None:
         """Simulate a power cut: SIGKILL the host's container, no orderly shutdown."""
         import signal as _signal
+
         from .proc import kill_wait
 
         with locked():

@@ -56,10 +56,11 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 SHA_RE = re.compile(r"^[0-9a-f]{40}$")
@@ -335,7 +336,7 @@ class _Faults:
 
 
 def _iso(ts: float) -> str:
-    return _dt.datetime.fromtimestamp(ts, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.000Z")
+    return _dt.datetime.fromtimestamp(ts, _dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.000Z")
 
 
 def _parse_range(header: str | None, size: int) -> tuple[int, int] | None:

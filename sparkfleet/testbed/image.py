@@ -10,8 +10,8 @@ Built without a docker engine, as three deterministic layers:
    with `find_spec`, never importing it: torch is not in the image);
 3. *app*: Python packages the serving image offers (huggingface_hub, requests,
    prometheus_client and their dependencies) installed offline from wheels the
-   controller downloads once, plus the simulated engine (sparkfleet/testbed/engine.py)
-   as /usr/local/bin/vllm; cached per input hash.
+   controller downloads once, plus the simulated engine (the sparkfleet/testbed/engine
+   package, as `sparkfleet_vllm_sim`) run by /usr/local/bin/vllm; cached per input hash.
 
 Layers are tarred in sorted order with fixed mtimes/owners names and gzip mtime 0, and the
 manifest is serialised canonically, so the same inputs always give the same digest.
@@ -26,9 +26,9 @@ import os
 import shutil
 import stat
 import tarfile
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable
 
 from . import paths, rootfs
 from .proc import TestbedError, log, run
@@ -51,11 +51,14 @@ PIP_PLATFORMS = [
 ]
 IMAGE_PYTHON = "3.11"  # bookworm's python3
 
-ENGINE_SRC = Path(__file__).resolve().parent / "engine.py"
-PLACEHOLDER_ENGINE = """#!/usr/bin/python3
+ENGINE_SRC = Path(__file__).resolve().parent / "engine"
+# The engine package's name in the image (not `vllm`: the real vLLM source sits there).
+ENGINE_PACKAGE = "sparkfleet_vllm_sim"
+ENGINE_LAUNCHER = f"""#!/usr/bin/python3
 import sys
-sys.exit("vllm (sparkfleet testbed): the simulated engine (sparkfleet/testbed/engine.py) was not available when this image was built")
-"""
+from {ENGINE_PACKAGE}.serve import main
+sys.exit(main())
+""".encode()
 
 IMAGE_ENV = [
     "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -274,16 +277,12 @@ def ensure_wheels() -> Path:
     return final
 
 
-def engine_source() -> bytes:
-    if ENGINE_SRC.exists():
-        body = ENGINE_SRC.read_bytes()
-        lines = body.split(b"\n", 1)
-        # Run it with the image's python3, whatever shebang the source carries.
-        if lines[0].startswith(b"#!"):
-            body = lines[1] if len(lines) > 1 else b""
-        return b"#!/usr/bin/python3\n" + body
-    log(f"warning: {ENGINE_SRC} missing; the image gets a placeholder vllm")
-    return PLACEHOLDER_ENGINE.encode()
+def engine_source() -> dict[str, bytes]:
+    """The engine package's files (relative path -> bytes), without caches."""
+    files = {str(p.relative_to(ENGINE_SRC)): p.read_bytes() for p in sorted(ENGINE_SRC.glob("*.py"))}
+    if "serve.py" not in files:
+        raise TestbedError(f"{ENGINE_SRC} holds no simulated engine (serve.py missing)")
+    return files
 
 
 def app_layer(base: Layer) -> Layer:
@@ -293,7 +292,9 @@ def app_layer(base: Layer) -> Layer:
     h.update(json.dumps([APP_LAYER_VERSION, PIP_PINS, base.diff_id]).encode())
     for w in sorted(wheels.glob("*.whl")):
         h.update(w.name.encode() + hashlib.sha256(w.read_bytes()).digest())
-    h.update(engine)
+    h.update(ENGINE_LAUNCHER)
+    for name, body in engine.items():
+        h.update(name.encode() + hashlib.sha256(body).digest())
     key = h.hexdigest()[:16]
     meta = paths.CACHE_DIR / f"image-app-{key}.json"
     layer = _cached_layer(meta)
@@ -315,7 +316,10 @@ def app_layer(base: Layer) -> Layer:
         shutil.rmtree(site / "bin", ignore_errors=True)
         vllm = stage / "usr/local/bin/vllm"
         vllm.parent.mkdir(parents=True, exist_ok=True)
-        vllm.write_bytes(engine)
+        vllm.write_bytes(ENGINE_LAUNCHER)
+        for name, body in engine.items():
+            (site / ENGINE_PACKAGE).mkdir(exist_ok=True)
+            (site / ENGINE_PACKAGE / name).write_bytes(body)
         for p in [stage, *stage.rglob("*")]:
             if p.is_symlink():
                 continue
@@ -338,7 +342,7 @@ def config_bytes(layers: list[Layer]) -> bytes:
             "WorkingDir": "/",
             "Labels": {"org.opencontainers.image.title": "sparkfleet simulated vLLM 0.23.0 serving image"},
         },
-        "rootfs": {"type": "layers", "diff_ids": [l.diff_id for l in layers]},
+        "rootfs": {"type": "layers", "diff_ids": [layer.diff_id for layer in layers]},
         "history": [
             {"created": CREATED, "created_by": "sparkfleet testbed: debian bookworm minbase + python3"},
             {"created": CREATED, "created_by": f"sparkfleet testbed: vllm {VLLM_VERSION} python source"},
@@ -361,7 +365,7 @@ def publish() -> dict:
     config, layers = build()
     client = RegistryClient(f"http://{paths.REGISTRY}")
     digest = push_image(client, paths.IMAGE_REPO, paths.IMAGE_TAG, config,
-                        [(l.blob, l.digest, l.size) for l in layers])
+                        [(layer.blob, layer.digest, layer.size) for layer in layers])
     if not digest.startswith("sha256:"):
         raise TestbedError(f"unexpected digest {digest!r}")
     return {
@@ -369,6 +373,6 @@ def publish() -> dict:
         "digest": digest,
         "pinned": f"{paths.REGISTRY}/{paths.IMAGE_REPO}:{paths.IMAGE_TAG}@{digest}",
         # What the image takes in docker's data root once pulled (unpacked layers).
-        "size_bytes": sum(l.uncompressed for l in layers),
-        "blob_bytes": sum(l.size for l in layers),
+        "size_bytes": sum(layer.uncompressed for layer in layers),
+        "blob_bytes": sum(layer.size for layer in layers),
     }

@@ -31,8 +31,8 @@ from .proc import TestbedError, run
 LOGINS = ("root", "dgx")
 NAMES = ("plain", "alias")
 #: The defaults of `up` (one line each to change).
-DEFAULT_LOGIN = "root"
-DEFAULT_NAMES = "plain"
+DEFAULT_LOGIN = "dgx"
+DEFAULT_NAMES = "alias"
 
 #: The first-boot user of a dgx login (DGX OS asks for a name; any plain one will do).
 LOGIN_USER = "ops"

@@ -16,7 +16,7 @@ from .proc import TestbedError, log, run
 
 def _link_names() -> list[str]:
     out = run(["ip", "-j", "link", "show"], timeout=15).stdout
-    return [l["ifname"] for l in json.loads(out or "[]")]
+    return [l["ifname"] for l in json.loads(out or "[]")]  # noqa: E741
 
 
 def link_exists(name: str) -> bool:
@@ -36,7 +36,7 @@ def ensure_bridge() -> None:
         run(["ip", "link", "add", paths.BRIDGE, "type", "bridge"], timeout=15)
     addr = f"{paths.CONTROLLER_IP}/{paths.NETMASK_BITS}"
     cur = run(["ip", "-j", "addr", "show", "dev", paths.BRIDGE], timeout=15).stdout
-    have = {f"{a['local']}/{a['prefixlen']}" for l in json.loads(cur) for a in l.get("addr_info", [])}
+    have = {f"{a['local']}/{a['prefixlen']}" for l in json.loads(cur) for a in l.get("addr_info", [])}  # noqa: E741
     if addr not in have:
         run(["ip", "addr", "add", addr, "dev", paths.BRIDGE], timeout=15)
     run(["ip", "link", "set", paths.BRIDGE, "up"], timeout=15)

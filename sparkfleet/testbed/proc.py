@@ -14,8 +14,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 #: Debian package that provides each system tool the testbed needs (for error messages
 #: and for the CI's apt-get line).

@@ -11,8 +11,8 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 from . import paths
 from .proc import TestbedError, all_pids, cmdline, kill_wait, log, pid_alive, pid_matches, start_detached, wait_until

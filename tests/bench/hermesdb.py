@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from collections.abc import Sequence
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
 
 SECRET = "TOP-SECRET-CONVERSATION-TEXT"
 
@@ -42,18 +42,18 @@ def create(path: Path, modern: bool = False) -> sqlite3.Connection:
     return conn
 
 
-def call(call_id: Optional[str], name: str, args: dict) -> dict:
+def call(call_id: str | None, name: str, args: dict) -> dict:
     out = {"type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
     if call_id:
         out["id"] = call_id
     return out
 
 
-Row = Tuple  # (role, content, tool_calls list|None, tool_call_id|None[, active])
+Row = tuple  # (role, content, tool_calls list|None, tool_call_id|None[, active])
 
 
 def add_session(conn: sqlite3.Connection, sid: str, started_at: float, rows: Sequence[Row],
-                system_prompt: Optional[str] = "You are Hermes.", modern: bool = False) -> None:
+                system_prompt: str | None = "You are Hermes.", modern: bool = False) -> None:
     if modern:
         conn.execute("INSERT OR IGNORE INTO system_prompts VALUES (?, ?)", ("h-" + sid, system_prompt))
         conn.execute(
@@ -68,7 +68,7 @@ def add_session(conn: sqlite3.Connection, sid: str, started_at: float, rows: Seq
     for i, row in enumerate(rows):
         role, content, calls, call_id = row[:4]
         cols = ["session_id", "role", "content", "tool_calls", "tool_call_id", "tool_name", "timestamp"]
-        vals: List = [sid, role, content, json.dumps(calls) if calls is not None else None, call_id,
+        vals: list = [sid, role, content, json.dumps(calls) if calls is not None else None, call_id,
                       None, started_at + i]
         if modern:
             cols.append("active")
@@ -77,7 +77,7 @@ def add_session(conn: sqlite3.Connection, sid: str, started_at: float, rows: Seq
     conn.commit()
 
 
-def agent_session(tag: str) -> List[Row]:
+def agent_session(tag: str) -> list[Row]:
     """A typical tool-calling session: user, tool call, result, answer, ..., last turn a tool call."""
     return [
         ("session_meta", '{"cwd": "/x"}', None, None),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkfleet import report
+from sparkfleet.bench import report
 from sparkfleet.bench.results import failed_result, load_run, result_path, write_json
 
 
@@ -28,6 +28,7 @@ def _host(name: str, prose: float, code: float, e2e: float, agent: float) -> dic
         "schema": "sparkfleet.bench/1", "host": name, "run_id": "run-1", "status": "ok", "reason": None,
         "checks": {
             "smoke": {"status": "ok", "passed": True, "answer": " Paris."},
+            "tools": {"status": "ok", "passed": True, "function": "get_weather", "arguments": {"city": "Paris"}},
             "decode": {"status": "ok", "workloads": {
                 "prose": _workload(prose, 410.0, 2.3), "code": _workload(code, 420.0, 5.4)}},
             "e2e": {"status": "ok", "tok_s": e2e, "prompts": {}, "acceptance": {"mean_length": 6.5}},
@@ -43,7 +44,10 @@ def run(tmp_path) -> Path:
     write_json(result_path(d, "spark-1"), _host("spark-1", 33.2, 54.5, 53.7, 81.0))
     write_json(result_path(d, "spark-2"), _host("spark-2", 33.0, 54.0, 53.5, 80.0))
     # 15% below the others on code: flagged; 5% below on e2e: not flagged
-    write_json(result_path(d, "spark-3"), _host("spark-3", 33.1, 46.0, 50.9, 80.5))
+    third = _host("spark-3", 33.1, 46.0, 50.9, 80.5)
+    third["checks"]["tools"] = {"status": "failed", "passed": False,
+                                "reason": "the server has no tool-call parser, so it cannot return tool calls"}
+    write_json(result_path(d, "spark-3"), third)
     wrong = _host("spark-4", 0, 0, 0, 0)
     wrong.update(status="failed", reason="smoke: answer does not contain Paris: 'London'")
     wrong["checks"] = {"smoke": {"status": "failed", "passed": False, "answer": " London",
@@ -72,6 +76,11 @@ def test_report_table_shows_every_host_workload_flag_and_failure(run, capsys):
     assert re.search(r"spark-4 +FAIL +answer ' London'", table)
     assert "spark-1  PASS" in table
     assert "51.58" in table and "81" in table
+    # the tools check beside smoke: pass with the call, fail with the reason
+    assert re.search(r"spark-1 +PASS +get_weather\(\{'city': 'Paris'\}\) -> answered", table)
+    assert re.search(r"spark-3 +FAIL +the server has no tool-call parser", table)
+    # every workload row shows the published numbers it compares with
+    assert "published" in table and "dflash code 54.5" in table and "dense e2e 59" in table
 
 
 def test_report_files_csv_json_png(run):
@@ -96,7 +105,7 @@ def test_report_files_csv_json_png(run):
     assert data["flagged"] == [{"host": "spark-3", "workload": "decode/code", "tok_s": 46.0,
                                 "median": 54.0, "vs_median": pytest.approx(46 / 54 - 1)}]
     assert data["workloads"]["e2e"]["median_tok_s"] == pytest.approx(53.5)
-    assert [r["tok_s"] for r in data["references"]] == [28.2, 51.58, 53.7, 59.0, 81.0]
+    assert {r["tok_s"] for r in data["references"]} >= {28.2, 51.58, 33.2, 54.5, 124.5, 53.7, 59.0, 81.0}
     assert rep.medians["decode/code"] == pytest.approx(54.0)
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from bench import hermesdb
-from bench.fakeserver import FakeConfig, FakeServer
+from bench.onhost_settings import settings
+
 from sparkfleet.bench.onhost.checks import BenchContext, run_agent
 from sparkfleet.bench.onhost.client import Client
 from sparkfleet.bench.onhost.progress import Progress
@@ -21,6 +21,8 @@ from sparkfleet.bench.onhost.statedb import (
     recent_sessions,
     trim_context,
 )
+from sparkfleet.testbed.engine.api import Faults
+from sparkfleet.testbed.engine.local import SimServer
 
 
 @pytest.fixture(params=[False, True], ids=["hermes-classic", "hermes-modern"])
@@ -153,20 +155,23 @@ def test_a_database_that_is_not_hermes_fails_clearly(tmp_path):
 
 
 def test_agent_bench_replays_turns_against_a_server_and_keeps_only_numbers(state_db):
-    cfg = FakeConfig(decode_tok_s=400.0, ttft_s=0.03, chat_kinds=["reasoning"] * 4 + ["tool_calls"] * 4)
-    with FakeServer(cfg) as srv:
+    faults = Faults(requests=[])
+    env = {"SIM_DECODE_TOK_S": "400", "SIM_TTFT_S": "0.03", "SIM_ACCEPT_LEN": "3"}
+    with SimServer(method="dflash", k=12, env=env, faults=faults) as srv:
         ctx = BenchContext(
-            client=Client(srv.base_url, "qwen"), progress=Progress(quiet=True), warmup=1,
-            state_db=str(state_db), agent_sessions=2, agent_max_context_tokens=100_000, agent_max_tokens=24,
+            client=Client(srv.base_url, "qwen"), progress=Progress(quiet=True),
+            settings=settings(srv.base_url, warmup=1, state_db=str(state_db), agent_sessions=2,
+                              agent_max_context_tokens=100_000, agent_max_tokens=40),
         )
         out = run_agent(ctx)
-        requests = [r["body"] for r in srv.state.requests]
+    requests = [r["body"] for r in faults.requests]
     assert out["status"] == "ok", out
     assert len(out["turns"]) == 2
-    assert out["decode_tok_s"]["median"] == pytest.approx(400.0, rel=0.1)
-    # the clock starts at the first *reasoning* delta, not at the first content delta
-    assert out["ttft_ms"]["median"] == pytest.approx(30.0, abs=25.0)
-    assert out["turns"][0]["kinds"] == {"reasoning": 4, "tool_calls": 4} or out["turns"][0]["kinds"]["reasoning"] > 0
+    # A busy machine only ever delays tokens: the rate reads lower, never higher.
+    assert 0.6 * 400.0 <= out["decode_tok_s"]["median"] <= 1.05 * 400.0
+    # the clock starts at the first *reasoning* delta (Qwen3.5 thinks first), not at the first content
+    assert 25.0 <= out["ttft_ms"]["median"] <= 30.0 + 250.0
+    assert all(t["kinds"]["reasoning"] > 0 for t in out["turns"])
     assert out["acceptance"]["mean_length"] == pytest.approx(3.0, rel=0.1)
     assert out["tool_call_share"] == 1.0
     # 1 warm-up + 2 turns, streamed with usage, the rebuilt tool history in the request
@@ -179,7 +184,7 @@ def test_agent_bench_replays_turns_against_a_server_and_keeps_only_numbers(state
 
 
 def test_agent_bench_without_a_database_fails_with_the_reason():
-    ctx = BenchContext(client=None, progress=Progress(quiet=True), state_db=None)
+    ctx = BenchContext(client=None, progress=Progress(quiet=True), settings=settings(state_db=None))
     out = run_agent(ctx)
     assert out["status"] == "failed" and "agent_state_db" in out["reason"]
 

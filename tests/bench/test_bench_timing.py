@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from bench.onhost_settings import settings
 
 from sparkfleet.bench.onhost.checks import BenchContext, run_decode_workload
 from sparkfleet.bench.onhost.client import delta_kinds
@@ -107,7 +108,8 @@ def _rec(rate: float, ttft: float, tokens: int = 101) -> StreamRecord:
 def test_warmup_runs_are_discarded_and_each_run_forces_the_full_budget():
     # The warm-up is 10x slower (JIT, graph capture); it must not touch the stats.
     client = _ScriptedClient([_rec(5.0, 3.0), _rec(50.0, 0.2), _rec(40.0, 0.3), _rec(60.0, 0.1)])
-    ctx = BenchContext(client=client, progress=Progress(quiet=True), runs=3, warmup=1, max_tokens=101)
+    ctx = BenchContext(client=client, progress=Progress(quiet=True),
+                       settings=settings(runs=3, warmup=1, max_tokens=101))
     out = run_decode_workload(ctx, "prose", "prompt")
     assert out["status"] == "ok"
     assert len(out["runs"]) == 3
@@ -121,7 +123,8 @@ def test_warmup_runs_are_discarded_and_each_run_forces_the_full_budget():
 
 def test_a_workload_with_no_timeable_run_fails_with_the_reason():
     single = StreamRecord(t_start=0.0, t_first=0.1, t_last=0.1, t_end=0.2, completion_tokens=1)
-    ctx = BenchContext(client=_ScriptedClient([single]), progress=Progress(quiet=True), runs=1, warmup=0)
+    ctx = BenchContext(client=_ScriptedClient([single]), progress=Progress(quiet=True),
+                       settings=settings(runs=1, warmup=0))
     out = run_decode_workload(ctx, "prose", "p")
     assert out["status"] == "failed"
     assert "need 2" in out["reason"]

@@ -18,9 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from bench.fakeserver import FakeConfig, FakeServer
 from sparkfleet.bench import deploy as checks_deploy
+from sparkfleet.bench.onhost.schema import ProgramSettings
 from sparkfleet.bench.settings import bench_settings, parse_check_names, run_id_for
+from sparkfleet.testbed.engine.api import Faults
+from sparkfleet.testbed.engine.local import SimServer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,7 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_settings_defaults_and_parsing():
     s = bench_settings({"checks": "smoke, decode", "port": "8100"})
     assert s.checks == ["smoke", "decode"]
-    assert s.bench == ["smoke", "decode", "e2e"]
+    assert s.bench == ["smoke", "tools", "decode", "e2e"]
     assert s.port == 8100 and s.served_model_name == "qwen"
     assert s.base_url == "http://127.0.0.1:8100"
     assert bench_settings({"bind_address": "::"}).base_url == "http://127.0.0.1:8000"
@@ -87,14 +89,15 @@ def test_docker_command_runs_the_serving_image_with_every_value_quoted(tmp_path)
     docker_opts, program = argv[:image], argv[image + 1:]
     assert docker_opts[:5] == ["run", "--rm", "--network", "host", "--entrypoint"]
     assert f"{tmp_path}/b/code/sparkfleet_onhost:/opt/sparkfleet-bench/sparkfleet_onhost:ro" in docker_opts
-    assert program[:2] == ["-m", "sparkfleet_onhost"]
-    opts = dict(zip(program[2::2], program[3::2]))
-    assert opts["--prompt"] == nasty  # verbatim through two shells
-    assert opts["--base-url"] == "http://127.0.0.1:8123"
-    assert opts["--checks"] == "smoke,decode,agent"
-    assert opts["--state-db"] == f"{tmp_path}/b/state.db"
-    assert opts["--out"] == f"{tmp_path}/b/results/r1.json"
-    assert opts["--secrets-file"] == "/run/sparkfleet/secrets.env"
+    assert program[:3] == ["-m", "sparkfleet_onhost", "--settings"] and len(program) == 4
+    doc = ProgramSettings.from_json(program[3])  # one document, complete and valid
+    assert doc.prompt == nasty  # verbatim through two shells
+    assert doc.base_url == "http://127.0.0.1:8123"
+    assert doc.checks == ["smoke", "decode", "agent"]
+    assert doc.state_db == f"{tmp_path}/b/state.db"
+    assert doc.out == f"{tmp_path}/b/results/r1.json"
+    assert doc.secrets_file == "/run/sparkfleet/secrets.env"
+    assert (doc.runs, doc.warmup, doc.max_tokens) == (s.bench_runs, s.bench_warmup, s.bench_max_tokens)
 
 
 def test_docker_command_without_a_serving_container_says_so(tmp_path):
@@ -146,13 +149,14 @@ def _pyinfra(tmp_path: Path, inventory: str, deploy: str, port: int, *data: str,
 
 
 def test_bench_deploy_file_runs_collects_and_reports(tmp_path):
-    with FakeServer(FakeConfig(decode_tok_s=400.0, ttft_s=0.01, natural_tokens=12)) as srv:
-        proc = _pyinfra(tmp_path, "@local", "checks/bench.py", srv.port, "bench=smoke,decode,e2e")
+    env = {"SIM_DECODE_TOK_S": "2000", "SIM_TTFT_S": "0.01"}
+    with SimServer(env=env) as srv:
+        proc = _pyinfra(tmp_path, "@local", "checks/bench.py", srv.port, "bench=smoke,tools,decode,e2e")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     result = json.loads((tmp_path / "results/r1/_local.json").read_text())
     assert result["status"] == "ok" and result["host"] == "@local" and result["runner"] == "host"
-    assert set(result["checks"]) == {"smoke", "decode", "e2e"}
+    assert set(result["checks"]) == {"smoke", "tools", "decode", "e2e"}
     assert "[@local] [bench" in out  # progress lines streamed, prefixed by host
     assert "decode/prose run 1/1" in out
     assert "sparkfleet fleet report" in out and "e2e (albond)" in out
@@ -164,7 +168,7 @@ def test_bench_deploy_file_runs_collects_and_reports(tmp_path):
 
 
 def test_smoke_deploy_file_fails_a_wrong_answer_with_the_answer(tmp_path):
-    with FakeServer(FakeConfig(smoke_answer=" Lyon")) as srv:
+    with SimServer(faults=Faults(wrong_answer=" Lyon")) as srv:
         proc = _pyinfra(tmp_path, "@local", "checks/smoke.py", srv.port)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
@@ -181,7 +185,7 @@ def test_an_unreachable_host_and_a_dead_server_are_reported_as_failed(tmp_path):
         "    ('spark-gone', {'ssh_hostname': '127.0.0.1', 'ssh_port': 1, 'ssh_connect_retries': 0}),\n"
         "]\n"
     )
-    with FakeServer() as srv:
+    with SimServer() as srv:
         dead_port = srv.port  # nothing listens there once the server is gone
     proc = _pyinfra(tmp_path, str(inventory), "checks/smoke.py", dead_port)
     out = proc.stdout + proc.stderr
@@ -192,6 +196,18 @@ def test_an_unreachable_host_and_a_dead_server_are_reported_as_failed(tmp_path):
     assert gone["status"] == "failed" and "unreachable" in gone["reason"]
     report = (tmp_path / "results/r1/fleet-report.txt").read_text()
     assert "spark-gone" in report and "unreachable" in report and "connection refused" in report
+
+
+def test_the_tools_check_names_the_missing_parser(tmp_path):
+    with SimServer(tool_call_parser=None) as srv:
+        proc = _pyinfra(tmp_path, "@local", "checks/bench.py", srv.port, "bench=smoke,tools")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    result = json.loads((tmp_path / "results/r1/_local.json").read_text())
+    assert result["checks"]["smoke"]["status"] == "ok"
+    assert "tools: the server has no tool-call parser" in result["reason"]
+    assert "tool_call_parser" in result["checks"]["tools"]["reason"]
+    assert "tools (function-call round trip)" in out and "FAIL  the server has no tool-call parser" in out
 
 
 def test_a_dry_run_writes_no_results(tmp_path):

@@ -72,7 +72,10 @@ def testbed():
     tb = _reusable() if os.environ.get("SPARKFLEET_TESTBED_REUSE") == "1" else None
     owned = tb is None
     if owned:
-        tb = fleet.up(N_HOSTS)
+        # The session's fleet logs in as root with plain names; the mirror module's fleet
+        # (fleet4) and tests/testbed/test_dgx_os.py run as DGX OS does (a password-sudo user,
+        # names only the controller resolves).
+        tb = fleet.up(N_HOSTS, login_kind="root", names="plain")
     try:
         yield tb
     finally:
@@ -102,7 +105,8 @@ def run_pyinfra_fixture(testbed):
 @pytest.fixture(scope="module")
 def fleet4():
     """A fresh fleet of 4 hosts for one module (nothing cached anywhere): it replaces the
-    session's fleet, which the session's teardown then removes. Removed at the module's
+    session's fleet, which the session's teardown then removes. So the module that uses
+    it (test_mirror_fleet.py) sorts after every module on the session's fleet. Removed at the module's
     end unless SPARKFLEET_KEEP_TESTBED=1."""
     problem = _environment_problem()
     if problem:

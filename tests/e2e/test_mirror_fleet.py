@@ -17,7 +17,8 @@ import time
 import pytest
 import requests
 
-from sparkfleet.testbed import paths
+from sparkfleet.service import READY_PROMPT
+from sparkfleet.testbed import login, paths
 
 pytestmark = pytest.mark.e2e
 
@@ -26,7 +27,7 @@ DFLASH = "z-lab/Qwen3.5-122B-A10B-DFlash"
 INTEL = "Intel/Qwen3.5-122B-A10B-int4-AutoRound"
 IMAGE_REPO = "sparkfleet/vllm-sim"
 HF = "/var/lib/sparkfleet/hf/hub"
-CHANGED = re.compile(r"\[(spark-\d+)\] (Success|Error)")
+CHANGED = re.compile(r"\[(spark-\d+)(?:\.local)?\] (Success|Error)")  # .local: --names alias
 REPO_ROOT = paths.REPO_ROOT
 INVENTORY = str(paths.INVENTORY.relative_to(REPO_ROOT))
 
@@ -88,12 +89,17 @@ def mirror_gets(tb, since: float, client: str) -> list[str]:
     return re.findall(rf'{re.escape(client)}:\d+ - "GET /[^ ]+/resolve/[0-9a-f]+/([^ ]+) HTTP', out)
 
 
+def shown(tb, name: str) -> str:
+    """How pyinfra's output names the host (its inventory name)."""
+    return login.inventory_name(name, tb.state.names)
+
+
 def changed_hosts(output: str) -> set[str]:
     return {m.group(1) for m in CHANGED.finditer(output)}
 
 
 def completion(tb, name: str) -> str:
-    body = json.dumps({"model": "qwen", "prompt": "What is the capital of France? Answer in one word.",
+    body = json.dumps({"model": "qwen", "prompt": READY_PROMPT,
                        "max_tokens": 8, "temperature": 0})
     out = tb.exec(name, "curl -s -m 10 -H @/etc/sparkfleet/api-auth.header -H 'Content-Type: application/json' "
                         f"-d '{body}' http://127.0.0.1:8000/v1/completions").stdout
@@ -101,6 +107,26 @@ def completion(tb, name: str) -> str:
         return json.loads(out)["choices"][0]["text"]
     except (ValueError, KeyError, IndexError):
         return ""
+
+
+def test_a_dgx_os_login_without_its_sudo_password_fails_before_anything(fleet4, tmp_path):
+    """The fleet's login is DGX OS's (password sudo): without the password the run stops
+    before any fact, saying how to give one, instead of pyinfra prompting mid-run."""
+    tb = fleet4
+    assert tb.exec(tb.names[0], "id -un", as_root=False).stdout.strip() != "root"
+    inventory = tmp_path / "no_password.py"
+    inventory.write_text(
+        "from pathlib import Path\nfrom sparkfleet.testbed.state import inventory_hosts\n"
+        f"_all = inventory_hosts(Path({str(paths.HOSTS_JSON)!r}))\n"
+        "sparks = ([(n, {k: v for k, v in d.items() if k != '_sudo_password'}) for n, d in _all], {})\n"
+    )
+    done = subprocess.run(["pyinfra", "-y", str(inventory), "deploy.py"], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=300, stdin=subprocess.DEVNULL)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "sudo needs a password and none was given" in out and "--same-sudo-password" in out, out[-2000:]
+    assert "_sudo_password" in out and "sudo password:" not in out, out[-2000:]
+    assert "Starting operation" not in out, out[-2000:]
 
 
 def test_the_fleet_takes_each_artifact_from_upstream_once(fleet4, deploy_run):
@@ -118,6 +144,9 @@ def test_the_fleet_takes_each_artifact_from_upstream_once(fleet4, deploy_run):
         assert stats["by_repo"][repo] == pytest.approx(repo_size(tb, repo), rel=0.01), stats
     assert stats["total"] == pytest.approx(repo_size(tb, HYBRID) + repo_size(tb, DFLASH), rel=0.01)
     assert set(stats["by_client"]) == {mirror.address}
+    # No byte past the mirror: the hub offers Xet like the Hub, and a client on the Xet path
+    # would go straight to its CAS (the downloads run with HF_HUB_DISABLE_XET=1).
+    assert stats["cas_requests"] == 0 and stats["xet_token_requests"] == 0, stats
 
     # The registry: the image's blobs once, to the mirror.
     served = tb.registry_stats(mark)
@@ -142,9 +171,15 @@ def test_the_fleet_takes_each_artifact_from_upstream_once(fleet4, deploy_run):
     # The report: per host and for the fleet, measured.
     assert "--> Downloads (mirror: spark-1" in out, out[-3000:]
     for name in tb.names:
-        assert re.search(rf"\[{name}\] image [\d.]+ MiB from the mirror, weights [\d.]+ MiB from the mirror", out)
+        assert re.search(rf"\[{re.escape(shown(tb, name))}\] image [\d.]+ MiB from the mirror, "
+                         r"weights [\d.]+ MiB from the mirror", out), out[-3000:]
     image_mib = tb.image["blob_bytes"] / 2**20
     assert f"from upstream: image {image_mib:.1f} MiB (copied once into the mirror registry)" in out
+    # Upstream weights as the mirror saw them (olah's cache), 1.00x the artifacts.
+    upstream = re.search(r"weights ([\d.]+) MiB \(into the HF mirror's cache\)", out)
+    artifacts_mib = (repo_size(tb, HYBRID) + repo_size(tb, DFLASH)) / 2**20
+    assert upstream and float(upstream.group(1)) == pytest.approx(artifacts_mib, rel=0.05, abs=0.1), out[-3000:]
+    assert "NOT through the mirror" not in out and "past the mirror" not in out
     assert re.search(r"download steps took [\d.]+ s", out)
 
 
@@ -180,9 +215,9 @@ def test_a_host_interrupted_mid_download_resumes_without_refetching_complete_fil
         assert killed.returncode == 0, killed.stderr
         first, _ = run.communicate(timeout=600)
     assert run.returncode != 0
-    assert f"[{victim.name}] Error" in first
+    assert f"[{shown(tb, victim.name)}] Error" in first
     for name in tb.names[:3]:
-        assert f"[{name}] Error" not in first and "Paris" in completion(tb, name)
+        assert f"[{shown(tb, name)}] Error" not in first and "Paris" in completion(tb, name)
 
     complete = blob_stats(tb, victim.name, INTEL)
     assert 0 < len(complete) < len(files)
@@ -206,6 +241,47 @@ def test_a_host_interrupted_mid_download_resumes_without_refetching_complete_fil
     in_flight = repo_size(tb, INTEL) + len(files_bytes(tb, INTEL, slow))
     assert repo_size(tb, INTEL) * 0.99 <= stats["by_repo"][INTEL] <= in_flight * 1.01, stats
     assert set(stats["by_client"]) == {tb.hosts[0].address}
+
+
+def test_a_killed_controller_then_a_re_run_fetches_no_file_twice(fleet4, deploy_run):
+    """The controller dies mid-download (SIGKILL, as a closed laptop lid or a cut link to
+    it): the downloads it started run on, detached, and the next run waits for them;
+    nothing is fetched twice, from upstream or from the mirror."""
+    tb = fleet4
+    slug = DFLASH.replace("/", "--")
+    for name in tb.names:  # a repository the fleet must fetch again, from upstream too
+        tb.exec(name, f"rm -rf {HF}/models--{slug} /var/lib/sparkfleet/hf/sparkfleet/complete/{slug}@*")
+    tb.exec(tb.names[0], f"rm -rf /var/lib/sparkfleet/mirror/hf/repos/files/models/{DFLASH} "
+                         f"/var/lib/sparkfleet/mirror/hf/repos/api/models/{DFLASH}")
+    files = repo_files(tb, DFLASH)
+    slow = "model-00003-of-00003.safetensors"
+    hub(tb, "POST", "reset")
+    hub(tb, "POST", "fault", {"repo": DFLASH, "path": slow, "delay_s": 12, "times": 1})
+    since = time.time()
+    time.sleep(1)
+    with subprocess.Popen(["pyinfra", "-y", INVENTORY, "deploy.py"], cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL) as run:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and hub(tb, "GET", "stats")["by_repo"].get(DFLASH, 0) == 0:
+            time.sleep(0.5)
+        time.sleep(2)  # the slow file is on its way (12 s)
+        run.kill()
+    assert hub(tb, "GET", "stats")["by_repo"].get(DFLASH, 0) < repo_size(tb, DFLASH), "killed too late"
+    second = deploy_run("deploy.py")
+    out = second.stdout + second.stderr
+    assert second.returncode == 0, out[-4000:]
+    for name in tb.names:
+        assert snapshot(tb, name, DFLASH) == files, name
+    # Upstream: each file once (1.00x), to the mirror only, none through the Xet CAS.
+    stats = hub(tb, "GET", "stats")
+    assert stats["by_repo"][DFLASH] == pytest.approx(repo_size(tb, DFLASH), rel=0.01), stats
+    assert set(stats["by_client"]) == {tb.hosts[0].address} and stats["cas_requests"] == 0, stats
+    # The mirror: each host asked for each file once over both runs.
+    for h in tb.hosts:
+        got = mirror_gets(tb, since, h.address)
+        weights = [f for f in got if f in files]
+        assert sorted(weights) == sorted(set(weights)), (h.name, got)
+        assert set(weights) <= set(files) and slow in weights, (h.name, got)
 
 
 def test_turning_the_mirror_off_goes_direct(fleet4, deploy_run):
@@ -232,4 +308,4 @@ def test_turning_the_mirror_off_goes_direct(fleet4, deploy_run):
     assert tb.registry_stats(mark)["by_repo"].get(IMAGE_REPO, 0) < 0.01 * tb.image["blob_bytes"]
     state = tb.exec(tb.names[0], "systemctl is-active sparkfleet-hf-mirror docker-registry").stdout.split()
     assert state == ["inactive", "inactive"], state
-    assert re.search(r"\[spark-\d\] image pulled from upstream, weights [\d.]+ MiB from upstream", out), out[-3000:]
+    assert re.search(r"\[spark-\d(?:\.local)?\] image pulled from upstream, weights [\d.]+ MiB from upstream", out), out[-3000:]

@@ -15,9 +15,20 @@ def mirrors(hosts) -> dict:
 def test_auto_is_the_first_host_and_everyone_uses_it():
     hosts = fleet(("spark-1", {"ssh_hostname": "10.0.0.11"}), ("spark-2", {}), ("spark-3", {}))
     got = mirrors(hosts)
-    assert got["spark-1"] == Mirror("spark-1", "10.0.0.11", 8090, 5000, True)
-    assert got["spark-2"] == Mirror("spark-1", "10.0.0.11", 8090, 5000, False)
-    assert got["spark-3"].hf_endpoint == "http://10.0.0.11:8090" and got["spark-3"].registry == "10.0.0.11:5000"
+    # No mirror_address: the address is found on the hosts (mirror.names.located), never
+    # taken from the controller's name or ssh_hostname for it.
+    assert got["spark-1"] == Mirror("spark-1", None, 8090, 5000, True)
+    assert got["spark-2"] == Mirror("spark-1", None, 8090, 5000, False)
+    given = fleet(("spark-1", {"mirror_address": "10.0.0.11"}), ("spark-2", {}))
+    assert mirrors(given)["spark-2"].hf_endpoint == "http://10.0.0.11:8090"
+    assert mirrors(given)["spark-2"].registry == "10.0.0.11:5000"
+
+
+def test_an_ipv6_mirror_address_is_bracketed_in_urls_and_registry_names():
+    given = fleet(("spark-1", {"mirror_address": "fd00::11"}), ("spark-2", {}))
+    mirror = mirrors(given)["spark-2"]
+    assert mirror.address == "fd00::11"
+    assert mirror.hf_endpoint == "http://[fd00::11]:8090" and mirror.registry == "[fd00::11]:5000"
 
 
 def test_a_mirror_group_or_a_name_picks_the_host():
@@ -45,10 +56,10 @@ def test_an_unknown_mirror_or_a_mirror_that_does_not_use_itself_is_refused():
 
 @pytest.mark.parametrize("key,value,needle", [
     ("mirror_olah", "olah==0.5.4; rm -rf /", "not a pip requirement"),
-    ("mirror_address", "spark 1", "host name or an IPv4 address"),
+    ("mirror_address", "spark 1", "host name, an IPv4 or an IPv6 address"),
     ("mirror_dir", "relative/dir", "absolute path"),
     ("mirror_hf_port", 0, "greater than or equal to 1"),
-    ("mirror_apt_repo", "http://apt.lan/", "both mirror_apt_repo and mirror_apt_key_url"),
+    ("apt_repo", "http://apt.lan/", "both apt_repo and apt_key_url"),
 ])
 def test_mirror_settings_are_validated(key, value, needle):
     with pytest.raises(ConfigError, match=needle):

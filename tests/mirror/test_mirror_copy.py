@@ -1,49 +1,61 @@
-"""The image copy tool (templates/sparkfleet-copy-image.py) against two real local
-registries (Debian's docker-registry): byte-exact, each blob read once, resumable."""
+"""The mirror's image copy (``skopeo copy``, as sparkfleet.mirror.registry builds it)
+between two real local registries (Debian's docker-registry, the mirror one over TLS):
+byte-exact, each blob read from upstream once, resumable."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 from support.fleetdata import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
-COPY_TOOL = ROOT / "templates" / "sparkfleet-copy-image.py"
+from sparkfleet import secrets
+from sparkfleet.config import Mirror
+from sparkfleet.mirror.names import ImageName
+from sparkfleet.mirror.registry import copy_command
+
+BLOB_GET = re.compile(r'"GET /v2/\S+/blobs/(sha256:[0-9a-f]+) [^"]*" 200 (\d+)')
 
 
 @pytest.fixture
 def registries(tmp_path):
-    """Two empty docker-registry servers on localhost: (source URL, fleet URL)."""
-    if not shutil.which("docker-registry"):
-        pytest.skip("docker-registry is not installed (apt-get install docker-registry)")
-    procs, urls = [], []
-    for name in ("upstream", "fleet"):
+    """Two empty docker-registry servers on localhost: upstream (HTTP) and the mirror's
+    (TLS, with the certificate sparkfleet makes for a mirror): (upstream URL, mirror
+    registry host:port, its CA directory, upstream log)."""
+    missing = [tool for tool in ("docker-registry", "skopeo") if not shutil.which(tool)]
+    if missing:
+        pytest.fail(f"{' and '.join(missing)} missing: apt-get install {' '.join(missing)}", pytrace=False)
+    procs, ports = [], []
+    for name in ("upstream", "mirror"):
         port = free_port()
+        http: dict = {"addr": f"127.0.0.1:{port}"}
+        if name == "mirror":
+            cert, key = secrets.mirror_tls(str(tmp_path / "tls"), Mirror("m", "127.0.0.1", 1, port, True))
+            http["tls"] = {"certificate": str(cert), "key": str(key)}
+            (tmp_path / "certs.d").mkdir()
+            shutil.copy(cert, tmp_path / "certs.d" / "ca.crt")
         config = tmp_path / f"{name}.json"
         config.write_text(json.dumps({
             "version": 0.1, "log": {"level": "error", "accesslog": {"disabled": False}},
-            "storage": {"filesystem": {"rootdirectory": str(tmp_path / name)}},
-            "http": {"addr": f"127.0.0.1:{port}"},
+            "storage": {"filesystem": {"rootdirectory": str(tmp_path / name)}}, "http": http,
         }))
         log = open(tmp_path / f"{name}.log", "w")
         procs.append(subprocess.Popen(["docker-registry", "serve", str(config)], stdout=log, stderr=subprocess.STDOUT))
-        urls.append(f"http://127.0.0.1:{port}")
+        ports.append(port)
         for _ in range(100):
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
                 break
             except OSError:
                 time.sleep(0.05)
-    yield urls[0], urls[1], tmp_path
+    yield f"http://127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}", str(tmp_path / "certs.d"), tmp_path / "upstream.log"
     for proc in procs:
         proc.terminate()
         proc.wait(timeout=10)
@@ -63,44 +75,93 @@ def _push(url: str, repo: str, tag: str, blobs: list[bytes]) -> str:
     return client.put_manifest(repo, tag, manifest_bytes(config, layers))
 
 
-def _copy(src: str, repo: str, ref: str, dst: str, *extra: str) -> dict:
-    done = subprocess.run([sys.executable, str(COPY_TOOL), src, repo, ref, dst, *extra],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "HOME": "/nonexistent"})
+def _copy(upstream: str, image: str, mirror: str, cert_dir: str, log) -> dict[str, list[int]]:
+    """Run the copy; the bytes of each blob GET it made upstream, by digest."""
+    mark = log.stat().st_size
+    command = copy_command(upstream, ImageName.parse(image), mirror, cert_dir)
+    done = subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HOME": "/nonexistent"})
     assert done.returncode == 0, done.stdout + done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1].removeprefix("RESULT "))
+    time.sleep(0.2)  # the access log's last lines
+    reads: dict[str, list[int]] = {}
+    with open(log, "rb") as f:
+        f.seek(mark)
+        for digest, size in BLOB_GET.findall(f.read().decode()):
+            reads.setdefault(digest, []).append(int(size))
+    return reads
+
+
+def _mirror_manifest(mirror: str, cert_dir: str, ref: str) -> tuple[dict, str]:
+    from sparkfleet.testbed.registry import RegistryClient
+
+    client = RegistryClient(f"https://{mirror}")
+    client.http.verify = f"{cert_dir}/ca.crt"
+    return client.get_manifest("org/img", ref)
 
 
 def test_the_copy_keeps_the_digest_and_reads_each_blob_once(registries):
-    upstream, fleet_url, _ = registries
+    upstream, mirror, cert_dir, log = registries
     blobs = [os.urandom(3_000_000), os.urandom(1_000_000)]
     digest = _push(upstream, "org/img", "1.0", blobs)
-    first = _copy(upstream, "org/img", digest, fleet_url, "--tag", "1.0")
-    assert first["digest"] == digest
-    assert sum(len(b) for b in blobs) <= first["upstream_bytes"] < sum(len(b) for b in blobs) + 1000  # + config
-    from sparkfleet.testbed.registry import RegistryClient
-
-    manifest, served = RegistryClient(fleet_url).get_manifest("org/img", "1.0")
+    layers = ["sha256:" + hashlib.sha256(b).hexdigest() for b in blobs]
+    first = _copy(upstream, f"registry.example/org/img:1.0@{digest}", mirror, cert_dir, log)
+    assert all(first[d] == [len(b)] for d, b in zip(layers, blobs)), first
+    assert sum(len(b) for b in blobs) <= sum(map(sum, first.values())) < sum(len(b) for b in blobs) + 1000  # + config
+    manifest, served = _mirror_manifest(mirror, cert_dir, "1.0")
     assert served == digest and len(manifest["layers"]) == 2
-    again = _copy(upstream, "org/img", digest, fleet_url, "--tag", "1.0")
-    assert again["upstream_bytes"] == 0 and again["present_bytes"] == first["upstream_bytes"]
+    assert _mirror_manifest(mirror, cert_dir, digest)[1] == digest
+    # Run again: no layer is read; only the image's config (under a kilobyte) is.
+    again = _copy(upstream, f"registry.example/org/img:1.0@{digest}", mirror, cert_dir, log)
+    assert not any(d in again for d in layers) and sum(map(sum, again.values())) < 1000
 
 
 def test_a_copy_interrupted_after_some_blobs_continues_with_the_rest(registries):
-    upstream, fleet_url, _ = registries
+    upstream, mirror, cert_dir, log = registries
     blobs = [os.urandom(2_000_000), os.urandom(2_000_000)]
     digest = _push(upstream, "org/img", "2", blobs)
     # The mirror registry already holds the first layer (as after a cut-off copy).
     from sparkfleet.testbed.registry import RegistryClient
 
-    RegistryClient(fleet_url).push_blob("org/img", blobs[0], "sha256:" + hashlib.sha256(blobs[0]).hexdigest())
-    result = _copy(upstream, "org/img", digest, fleet_url)
-    assert result["present_bytes"] == len(blobs[0])
-    assert len(blobs[1]) <= result["upstream_bytes"] < len(blobs[1]) + 1000
+    client = RegistryClient(f"https://{mirror}")
+    client.http.verify = f"{cert_dir}/ca.crt"
+    first, second = ("sha256:" + hashlib.sha256(b).hexdigest() for b in blobs)
+    client.push_blob("org/img", blobs[0], first)
+    reads = _copy(upstream, f"registry.example/org/img@{digest}", mirror, cert_dir, log)
+    assert first not in reads and reads[second] == [len(blobs[1])]
+    assert _mirror_manifest(mirror, cert_dir, digest)[1] == digest
 
 
 def test_a_wrong_pin_is_refused(registries):
-    upstream, fleet_url, _ = registries
+    upstream, mirror, cert_dir, _ = registries
     _push(upstream, "org/img", "3", [os.urandom(1000)])
-    done = subprocess.run([sys.executable, str(COPY_TOOL), upstream, "org/img", "sha256:" + "0" * 64, fleet_url],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode != 0 and "404" in (done.stdout + done.stderr)
+    command = copy_command(upstream, ImageName.parse("registry.example/org/img@sha256:" + "0" * 64), mirror, cert_dir)
+    done = subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "manifest unknown" in (done.stdout + done.stderr)
+
+
+def test_an_index_is_copied_whole_with_its_digest(registries):
+    import requests
+
+    upstream, mirror, cert_dir, log = registries
+    blobs = [os.urandom(500_000)]
+    child = _push(upstream, "org/img", "4-arm64", blobs)
+    body = requests.get(f"{upstream}/v2/org/img/manifests/{child}",
+                        headers={"Accept": "application/vnd.docker.distribution.manifest.v2+json"}).content
+    index = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.docker.distribution.manifest.list.v2+json",
+                        "manifests": [{"mediaType": "application/vnd.docker.distribution.manifest.v2+json",
+                                       "digest": child, "size": len(body),
+                                       "platform": {"architecture": "arm64", "os": "linux"}}]}).encode()
+    put = requests.put(f"{upstream}/v2/org/img/manifests/4", data=index,
+                       headers={"Content-Type": "application/vnd.docker.distribution.manifest.list.v2+json"})
+    assert put.status_code == 201, put.text
+    digest = "sha256:" + hashlib.sha256(index).hexdigest()
+    reads = _copy(upstream, f"registry.example/org/img:4@{digest}", mirror, cert_dir, log)
+    assert reads["sha256:" + hashlib.sha256(blobs[0]).hexdigest()] == [len(blobs[0])]  # an arm64 child, on any host
+    from sparkfleet.testbed.registry import RegistryClient
+
+    client = RegistryClient(f"https://{mirror}")
+    client.http.verify = f"{cert_dir}/ca.crt"
+    served = client.http.head(f"https://{mirror}/v2/org/img/manifests/4", headers={
+        "Accept": "application/vnd.docker.distribution.manifest.list.v2+json"}).headers["Docker-Content-Digest"]
+    assert served == digest
+    assert _mirror_manifest(mirror, cert_dir, child)[1] == child

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from support.fleetdata import defaults, free_port
 
+# The controller resolves olah's wheels with pip from its index, like a deploy does.
+pytestmark = pytest.mark.network
 
 @pytest.fixture(scope="module")
 def olah_lib(tmp_path_factory):
@@ -25,12 +27,12 @@ def olah_lib(tmp_path_factory):
               "glibc": platform.libc_ver()[1] or "-"}
     try:
         wheels = controller_wheelhouse(defaults()["mirror_olah"], python)
-    except Exception as exc:  # noqa: BLE001 - no index reachable: nothing to test against
-        pytest.skip(f"olah wheels unavailable: {exc}")
+    except Exception as exc:  # noqa: BLE001 - no index reachable: this test needs the network
+        pytest.fail(f"olah wheels unavailable (this test needs the package index): {exc}")
     target = tmp_path_factory.mktemp("olah")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels),
-                    "--target", str(target), defaults()["mirror_olah"]], check=True, timeout=300,
-                   capture_output=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(target),
+                    *[str(w) for w in wheels.glob("*.whl") if not w.name.startswith("pip-")]],  # as the host does
+                   check=True, timeout=300, capture_output=True)
     return target
 
 

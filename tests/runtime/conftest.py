@@ -1,11 +1,10 @@
 """Fixtures for runtime/ tests: writable copies of real vLLM source files."""
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 import pytest
-
 from support.vllm_source import vllm_source_tree
 
 # Every file a patch reads (targets and capability-gate inputs), both layouts; a
@@ -27,12 +26,13 @@ PATCH_FILES = (
 
 @pytest.fixture
 def vllm_tree(tmp_path: Path) -> Callable[..., Path]:
-    """``vllm_tree(version)`` -> a fresh writable directory holding ``vllm/`` with the
-    patch-relevant files of that version's sdist (use as ``--vllm-root``)."""
+    """``vllm_tree(version, extra=())`` -> a fresh writable directory holding ``vllm/`` with
+    the patch-relevant files of that version's sdist, plus ``extra`` ones (use as
+    ``--vllm-root``)."""
     counter = iter(range(1000))
 
-    def make(version: str, files: Iterable[str] = PATCH_FILES) -> Path:
+    def make(version: str, files: Iterable[str] = PATCH_FILES, extra: Iterable[str] = ()) -> Path:
         dest = tmp_path / f"vllm-{version}-{next(counter)}"
-        return vllm_source_tree(version, files, dest)
+        return vllm_source_tree(version, [*files, *extra], dest)
 
     return make

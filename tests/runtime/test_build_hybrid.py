@@ -12,14 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from runtime import build_hybrid
+from runtime import safetensors_io as stio
 from sparkfleet.testbed import checkpoints as ck
 
-RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
+RUNTIME = Path(build_hybrid.__file__).resolve().parent
 BUILDER = RUNTIME / "build_hybrid.py"
-sys.path.insert(0, str(RUNTIME))
-
-import build_hybrid  # noqa: E402
-import safetensors_io as stio  # noqa: E402
 
 REV_INTEL = "1" * 40
 REV_DONOR = "2" * 40

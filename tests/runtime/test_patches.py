@@ -1,11 +1,13 @@
 """Each runtime patch against the real vLLM source of the image (0.23) and the newest (0.33).
 
-Asserted per patch: the true outcome per version (applies / not needed), the patched
-file compiles and carries the sentinel, a second run changes no byte, file mode is kept,
-no temp files are left, and a missing anchor fails naming file, version and anchor.
+Asserted per patch: the true outcome per version (applies / already present / not
+needed), ``--check`` predicts it writing nothing, the patched file compiles and carries
+the sentinel, a second run changes no byte, file mode is kept, no temp files are left,
+and a missing anchor cannot apply, naming file, version and anchor.
 """
 from __future__ import annotations
 
+import json
 import os
 import py_compile
 import subprocess
@@ -13,9 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from support.runtime_env import PATCH_DIR
 from support.vllm_source import VLLM_IMAGE_VERSION, VLLM_NEWEST_VERSION
+
+pytestmark = pytest.mark.network  # real vLLM sources: the PyPI sdists, downloaded once
 
 V23, V33 = VLLM_IMAGE_VERSION, VLLM_NEWEST_VERSION
 PATCHES = ("kv_unify", "prefix_align", "inc_fp8_shared", "int8_lmhead", "fla_shmem")
@@ -24,10 +27,10 @@ PATCHES = ("kv_unify", "prefix_align", "inc_fp8_shared", "int8_lmhead", "fla_shm
 EXPECTED: dict[tuple[str, str], tuple[str, str]] = {
     ("kv_unify", V23): ("applied", "vllm/v1/core/kv_cache_utils.py"),
     # 0.33 pads mamba / non-dividing attention pages itself (kv_cache_planning.py).
-    ("kv_unify", V33): ("not-needed", "vllm/v1/core/kv_cache_planning.py"),
+    ("kv_unify", V33): ("already-present", "vllm/v1/core/kv_cache_planning.py"),
     ("prefix_align", V23): ("applied", "vllm/v1/core/kv_cache_utils.py"),
     # 0.33 backs off from the GCD only for mamba groups outside align mode.
-    ("prefix_align", V33): ("not-needed", "vllm/v1/core/kv_cache_utils.py"),
+    ("prefix_align", V33): ("already-present", "vllm/v1/core/kv_cache_utils.py"),
     ("inc_fp8_shared", V23): ("applied", "vllm/model_executor/layers/quantization/inc.py"),
     # Still not upstream; INC is a package now and the same dispatch seam exists there.
     ("inc_fp8_shared", V33): ("applied", "vllm/model_executor/layers/quantization/inc/inc.py"),
@@ -68,18 +71,22 @@ BREAK_ANCHOR = {
 }
 
 
-def run_patch(name: str, root: Path | None, env: dict[str, str] | None = None, cwd: Path | None = None):
+def run_patch(name: str, root: Path | None, env: dict[str, str] | None = None, cwd: Path | None = None,
+              check: bool = False):
+    """(exit code, outcome, detail, status object) of one patch program."""
     cmd = [sys.executable, str(PATCH_DIR / f"{name}.py")]
     if root is not None:
         cmd += ["--vllm-root", str(root)]
+    if check:
+        cmd.append("--check")
     proc = subprocess.run(
         cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=120
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("sparkfleet-patch:")]
     assert len(lines) == 1, f"expected one status line, got stdout={proc.stdout!r} stderr={proc.stderr!r}"
-    _, name_, outcome, *rest = [p.strip() for p in lines[0].split(":", 3)]
-    assert name_ == name
-    return proc.returncode, outcome, (rest[0] if rest else ""), proc
+    status = json.loads(lines[0][len("sparkfleet-patch:"):])
+    assert status["name"] == name
+    return proc.returncode, status["outcome"], status["detail"], status
 
 
 def snapshot(root: Path) -> dict[str, bytes]:
@@ -96,9 +103,16 @@ def test_outcome_and_idempotence(name: str, version: str, vllm_tree) -> None:
     target.chmod(0o640)  # an unusual mode must survive the atomic write
     before = snapshot(root)
 
-    rc, outcome, detail, _ = run_patch(name, root)
+    # --check predicts the outcome and writes nothing.
+    rc, outcome, detail, status = run_patch(name, root, check=True)
+    assert (rc, outcome) == (0, "would-apply" if want == "applied" else want), detail
+    assert status["file"] == target_rel and status["vllm"] == version
+    assert snapshot(root) == before, "--check writes nothing"
+
+    rc, outcome, detail, status = run_patch(name, root)
     assert (rc, outcome) == (0, want), detail
     assert f"vLLM {version}" in detail and target_rel in detail
+    assert status["file"] == target_rel
     after = snapshot(root)
 
     if want == "applied":
@@ -115,7 +129,7 @@ def test_outcome_and_idempotence(name: str, version: str, vllm_tree) -> None:
     after = snapshot(root)
     rc2, outcome2, detail2, _ = run_patch(name, root)
     assert rc2 == 0
-    assert outcome2 == ("already-applied" if want == "applied" else "not-needed"), detail2
+    assert outcome2 == ("already-present" if want == "applied" else want), detail2
     assert snapshot(root) == after
 
 
@@ -130,12 +144,13 @@ def test_missing_anchor_fails_clearly(name: str, vllm_tree) -> None:
     target.write_text(text.replace(old, new, 1))
     before = snapshot(root)
 
-    rc, outcome, detail, _ = run_patch(name, root)
-    assert rc == 1 and outcome == "failed"
-    assert target_rel in detail, detail  # the file
-    assert f"vLLM {V23}" in detail, detail  # the version
-    assert "missing anchor" in detail, detail  # what is missing
-    assert snapshot(root) == before, "a failed patch writes nothing"
+    for check in (True, False):
+        rc, outcome, detail, status = run_patch(name, root, check=check)
+        assert rc == 1 and outcome == "cannot-apply"
+        assert status["file"] == target_rel, status  # the file
+        assert f"vLLM {V23}" in detail, detail  # the version
+        assert "missing anchor" in detail, detail  # what is missing
+        assert snapshot(root) == before, "a patch that cannot apply writes nothing"
 
 
 def test_kv_patches_share_a_file_in_either_order(vllm_tree) -> None:
@@ -144,7 +159,7 @@ def test_kv_patches_share_a_file_in_either_order(vllm_tree) -> None:
         for name in order:
             assert run_patch(name, root)[:2] == (0, "applied")
         for name in order:
-            assert run_patch(name, root)[:2] == (0, "already-applied")
+            assert run_patch(name, root)[:2] == (0, "already-present")
         target = root / "vllm/v1/core/kv_cache_utils.py"
         py_compile.compile(str(target), doraise=True, cfile=str(target) + "c.test")
 
@@ -173,11 +188,11 @@ def test_no_vllm_is_a_clear_failure(tmp_path: Path) -> None:
     if probe.returncode:
         pytest.skip("a vllm package is importable in this environment")
     rc, outcome, detail, _ = run_patch("kv_unify", None, env=env, cwd=tmp_path)
-    assert (rc, outcome) == (1, "failed")
+    assert (rc, outcome) == (1, "cannot-apply")
     assert "not importable" in detail
 
 
 def test_bad_root_is_a_clear_failure(tmp_path: Path) -> None:
     rc, outcome, detail, _ = run_patch("kv_unify", tmp_path)
-    assert (rc, outcome) == (1, "failed")
+    assert (rc, outcome) == (1, "cannot-apply")
     assert "no vllm/ package" in detail

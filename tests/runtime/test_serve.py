@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from support.runtime_env import (
     EXPECTED_ARGV,
     EXPECTED_PATCHES,
@@ -22,6 +21,8 @@ from support.runtime_env import (
     profile_env,
 )
 from support.vllm_source import VLLM_IMAGE_VERSION, VLLM_NEWEST_VERSION
+
+pytestmark = pytest.mark.network  # real vLLM sources: the PyPI sdists, downloaded once
 
 API_KEY = "sk-sparkfleet-test-0123456789"
 HF_TOKEN = "hf_testtoken0123456789"
@@ -116,7 +117,7 @@ def test_newest_vllm_skips_what_upstream_fixed(standin: Path, vllm_tree, tmp_pat
     env = base_env(standin, out, root) | profile_env("dense")
     proc = serve(env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout
-    assert "sparkfleet-serve: patch kv_unify: skipped (not needed):" in proc.stdout
+    assert "sparkfleet-serve: patch kv_unify: already present:" in proc.stdout
     assert "sparkfleet-serve: patch fla_shmem: skipped (not needed):" in proc.stdout
     assert "sparkfleet-serve: patch inc_fp8_shared: applied:" in proc.stdout
     assert "sparkfleet-serve: patch int8_lmhead: applied:" in proc.stdout
@@ -163,7 +164,7 @@ def test_required_patch_failure_stops_the_start(standin: Path, vllm_tree, tmp_pa
     proc = serve(env, cwd=tmp_path)
     assert proc.returncode == 1
     assert not out.exists(), "vLLM must not start without a required patch"
-    line = next(ln for ln in proc.stdout.splitlines() if "patch kv_unify: FAILED" in ln)
+    line = next(ln for ln in proc.stdout.splitlines() if "patch kv_unify: CANNOT APPLY" in ln)
     assert "vllm/v1/core/kv_cache_utils.py" in line and f"vLLM {VLLM_IMAGE_VERSION}" in line
     assert "missing anchor" in line
     assert "patch fla_shmem" not in proc.stdout, "patches after a failed required one do not run"
@@ -178,7 +179,7 @@ def test_fla_shmem_failure_is_tolerated(standin: Path, vllm_tree, tmp_path: Path
     env = base_env(standin, out, root) | profile_env("base")
     proc = serve(env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout
-    assert "sparkfleet-serve: patch fla_shmem: FAILED:" in proc.stdout
+    assert "sparkfleet-serve: patch fla_shmem: CANNOT APPLY:" in proc.stdout
     assert "sparkfleet-serve: patch fla_shmem: failure tolerated" in proc.stdout
     assert recorded(out)["argv"][1:] == EXPECTED_ARGV["base"][1:]
 
@@ -198,7 +199,7 @@ def test_relocated_runtime_and_missing_patch_program(standin: Path, vllm_tree, t
     env["SPARKFLEET_VLLM_ROOT"] = str(vllm_tree(VLLM_IMAGE_VERSION))
     proc = serve(env, cwd=Path("/"), runtime=host)
     assert proc.returncode == 1 and not out.exists()
-    assert "patch kv_unify: FAILED: patch program" in proc.stdout
+    assert "patch kv_unify: CANNOT APPLY: patch program" in proc.stdout
 
 
 def test_invalid_serve_env_touches_nothing(standin: Path, vllm_tree, tmp_path: Path) -> None:
@@ -228,3 +229,12 @@ def test_missing_vllm_command(vllm_tree, tmp_path: Path) -> None:
     proc = serve(env, cwd=tmp_path)
     assert proc.returncode == 127
     assert "cannot exec 'vllm'" in proc.stdout
+
+
+def test_the_mounted_secrets_file_reaches_the_engine_environment_only(tmp_path):
+    from runtime import serve
+
+    secrets = tmp_path / "secrets.env"
+    secrets.write_text("VLLM_API_KEY=sf-test-key\n")
+    assert serve.read_secrets(str(secrets)) == {"VLLM_API_KEY": "sf-test-key"}
+    assert serve.read_secrets(str(tmp_path / "absent")) == {}

@@ -4,17 +4,16 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from support.runtime_env import (
     DFLASH_SPEC,
     EXPECTED_ARGV,
     EXPECTED_PATCHES,
     PROFILES,
-    import_serve_args,
     profile_env,
 )
 
-sa = import_serve_args()
+from runtime import serve_args as sa
+
 
 @pytest.mark.parametrize("profile", PROFILES)
 def test_profile_argv_exact(profile: str) -> None:
@@ -58,7 +57,7 @@ def test_extra_args_appended_verbatim_last() -> None:
     assert sa.build_serve_argv(profile_env("base") | {"SF_EXTRA_ARGS": "[]"}) == EXPECTED_ARGV["base"]
 
 
-@pytest.mark.parametrize("var", sa.REQUIRED)
+@pytest.mark.parametrize("var", sa.REQUIRED_VARS)
 def test_missing_required_variable_is_named(var: str) -> None:
     env = profile_env("dense")
     del env[var]
@@ -68,7 +67,7 @@ def test_missing_required_variable_is_named(var: str) -> None:
         sa.build_serve_argv(env | {var: "  "})
 
 
-@pytest.mark.parametrize("var", sa.PRESENT)
+@pytest.mark.parametrize("var", sa.PRESENT_VARS)
 def test_absent_off_switch_is_an_error_not_a_silent_off(var: str) -> None:
     env = profile_env("dense")
     del env[var]
@@ -76,7 +75,7 @@ def test_absent_off_switch_is_an_error_not_a_silent_off(var: str) -> None:
         sa.build_serve_argv(env)
 
 
-@pytest.mark.parametrize("var", sa.OPTIONAL)
+@pytest.mark.parametrize("var", sa.OPTIONAL_VARS)
 def test_optional_variables_may_be_absent(var: str) -> None:
     env = profile_env("base")
     del env[var]

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import ast
 import re
-from functools import lru_cache
+from functools import cache
 
 import pytest
-
-from support.runtime_env import PROFILES, import_serve_args, profile_env
+from support.runtime_env import PROFILES, profile_env
 from support.vllm_source import VLLM_TEST_VERSIONS, vllm_members, vllm_source_files
 
-sa = import_serve_args()
+from runtime import serve_args as sa
+
+pytestmark = pytest.mark.network  # real vLLM sources: the PyPI sdists, downloaded once
+
 
 # The frontend (OpenAI server) args moved from openai/ to common/ after 0.23.
 FRONTEND_FILES = ("vllm/entrypoints/openai/cli_args.py", "vllm/entrypoints/common/cli_args.py")
@@ -32,7 +34,7 @@ VALUE_FILES = (
 )
 
 
-@lru_cache(maxsize=None)
+@cache
 def _sources(version: str) -> dict[str, str]:
     """The vLLM files these checks read, fetched in one pass over the sdist."""
     members = set(vllm_members(version))
@@ -55,7 +57,7 @@ def cli_files(version: str) -> list[str]:
     return [*ENGINE_FILES, frontend_file(version)]
 
 
-@lru_cache(maxsize=None)
+@cache
 def cli_flags(version: str) -> frozenset[str]:
     flags: set[str] = set()
     for rel in cli_files(version):
@@ -75,7 +77,7 @@ def cli_flags(version: str) -> frozenset[str]:
     return frozenset(flags)
 
 
-@lru_cache(maxsize=None)
+@cache
 def bool_fields(version: str) -> frozenset[str]:
     """Dataclass fields annotated as plain bool (-> BooleanOptionalAction: --x/--no-x)."""
     files = [m for m in _sources(version) if m.startswith("vllm/config/")] + cli_files(version)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-
 from support import vllm_source as vs
 
 
@@ -13,6 +12,7 @@ def test_cache_root_respects_env(monkeypatch, tmp_path) -> None:
     assert vs.cache_root().parts[-3:] == (".cache", "sparkfleet", "vllm")
 
 
+@pytest.mark.network
 @pytest.mark.parametrize("version", vs.VLLM_TEST_VERSIONS)
 def test_cached_members_need_no_network(version: str, monkeypatch) -> None:
     vs.vllm_source_file(version, "vllm/_version.py")  # warm (may download once)
@@ -26,11 +26,13 @@ def test_cached_members_need_no_network(version: str, monkeypatch) -> None:
     assert vs.vllm_sdist(version).name == f"vllm-{version}.tar.gz"
 
 
+@pytest.mark.network
 def test_missing_member_is_a_clear_error() -> None:
     with pytest.raises(vs.VllmSourceError, match="no member"):
         vs.vllm_source_file(vs.VLLM_IMAGE_VERSION, "vllm/does/not/exist.py")
 
 
+@pytest.mark.network
 def test_layout_differences_are_real() -> None:
     """The moves the capability gates rely on are in the real sdists."""
     old, new = vs.VLLM_IMAGE_VERSION, vs.VLLM_NEWEST_VERSION

@@ -1,6 +1,13 @@
-"""Helpers for tests of runtime/: profile serve.env fixtures and the runtime import path."""
+"""Helpers for tests of runtime/: profile serve.env fixtures and where runtime/ lives.
+
+The golden env files (tests/runtime/envs/) and docs/architecture.md's serve.env table
+are produced from runtime/serve_args.py's SERVE_ENV; tests fail when either drifts.
+After changing SERVE_ENV or a default, rewrite both with
+``python tests/support/runtime_env.py`` and review the diff.
+"""
 from __future__ import annotations
 
+import runpy
 import sys
 from pathlib import Path
 
@@ -8,6 +15,10 @@ REPO = Path(__file__).resolve().parents[2]
 RUNTIME_DIR = REPO / "runtime"
 PATCH_DIR = RUNTIME_DIR / "patches"
 ENV_DIR = REPO / "tests" / "runtime" / "envs"
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+# docs/architecture.md: the generated table sits between these two lines.
+TABLE_BEFORE = "<!-- serve.env table: generated from SERVE_ENV in runtime/serve_args.py -->\n"
+TABLE_AFTER = "\nPatch names:"
 PROFILES = ("dense", "dflash", "base", "mtp")
 
 
@@ -67,10 +78,38 @@ def profile_env(profile: str) -> dict[str, str]:
     return read_env_file(ENV_DIR / f"{profile}.env")
 
 
-def import_serve_args():
-    """runtime/ is not a package (it is mounted as /host); import serve_args by path."""
-    if str(RUNTIME_DIR) not in sys.path:
-        sys.path.insert(0, str(RUNTIME_DIR))
-    import serve_args
+def rendered_env(profile: str) -> dict[str, str]:
+    """serve.env as the deploy renders it for ``profile`` with group_data/all.py defaults."""
+    from sparkfleet.config import validate_host_data
 
-    return serve_args
+    defaults = runpy.run_path(str(REPO / "group_data" / "all.py"))
+    data = {k: v for k, v in defaults.items() if not k.startswith("__")}
+    return validate_host_data("spark-1", {**data, "profile": profile}).serve_env()
+
+
+def golden_env_text(profile: str) -> str:
+    lines = [f"# The {profile} profile as the deploy renders serve.env with group_data/all.py defaults."]
+    lines += [f"{key}={value}" for key, value in rendered_env(profile).items()]
+    return "\n".join(lines) + "\n"
+
+
+def documented_table(text: str) -> str:
+    """The serve.env table as docs/architecture.md has it."""
+    start = text.index(TABLE_BEFORE) + len(TABLE_BEFORE)
+    return text[start : text.index(TABLE_AFTER, start)].strip("\n") + "\n"
+
+
+def write_contract_files() -> None:
+    """Rewrite the golden env files and the doc's table from SERVE_ENV and the defaults."""
+    from runtime.serve_args import doc_table
+
+    for profile in PROFILES:
+        (ENV_DIR / f"{profile}.env").write_text(golden_env_text(profile))
+    text = ARCHITECTURE.read_text()
+    old = documented_table(text)
+    ARCHITECTURE.write_text(text.replace("\n" + old, "\n" + doc_table(), 1))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))  # run as a script: sparkfleet and runtime from this checkout
+    write_contract_files()

@@ -19,8 +19,8 @@ import os
 import shutil
 import tarfile
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 from urllib.parse import urljoin
 
 import requests

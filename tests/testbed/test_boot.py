@@ -14,8 +14,9 @@ import subprocess
 import time
 
 import pytest
+from pyinfra.facts.server import Arch as Architecture
 
-from sparkfleet.preflight import Architecture, Gpu
+from sparkfleet.facts import Gpu
 from sparkfleet.testbed import fleet, image, paths
 from sparkfleet.testbed.proc import missing_tools
 
@@ -32,7 +33,7 @@ def tb():
     if missing_tools():
         pytest.fail(f"missing tools for the testbed: {missing_tools()}", pytrace=False)
     t0 = time.monotonic()
-    bed = fleet.up(1)
+    bed = fleet.up(1, login_kind="root", names="plain")
     print(f"\nup --hosts 1 took {time.monotonic() - t0:.1f}s")
     try:
         yield bed
@@ -86,10 +87,11 @@ def test_docker_runs_the_registry_image_with_gpus(tb):
 
 def test_image_digest_is_stable(tb):
     config, layers = image.build()  # from the cache: same inputs, same bytes
-    from sparkfleet.testbed.registry import manifest_bytes
     import hashlib
 
-    digest = "sha256:" + hashlib.sha256(manifest_bytes(config, [(l.blob, l.digest, l.size) for l in layers])).hexdigest()
+    from sparkfleet.testbed.registry import manifest_bytes
+
+    digest = "sha256:" + hashlib.sha256(manifest_bytes(config, [(layer.blob, layer.digest, layer.size) for layer in layers])).hexdigest()
     assert digest == tb.image["digest"]
 
 

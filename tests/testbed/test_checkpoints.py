@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from runtime import safetensors_io as stio
 from sparkfleet.testbed import checkpoints as ck
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "runtime"))
-import safetensors_io as stio  # noqa: E402
 
 HEX40 = re.compile(r"^[0-9a-f]{40}$")
 

@@ -56,7 +56,7 @@ def test_up_removes_leftovers_and_down_leaves_nothing(root_only):
         assert STRAY_NETNS in found["netns"] and STRAY_VETH in found["links"]
         assert found["mounts"] and str(stray.pid) in found["processes"]
 
-        tb = fleet.up(4)
+        tb = fleet.up(4, login_kind="root", names="plain")
         assert stray.wait(timeout=15) is not None, "the stray server was not stopped"
         assert STRAY_NETNS not in cleanup.leftovers()["netns"]
         assert not list(paths.CACHE_DIR.glob("*.tmp-999999"))

@@ -4,23 +4,22 @@ from __future__ import annotations
 
 import http.client
 import json
-import math
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sparkfleet.testbed import engine as eng
+from sparkfleet.testbed.engine import flags, perf
 
-ENGINE = Path(eng.__file__)
 MODEL = "acme/tiny-model"
 HYBRID = "acme/tiny-int4-fp8-hybrid"
 DRAFTER = "acme/tiny-dflash"
@@ -127,7 +126,7 @@ def clean_environ() -> dict[str, str]:
 
 
 def engine_cmd(*args: str) -> list[str]:
-    return [sys.executable, str(ENGINE), *args]
+    return [sys.executable, "-m", "sparkfleet.testbed.engine", *args]
 
 
 def run_engine(hf_home: Path, *args: str, env: dict[str, str] | None = None,
@@ -251,7 +250,7 @@ def test_unknown_flag_is_rejected_like_vllm(hf_home: Path) -> None:
 
 
 def test_vllm_spellings_are_accepted() -> None:
-    args = eng.build_parser().parse_args(eng.normalize_argv([
+    args = flags.build_parser().parse_args(flags.normalize_argv([
         "serve", "--model", MODEL, "--max_model_len", "32k", "-O3", "--speculative-config.method", "dflash",
         "--speculative-config.num_speculative_tokens", "4", "--no-enable-prefix-caching", "-tp", "1",
     ]))
@@ -365,9 +364,10 @@ def test_paris(dflash: Server) -> None:
     assert body["usage"]["completion_tokens"] < 8 and body["usage"]["prompt_tokens"] >= 10
     status, body = dflash.request("POST", "/v1/chat/completions", {
         "model": "qwen", "messages": [{"role": "user", "content": "What is the capital of France?"}],
-        "max_tokens": 16})
+        "max_tokens": 40})
     assert status == 200
     assert body["choices"][0]["message"]["content"].startswith("Paris")
+    assert body["choices"][0]["message"]["reasoning"]  # Qwen3.5 thinks unless told not to
     assert body["object"] == "chat.completion"
 
 
@@ -411,10 +411,13 @@ def test_streaming_completion_with_usage(dflash: Server) -> None:
     assert len(chunks) < 30  # speculative decoding: deltas carry accepted blocks
 
 
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
 def test_streaming_chat_with_usage(dflash: Server) -> None:
     _, events = stream(dflash, "/v1/chat/completions", {
         "model": "qwen", "messages": [{"role": "user", "content": "What is the capital of France?"}],
-        "max_tokens": 20, "stream_options": {"include_usage": True}})
+        "max_tokens": 20, "stream_options": {"include_usage": True}, **NO_THINKING})
     chunks = [e for _, e in events if e != "[DONE]"]
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
@@ -461,12 +464,17 @@ def test_auto_tool_choice_needs_the_server_flags(start: Any) -> None:
     assert status == 400 and "--enable-auto-tool-choice" in body["error"]["message"]
 
 
-def test_reasoning_is_opt_in(dflash: Server) -> None:
-    status, body = dflash.request("POST", "/v1/chat/completions", {
-        "model": "qwen", "messages": [{"role": "user", "content": "What is the capital of France?"}],
-        "chat_template_kwargs": {"enable_thinking": True}, "max_tokens": 100})
-    message = body["choices"][0]["message"]
-    assert message["reasoning"] and message["content"].startswith("Paris")
+def test_reasoning_goes_to_its_own_field_only_with_the_parser(dflash: Server, start: Any) -> None:
+    question = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 100}
+    message = dflash.request("POST", "/v1/chat/completions", {"model": "qwen", **question})[1]["choices"][0]["message"]
+    assert message["reasoning"].startswith(" Okay") and "</think>" not in message["reasoning"]
+    assert message["content"] == "Paris."
+    off = dflash.request("POST", "/v1/chat/completions", {"model": "qwen", **question, **NO_THINKING})[1]
+    assert off["choices"][0]["message"]["reasoning"] is None
+    assert off["choices"][0]["message"]["content"] == "Paris."
+    # Without --reasoning-parser the thinking stays in the content, as vLLM leaves it.
+    raw = start().request("POST", "/v1/chat/completions", {"model": MODEL, **question})[1]["choices"][0]["message"]
+    assert raw["reasoning"] is None and raw["content"].endswith("</think>Paris.")
 
 
 @pytest.mark.parametrize("via_env", [False, True])
@@ -509,32 +517,34 @@ def test_decode_rate_ttft_and_acceptance_match_the_settings(dflash: Server) -> N
     for t_send, events in runs:
         t_first, rate, n = decode_rate(events)
         assert n == 200
-        assert rate == pytest.approx(200, rel=0.02)
-        assert t_first - t_send == pytest.approx(0.05, abs=0.04)
-        # Deltas carry blocks of accepted tokens (about 200 / 8.3 of them), not single tokens.
-        assert len([e for _, e in events if e != "[DONE]" and e["choices"]]) < 200 / 4
+        assert 0.6 * 200 <= rate <= 1.05 * 200  # a busy shared machine only delays deltas
+        assert 0.045 <= t_first - t_send <= 0.05 + 0.25
+        # Deltas carry blocks of accepted tokens (about 200 / 2.3 of them: prose), not single tokens.
+        assert len([e for _, e in events if e != "[DONE]" and e["choices"]]) < 200 / 2
 
     def delta(name: str) -> float:
         return after.get(name, 0) - before.get(name, 0)
 
     drafts = delta("vllm:spec_decode_num_drafts_total")
     accepted = delta("vllm:spec_decode_num_accepted_tokens_total")
-    assert abs(drafts - 3 * 199 / 8.3) <= 1
-    assert 1 + accepted / drafts == pytest.approx(8.3, rel=0.02)
+    prose = perf.DFLASH_12[perf.PROSE][0]
+    assert abs(drafts - 3 * 199 / prose) <= 1
+    assert 1 + accepted / drafts == pytest.approx(prose, rel=0.02)
     assert delta("vllm:spec_decode_num_draft_tokens_total") == drafts * 12
     per_pos = [delta(f"vllm:spec_decode_num_accepted_tokens_per_pos_total|position={p}") for p in range(12)]
     assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
     assert delta("vllm:generation_tokens_total") == 600
     assert delta("vllm:prompt_tokens_total") > 0
     assert delta("vllm:time_to_first_token_seconds_count") == 3
-    assert delta("vllm:time_to_first_token_seconds_sum") == pytest.approx(3 * 0.05, abs=0.03)
+    assert 3 * 0.045 <= delta("vllm:time_to_first_token_seconds_sum") <= 3 * (0.05 + 0.25)
     assert after["vllm:num_requests_running"] == 0
 
 
 @pytest.mark.parametrize("spec, accept, tokens_env", [
     (None, 1.0, {}),
-    ('{"method":"qwen3_5_mtp","num_speculative_tokens":2}', 2.88, {}),
+    ('{"method":"qwen3_5_mtp","num_speculative_tokens":2}', perf.MTP_2[perf.CHAT][0], {}),
     (DFLASH_SPEC, 5.4, {"SIM_ACCEPT_LEN": "5.4"}),
+    (DFLASH_SPEC, perf.DFLASH_12[perf.CHAT][0], {}),  # a chat answer: albond's e2e acceptance
 ])
 def test_rate_and_acceptance_per_profile(start: Any, spec: str | None, accept: float,
                                          tokens_env: dict[str, str]) -> None:
@@ -544,7 +554,7 @@ def test_rate_and_acceptance_per_profile(start: Any, spec: str | None, accept: f
     _, events = stream(server, "/v1/chat/completions", bench_body(200, chat=True))
     after = server.metrics()
     _, rate, n = decode_rate(events)
-    assert n == 200 and rate == pytest.approx(200, rel=0.02)
+    assert n == 200 and 0.6 * 200 <= rate <= 1.05 * 200  # a busy shared machine only delays deltas
     if spec is None:
         assert not any(k.startswith("vllm:spec_decode") for k in after)  # like vLLM without spec
         return
@@ -554,58 +564,22 @@ def test_rate_and_acceptance_per_profile(start: Any, spec: str | None, accept: f
     assert 1 + accepted / drafts == pytest.approx(accept, rel=0.02)
 
 
-def test_profile_defaults_follow_the_seeds() -> None:
-    cfg: dict[str, Any] = {}
-    dflash = eng.SpecConfig("dflash", 12, DRAFTER, None)
-    mtp = eng.SpecConfig("qwen3_5_mtp", 2, None, None)
-    prof = eng.sim_profile(MODEL, cfg, None, {})
-    assert (prof.decode_tok_s, prof.accept_len, prof.ttft_s, prof.ready_delay_s) == (28.2, 1.0, 0.25, 3.0)
-    assert eng.sim_profile("bleysg/Qwen3.5-122B-A10B-int4-fp8-hybrid", cfg, None, {}).decode_tok_s == 36.0
-    assert eng.sim_profile("/model", {"sparkfleet_hybrid": True}, None, {}).decode_tok_s == 36.0
-    assert (eng.sim_profile(MODEL, cfg, mtp, {}).decode_tok_s, eng.sim_profile(MODEL, cfg, mtp, {}).accept_len) == (39.9, 2.88)
-    assert (eng.sim_profile(MODEL, cfg, dflash, {}).decode_tok_s, eng.sim_profile(MODEL, cfg, dflash, {}).accept_len) == (81.0, 8.3)
-    env = {"SIM_DECODE_TOK_S": "50", "SIM_TTFT_S": "0.5", "SIM_ACCEPT_LEN": "4", "SIM_READY_DELAY_S": "0"}
-    prof = eng.sim_profile(MODEL, cfg, dflash, env)
-    assert (prof.decode_tok_s, prof.ttft_s, prof.accept_len, prof.ready_delay_s) == (50.0, 0.5, 4.0, 0.0)
-    assert eng.sim_profile(MODEL, cfg, mtp, {"SIM_ACCEPT_LEN": "9"}).accept_len == 3.0  # capped at k + 1
-
-
-def test_decode_blocks() -> None:
-    assert eng.decode_blocks(0, 8.3, 12) == []
-    assert eng.decode_blocks(5, 1.0, 0) == [1] * 5
-    for n, accept, k in [(200, 8.3, 12), (1000, 2.88, 2), (37, 5.4, 12), (2, 8.3, 12), (500, 13.0, 12)]:
-        blocks = eng.decode_blocks(n, accept, k)
-        assert blocks[0] == 1 and sum(blocks) == n and max(blocks) <= k + 1
-        nearest = min(max(round((n - 1) / accept), math.ceil((n - 1) / (k + 1)), 1), n - 1)
-        assert len(blocks) - 1 == nearest
-
-
-def test_acceptance_converges_over_many_short_requests() -> None:
-    planner = eng.StepPlanner(5.4, 12)
-    tokens = steps = 0
-    for n in [37, 12, 9, 80, 19, 44, 7] * 20:  # long enough that no step count is forced
-        blocks = planner.blocks(n)
-        assert blocks[0] == 1 and sum(blocks) == n and max(blocks) <= 13
-        assert abs(len(blocks) - 1 - (n - 1) / 5.4) <= 1  # one request: within a step
-        tokens, steps = tokens + n - 1, steps + len(blocks) - 1
-        assert abs(steps - tokens / 5.4) <= 0.5 + 1e-9  # the running total: within half a step
-    assert tokens / steps == pytest.approx(5.4, rel=0.005)
-
-
-def test_concurrent_streams_each_get_the_full_rate(dflash: Server) -> None:
+def test_concurrent_streams_each_slow_down_as_on_gb10(dflash: Server) -> None:
     import threading
 
     results: list[float] = []
 
     def one() -> None:
-        results.append(decode_rate(stream(dflash, "/v1/completions", bench_body(100))[1])[1])
+        results.append(decode_rate(stream(dflash, "/v1/completions", bench_body(120))[1])[1])
 
     threads = [threading.Thread(target=one) for _ in range(3)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert len(results) == 3 and all(r == pytest.approx(200, rel=0.03) for r in results)
+    # Three prose streams at once: each at 30.8 / 48.8 of the single-stream rate (dense table).
+    expected = 200 / perf.slowdown(perf.PROSE, 3)
+    assert len(results) == 3 and all(0.6 * expected <= r <= 1.05 * expected for r in results)
 
 
 def test_client_disconnect_aborts_the_request(dflash: Server) -> None:

@@ -16,12 +16,11 @@ from __future__ import annotations
 import ast
 import re
 from functools import lru_cache
-from pathlib import Path
 
 import pytest
-
-from sparkfleet.testbed import engine
 from support.vllm_source import VLLM_IMAGE_VERSION, vllm_members, vllm_source_file
+
+from sparkfleet.testbed.engine import flags as engine
 
 ARG_UTILS = "vllm/engine/arg_utils.py"
 CLI_ARGS = "vllm/entrypoints/openai/cli_args.py"
@@ -199,7 +198,7 @@ def test_deploy_argv_of_every_profile_is_accepted() -> None:
     """The argv runtime/serve_args.py builds for each profile parses here and passes the
     startup checks that need no model (parsers, speculative config)."""
     support = pytest.importorskip("support.runtime_env")
-    serve_args = support.import_serve_args()
+    from runtime import serve_args
     real = real_serve_flags()
     for profile in support.PROFILES:
         argv = serve_args.build_serve_argv(support.profile_env(profile))
@@ -212,6 +211,10 @@ def test_deploy_argv_of_every_profile_is_accepted() -> None:
         engine.parse_speculative_config(args.speculative_config)
 
 
-def test_engine_file_is_an_executable_script() -> None:
-    path = Path(engine.__file__)
-    assert path.read_text().startswith("#!/usr/bin/env python3\n")
+def test_the_image_runs_the_engine_package_as_vllm() -> None:
+    from sparkfleet.testbed import image
+
+    files = image.engine_source()
+    assert {"serve.py", "flags.py", "perf.py", "api.py"} <= set(files)
+    assert image.ENGINE_LAUNCHER.startswith(b"#!/usr/bin/python3\n")
+    assert f"from {image.ENGINE_PACKAGE}.serve import main".encode() in image.ENGINE_LAUNCHER

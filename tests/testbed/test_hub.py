@@ -10,8 +10,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import huggingface_hub
 import pytest
@@ -373,12 +374,12 @@ def olah_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import platform
     import runpy
 
-    from sparkfleet.distribution import _controller_wheelhouse
+    from sparkfleet.mirror.hf import controller_wheelhouse
 
     requirement = runpy.run_path(str(Path(__file__).resolve().parents[2] / "group_data" / "all.py"))["mirror_olah"]
     python = {"major": sys.version_info[0], "minor": sys.version_info[1], "machine": platform.machine(),
               "glibc": platform.libc_ver()[1] or "-"}
-    wheels = _controller_wheelhouse(requirement, python)
+    wheels = controller_wheelhouse(requirement, python)
     target = tmp_path_factory.mktemp("olah")
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(target),
                     *[str(w) for w in wheels.glob("*.whl") if not w.name.startswith("pip-")]],

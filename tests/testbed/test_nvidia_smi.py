@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from sparkfleet.preflight import GB10_COMPUTE_CAPABILITY, GB10_NAME, Gpu
+from sparkfleet.facts import Gpu
+from sparkfleet.preflight import GB10_COMPUTE_CAPABILITY, GB10_NAME
 from sparkfleet.testbed import simhw
 
 SMI = simhw.HERE / "nvidia_smi.py"

@@ -6,6 +6,7 @@ standard library and prometheus_client only, and imports its siblings relatively
 directory is importable as ``sparkfleet.bench.onhost`` on the controller and under any
 name on the host.
 
-    python3 -m <pkg> --base-url http://127.0.0.1:8000 --model qwen \
-        --checks smoke,decode,e2e --out result.json
+    python3 -m <pkg> --settings '{"base_url": "http://127.0.0.1:8000", "checks": ["smoke"], ...}'
+
+The settings document and the result file are defined in ``schema.py``.
 """

@@ -6,7 +6,7 @@ line — timestamps would measure the buffer, not the server. ``http.client`` re
 SSE line as soon as it arrives (chunked or not), and it ignores proxy variables, which
 must never sit between a bench and the server on the same host.
 
-One connection per request, like the seeds' harnesses: albond's end-to-end time includes
+One connection per request, like the reference recipe's harnesses: albond's end-to-end time includes
 it, and a fresh connection cannot carry state from the previous run.
 """
 
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
 import time
-from typing import Any, Iterator, Optional, Tuple
+from collections.abc import Iterator
+from typing import Any
 from urllib.parse import urlsplit
 
 from .timing import StreamRecord
@@ -30,7 +30,7 @@ class Client:
     """Talks to one OpenAI-compatible server (vLLM or the simulated engine)."""
 
     def __init__(
-        self, base_url: str, model: str, api_key: Optional[str] = None, timeout: float = 600.0
+        self, base_url: str, model: str, api_key: str | None = None, timeout: float = 600.0
     ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -58,7 +58,7 @@ class Client:
             headers["Authorization"] = f"Bearer {self.api_key}"
         return headers
 
-    def _open(self, method: str, path: str, body: Optional[dict]) -> Tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    def _open(self, method: str, path: str, body: dict | None) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         conn = self._connection()
         payload = json.dumps(body).encode() if body is not None else None
         try:
@@ -70,7 +70,7 @@ class Client:
                 f"cannot reach {self.base_url}: connection refused "
                 "(is the sparkfleet-serve container running and READY?)"
             ) from None
-        except socket.timeout:
+        except TimeoutError:
             conn.close()
             raise BenchError(f"{method} {path} timed out after {self.timeout:.0f} s") from None
         except OSError as exc:
@@ -101,14 +101,14 @@ class Client:
         finally:
             conn.close()
 
-    def post_json(self, path: str, body: dict) -> Tuple[dict, float, float]:
+    def post_json(self, path: str, body: dict) -> tuple[dict, float, float]:
         """POST and read the whole answer; returns (json, t_start, t_end) in perf_counter s."""
         t_start = time.perf_counter()
         conn, resp = self._open("POST", path, body)
         try:
             raw = resp.read()
             t_end = time.perf_counter()
-        except socket.timeout:
+        except TimeoutError:
             raise BenchError(f"POST {path} timed out after {self.timeout:.0f} s") from None
         finally:
             conn.close()
@@ -117,14 +117,14 @@ class Client:
         except ValueError:
             raise BenchError(f"POST {path}: answer is not JSON: {raw[:200]!r}") from None
 
-    def post_sse(self, path: str, body: dict) -> Iterator[Tuple[float, dict]]:
+    def post_sse(self, path: str, body: dict) -> Iterator[tuple[float, dict]]:
         """POST a streaming request; yield (arrival perf_counter, event) per SSE data line."""
         conn, resp = self._open("POST", path, body)
         try:
             while True:
                 try:
                     raw = resp.readline()
-                except socket.timeout:
+                except TimeoutError:
                     raise BenchError(f"stream {path} stalled for {self.timeout:.0f} s") from None
                 now = time.perf_counter()
                 if not raw:
@@ -154,14 +154,14 @@ class Client:
     def metrics_text(self) -> str:
         return self.get_text("/metrics")
 
-    def complete(self, prompt: str, max_tokens: int, **extra: Any) -> Tuple[dict, float]:
+    def complete(self, prompt: str, max_tokens: int, **extra: Any) -> tuple[dict, float]:
         """Non-streaming /v1/completions; returns (json, wall seconds)."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
         body.update(extra)
         data, t0, t1 = self.post_json("/v1/completions", body)
         return data, t1 - t0
 
-    def chat(self, messages: list, max_tokens: int, **extra: Any) -> Tuple[dict, float, float]:
+    def chat(self, messages: list, max_tokens: int, **extra: Any) -> tuple[dict, float, float]:
         """Non-streaming /v1/chat/completions; returns (json, t_start, t_end)."""
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
         body.update(extra)
@@ -185,11 +185,11 @@ class Client:
 
     def _timed_stream(self, path: str, body: dict) -> StreamRecord:
         t_start = time.perf_counter()
-        t_first: Optional[float] = None
-        t_last: Optional[float] = None
+        t_first: float | None = None
+        t_last: float | None = None
         kinds: dict = {}
         deltas = 0
-        usage: Optional[dict] = None
+        usage: dict | None = None
         for now, event in self.post_sse(path, body):
             if isinstance(event.get("usage"), dict):
                 usage = event["usage"]
@@ -221,7 +221,7 @@ def delta_kinds(event: dict) -> list:
 
     Every kind counts as a token arrival: completions ``text``; chat ``content``,
     ``reasoning_content``/``reasoning`` (the qwen3 reasoning parser) and ``tool_calls``
-    (the qwen3_xml tool parser). Timing only ``content`` — as the seeds' agent bench did —
+    (the qwen3_xml tool parser). Timing only ``content`` — as the reference recipe's agent bench did —
     would start the clock after the model's thinking and drop tool-call turns.
     """
     kinds = []

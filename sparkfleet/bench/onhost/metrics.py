@@ -19,7 +19,6 @@ that differ only by labels (``engine``, ``model_name``) are summed: one server, 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -85,10 +84,10 @@ def parse_spec_counters(text: str) -> SpecCounters:
     return out
 
 
-def acceptance(delta: SpecCounters) -> Optional[dict]:
+def acceptance(delta: SpecCounters) -> dict | None:
     """Acceptance of a measured window, or None when no draft happened in it.
 
-    ``mean_length`` is what the seeds call "accept len" (1 + accepted / drafts);
+    ``mean_length`` is what the reference recipe calls "accept len" (1 + accepted / drafts);
     ``rate`` is accepted / proposed; ``per_position[i]`` is accepted at i / drafts, so the
     per-position rates add up to mean_length - 1.
     """

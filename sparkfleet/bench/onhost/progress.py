@@ -11,12 +11,13 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator, Optional, TextIO
+from typing import TextIO
 
 
 class Progress:
-    def __init__(self, stream: Optional[TextIO] = None, quiet: bool = False, every_s: float = 15.0) -> None:
+    def __init__(self, stream: TextIO | None = None, quiet: bool = False, every_s: float = 15.0) -> None:
         self.stream = stream or sys.stderr
         self.quiet = quiet
         self.every_s = every_s

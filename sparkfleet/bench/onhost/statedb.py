@@ -24,8 +24,9 @@ from __future__ import annotations
 import json
 import math
 import sqlite3
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 # Conservative: Qwen's tokenizer averages ~4 characters per token on English prose and
 # fewer on code and JSON; 3 keeps a trimmed context inside the server's window. The real
@@ -37,7 +38,7 @@ TRIM_MARK = "\n[... trimmed by the sparkfleet agent bench ...]"
 @dataclass
 class AgentTurn:
     session_id: str
-    messages: List[dict]
+    messages: list[dict]
     target_had_tool_calls: bool
     source_messages: int  # rows of the session before the target turn
     dropped_messages: int = 0  # dropped by trimming or as orphaned tool results
@@ -48,10 +49,10 @@ class AgentTurn:
 @dataclass
 class _Row:
     role: str
-    content: Optional[str]
-    tool_calls: Optional[str]
-    tool_call_id: Optional[str]
-    tool_name: Optional[str] = None
+    content: str | None
+    tool_calls: str | None
+    tool_call_id: str | None
+    tool_name: str | None = None
 
 
 def open_readonly(path: str) -> sqlite3.Connection:
@@ -69,7 +70,7 @@ def _tables(conn: sqlite3.Connection) -> set:
     return {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
 
 
-def recent_sessions(conn: sqlite3.Connection, limit: int, min_messages: int) -> List[Tuple[str, Optional[str]]]:
+def recent_sessions(conn: sqlite3.Connection, limit: int, min_messages: int) -> list[tuple[str, str | None]]:
     """(session id, system prompt) of up to ``limit`` most recent sessions with enough messages."""
     tables = _tables(conn)
     missing = {"sessions", "messages"} - tables
@@ -91,7 +92,7 @@ def recent_sessions(conn: sqlite3.Connection, limit: int, min_messages: int) -> 
         f"(SELECT COUNT(*) FROM messages m WHERE m.session_id = s.id{active}) AS n "
         f"FROM sessions s{join} ORDER BY {order}"
     )
-    out: List[Tuple[str, Optional[str]]] = []
+    out: list[tuple[str, str | None]] = []
     for row in conn.execute(sql):
         if row["n"] >= min_messages:
             out.append((str(row["id"]), row["system_prompt"]))
@@ -100,7 +101,7 @@ def recent_sessions(conn: sqlite3.Connection, limit: int, min_messages: int) -> 
     return out
 
 
-def session_rows(conn: sqlite3.Connection, session_id: str) -> List[_Row]:
+def session_rows(conn: sqlite3.Connection, session_id: str) -> list[_Row]:
     mcols = _columns(conn, "messages")
     pick = ["role", "content"] + [c for c in ("tool_calls", "tool_call_id", "tool_name") if c in mcols]
     where = "session_id = ?" + (" AND active = 1" if "active" in mcols else "")
@@ -116,7 +117,7 @@ def session_rows(conn: sqlite3.Connection, session_id: str) -> List[_Row]:
     ]
 
 
-def _normalize_tool_calls(raw: Optional[str], prefix: str, counter: List[int]) -> List[dict]:
+def _normalize_tool_calls(raw: str | None, prefix: str, counter: list[int]) -> list[dict]:
     """Hermes stores OpenAI-shaped tool calls as JSON; accept the flat shape too."""
     if not raw:
         return []
@@ -146,7 +147,7 @@ def _normalize_tool_calls(raw: Optional[str], prefix: str, counter: List[int]) -
     return out
 
 
-def rebuild_messages(rows: Sequence[_Row], session_id: str = "s") -> Tuple[List[dict], int]:
+def rebuild_messages(rows: Sequence[_Row], session_id: str = "s") -> tuple[list[dict], int]:
     """OpenAI chat messages for ``rows`` (the context); returns (messages, orphans dropped).
 
     A tool result is paired with the call it answers: by ``tool_call_id`` when stored,
@@ -154,8 +155,8 @@ def rebuild_messages(rows: Sequence[_Row], session_id: str = "s") -> Tuple[List[
     that answers no call (its call was compacted away) is dropped: chat templates and
     vLLM reject it.
     """
-    messages: List[dict] = []
-    pending: List[str] = []
+    messages: list[dict] = []
+    pending: list[str] = []
     orphans = 0
     counter = [0]
     for row in rows:
@@ -164,7 +165,7 @@ def rebuild_messages(rows: Sequence[_Row], session_id: str = "s") -> Tuple[List[
             messages.append({"role": "user", "content": content})
             pending = []
         elif row.role == "assistant":
-            msg: Dict[str, Any] = {"role": "assistant", "content": content}
+            msg: dict[str, Any] = {"role": "assistant", "content": content}
             calls = _normalize_tool_calls(row.tool_calls, session_id[:8], counter)
             if calls:
                 msg["tool_calls"] = calls
@@ -187,9 +188,9 @@ def estimate_tokens(messages: Sequence[dict]) -> int:
     return math.ceil(len(json.dumps(list(messages), ensure_ascii=False)) / CHARS_PER_TOKEN)
 
 
-def _units(messages: List[dict]) -> List[List[dict]]:
+def _units(messages: list[dict]) -> list[list[dict]]:
     """Split into units that must stay together: an assistant message with its tool results."""
-    units: List[List[dict]] = []
+    units: list[list[dict]] = []
     for msg in messages:
         if msg["role"] == "tool" and units and units[-1][0]["role"] == "assistant":
             units[-1].append(msg)
@@ -199,8 +200,8 @@ def _units(messages: List[dict]) -> List[List[dict]]:
 
 
 def trim_context(
-    system_prompt: Optional[str], messages: List[dict], max_tokens: int
-) -> Tuple[List[dict], int, int]:
+    system_prompt: str | None, messages: list[dict], max_tokens: int
+) -> tuple[list[dict], int, int]:
     """Fit system prompt + messages into ``max_tokens`` (estimated).
 
     Oldest units go first, except the user message that started the current chain (the
@@ -214,7 +215,7 @@ def trim_context(
     pin = max((i for i, u in enumerate(units) if u[0]["role"] == "user"), default=None)
     dropped = 0
 
-    def flat() -> List[dict]:
+    def flat() -> list[dict]:
         return system + [m for u in units for m in u]
 
     while estimate_tokens(flat()) > max_tokens:
@@ -246,12 +247,12 @@ def trim_context(
 
 def load_turns(
     path: str, sessions: int, max_context_tokens: int, min_messages: int = 6, scan: int = 4
-) -> Tuple[List[AgentTurn], List[str]]:
+) -> tuple[list[AgentTurn], list[str]]:
     """Up to ``sessions`` replayable turns from the most recent sessions, and skip reasons."""
     conn = open_readonly(path)
     try:
-        turns: List[AgentTurn] = []
-        skipped: List[str] = []
+        turns: list[AgentTurn] = []
+        skipped: list[str] = []
         for sid, system_prompt in recent_sessions(conn, sessions * scan, min_messages):
             if len(turns) >= sessions:
                 break

@@ -1,6 +1,6 @@
 """Timing math of the benches: pure functions over timestamps, no I/O.
 
-Two methods from the seeds, kept apart on purpose because they answer different
+Two methods from the reference recipe, kept apart on purpose because they answer different
 questions and are not comparable:
 
 - decode-only (``bench_decode.py``): tok/s = (tokens - 1) / (t_last - t_first), where
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, Optional
 
 
 @dataclass
@@ -29,10 +29,10 @@ class StreamRecord:
 
     t_start: float
     t_end: float
-    t_first: Optional[float]
-    t_last: Optional[float]
+    t_first: float | None
+    t_last: float | None
     completion_tokens: int
-    prompt_tokens: Optional[int] = None
+    prompt_tokens: int | None = None
     deltas: int = 0
     # Deltas seen per kind: content, reasoning, tool_calls (chat) or text (completions).
     kinds: dict = field(default_factory=dict)
@@ -44,7 +44,7 @@ class TimingError(ValueError):
     """A response too short or too degenerate to time."""
 
 
-def decode_tok_s(tokens: int, t_first: Optional[float], t_last: Optional[float]) -> float:
+def decode_tok_s(tokens: int, t_first: float | None, t_last: float | None) -> float:
     """Decode-only rate: the tokens after the first over the time between first and last delta."""
     if t_first is None or t_last is None:
         raise TimingError("no generated delta arrived")
@@ -58,7 +58,7 @@ def decode_tok_s(tokens: int, t_first: Optional[float], t_last: Optional[float])
     return (tokens - 1) / span
 
 
-def ttft_s(t_start: float, t_first: Optional[float]) -> float:
+def ttft_s(t_start: float, t_first: float | None) -> float:
     """Time to first generated delta, measured from just before the request was sent."""
     if t_first is None:
         raise TimingError("no generated delta arrived")
@@ -89,7 +89,7 @@ def record_rates(rec: StreamRecord) -> dict:
     }
 
 
-def summarize(values: Iterable[float]) -> Optional[dict]:
+def summarize(values: Iterable[float]) -> dict | None:
     """n / median / mean / min / max of the measured runs, or None when there are none."""
     vals = [float(v) for v in values if v is not None and not math.isnan(v)]
     if not vals:
@@ -103,7 +103,7 @@ def summarize(values: Iterable[float]) -> Optional[dict]:
     }
 
 
-def scaled(summary: Optional[dict], factor: float) -> Optional[dict]:
+def scaled(summary: dict | None, factor: float) -> dict | None:
     """The same summary in other units (e.g. seconds -> milliseconds)."""
     if summary is None:
         return None

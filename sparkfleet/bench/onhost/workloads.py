@@ -1,16 +1,16 @@
-"""The seeds' prompts, verbatim, so fleet numbers compare with the published ones."""
+"""The reference recipe's bench prompts, verbatim, so fleet numbers compare with the published ones."""
 
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple, Optional
+from typing import NamedTuple
 
 SMOKE_PROMPT = "What is the capital of France? Answer in one word."
 SMOKE_MAX_TOKENS = 8
 SMOKE_EXPECT = "paris"
 
-# The decode bank of the seeds' run_bank.sh: acceptance is task-dependent (prose ~2.3,
+# The decode bank of the reference recipe's run_bank.sh: acceptance is task-dependent (prose ~2.3,
 # code ~5.4, counting ~11 with DFlash n=12), so one number per workload.
-DECODE_BANK: Dict[str, str] = {
+DECODE_BANK: dict[str, str] = {
     "prose": (
         "You are a careful writer. Write a long flowing essay about the history and "
         "philosophy of science, with no lists. Begin: "
@@ -27,7 +27,7 @@ DECODE_BANK: Dict[str, str] = {
 }
 
 
-def decode_workloads(user_prompt: Optional[str]) -> Dict[str, str]:
+def decode_workloads(user_prompt: str | None) -> dict[str, str]:
     """The bank, plus the user's own prompt as workload ``user`` when one is given."""
     bank = dict(DECODE_BANK)
     if user_prompt:
@@ -41,8 +41,8 @@ class E2EPrompt(NamedTuple):
     max_tokens: int
 
 
-# albond's five prompts (bench_qwen35.sh, reproduced by the seeds' bench_albond.py).
-ALBOND_PROMPTS: List[E2EPrompt] = [
+# albond's five prompts (bench_qwen35.sh, reproduced by the reference recipe's bench_albond.py).
+ALBOND_PROMPTS: list[E2EPrompt] = [
     E2EPrompt("Q&A", "What are the main differences between TCP and UDP? Be concise.", 256),
     E2EPrompt(
         "Code",

@@ -196,7 +196,7 @@ def main(argv: list[str]) -> int:
             print("NVIDIA System Management Interface -- v" + gpu_info()["driver_version"] + " (simulated by sparkfleet testbed)")
             return 0
         else:
-            print(f"Invalid combination of input arguments. Please run 'nvidia-smi -h' for help.", file=sys.stderr)
+            print("Invalid combination of input arguments. Please run 'nvidia-smi -h' for help.", file=sys.stderr)
             return 2
     if fields is not None:
         if not fmt or "csv" not in fmt:

@@ -1,4 +1,5 @@
-"""Fleet report: every host's check results side by side, against the seeds' numbers.
+"""Fleet report: every host's check results side by side, against the reference recipe's
+published numbers (``reference.py``).
 
     sparkfleet report results/<run-id>      (sparkfleet.cli calls main([...]))
 
@@ -7,8 +8,8 @@ Reads ``results/<run-id>/<host>.json`` and writes, next to them:
 - ``fleet-report.txt`` — the terminal table (also printed): per workload, each host's
   tok/s, TTFT and mean acceptance length, and how far it is from the fleet median;
 - ``fleet-report.csv`` / ``fleet-report.json`` — the same, for machines;
-- ``fleet-report.png`` — tok/s per workload and host, with the seeds' published numbers
-  drawn as reference lines.
+- ``fleet-report.png`` — tok/s per workload and host, with the published numbers drawn
+  as reference lines.
 
 A host more than 10% below the fleet median of a workload is flagged. A host that failed
 its checks is shown as failed, with the reason (and the smoke answer it gave).
@@ -21,23 +22,19 @@ import csv
 import io
 import statistics
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
 
-from sparkfleet.bench.results import REPORT_STEM, load_run, now_iso, write_json
+from sparkfleet.bench.onhost.schema import now_iso
+from sparkfleet.bench.reference import reference_lines
+from sparkfleet.bench.results import REPORT_STEM, load_run, write_json
 
 # A host this far below the fleet median of a workload is flagged.
 FLAG_BELOW_MEDIAN = 0.10
 
-# The seeds' published numbers (single stream, GB10) and the workload each compares with.
-REFERENCES: List[dict] = [
-    {"label": "base no-spec decode 28.2", "tok_s": 28.2, "workloads": "decode/"},
-    {"label": "albond MTP-2 e2e 51.58", "tok_s": 51.58, "workloads": "e2e"},
-    {"label": "dflash e2e 53.7", "tok_s": 53.7, "workloads": "e2e"},
-    {"label": "dense e2e 59.0", "tok_s": 59.0, "workloads": "e2e"},
-    {"label": "Hermes agent turns ~81", "tok_s": 81.0, "workloads": "agent"},
-]
+# The reference recipe's published numbers, drawn beside the workloads they compare with.
+REFERENCES: list[dict] = reference_lines()
 
 _WORKLOAD_ORDER = ["decode/prose", "decode/code", "decode/counting", "decode/user", "e2e", "agent"]
 _WORKLOAD_TITLES = {"e2e": "e2e (albond)", "agent": "agent (Hermes)"}
@@ -45,13 +42,13 @@ _WORKLOAD_TITLES = {"e2e": "e2e (albond)", "agent": "agent (Hermes)"}
 
 @dataclass
 class Cell:
-    tok_s: Optional[float]
-    ttft_ms: Optional[float]
-    acceptance: Optional[float]
+    tok_s: float | None
+    ttft_ms: float | None
+    acceptance: float | None
     status: str = "ok"
-    reason: Optional[str] = None
-    median: Optional[float] = None
-    vs_median: Optional[float] = None  # fraction: -0.12 is 12% below the median
+    reason: str | None = None
+    median: float | None = None
+    vs_median: float | None = None  # fraction: -0.12 is 12% below the median
     flagged: bool = False
 
 
@@ -59,25 +56,26 @@ class Cell:
 class HostRow:
     host: str
     status: str
-    reason: Optional[str]
-    smoke: Optional[dict]
-    cells: Dict[str, Cell] = field(default_factory=dict)
+    reason: str | None
+    smoke: dict | None
+    tools: dict | None
+    cells: dict[str, Cell] = field(default_factory=dict)
 
 
 @dataclass
 class FleetReport:
     run_dir: Path
     run_id: str
-    hosts: List[HostRow]
-    workloads: List[str]
-    medians: Dict[str, Optional[float]]
+    hosts: list[HostRow]
+    workloads: list[str]
+    medians: dict[str, float | None]
 
     @property
-    def failed(self) -> List[HostRow]:
+    def failed(self) -> list[HostRow]:
         return [h for h in self.hosts if h.status != "ok"]
 
     @property
-    def flagged(self) -> List[tuple]:
+    def flagged(self) -> list[tuple]:
         return [(h.host, w, c) for w in self.workloads for h in self.hosts
                 for c in [h.cells.get(w)] if c is not None and c.flagged]
 
@@ -85,19 +83,19 @@ class FleetReport:
 # --- from results to cells ------------------------------------------------------------------
 
 
-def _median_of(summary: Optional[dict]) -> Optional[float]:
+def _median_of(summary: dict | None) -> float | None:
     return summary.get("median") if isinstance(summary, dict) else None
 
 
-def _acceptance(check: dict) -> Optional[float]:
+def _acceptance(check: dict) -> float | None:
     acc = check.get("acceptance")
     return acc.get("mean_length") if isinstance(acc, dict) else None
 
 
-def host_cells(result: dict) -> Dict[str, Cell]:
+def host_cells(result: dict) -> dict[str, Cell]:
     """The workload cells of one host's result (decode bank, e2e, agent)."""
     checks = result.get("checks") or {}
-    cells: Dict[str, Cell] = {}
+    cells: dict[str, Cell] = {}
     decode = checks.get("decode") or {}
     for name, w in (decode.get("workloads") or {}).items():
         cells[f"decode/{name}"] = Cell(
@@ -131,12 +129,13 @@ def build(run_dir: Path) -> FleetReport:
     rows = [
         HostRow(
             host=name, status=r.get("status", "failed"), reason=r.get("reason"),
-            smoke=(r.get("checks") or {}).get("smoke"), cells=host_cells(r),
+            smoke=(r.get("checks") or {}).get("smoke"), tools=(r.get("checks") or {}).get("tools"),
+            cells=host_cells(r),
         )
         for name, r in sorted(results.items())
     ]
     workloads = sorted({w for row in rows for w in row.cells}, key=_workload_sort_key)
-    medians: Dict[str, Optional[float]] = {}
+    medians: dict[str, float | None] = {}
     for w in workloads:
         values = [row.cells[w].tok_s for row in rows if w in row.cells and row.cells[w].tok_s is not None]
         medians[w] = statistics.median(values) if values else None
@@ -154,7 +153,7 @@ def build(run_dir: Path) -> FleetReport:
 # --- renderings -------------------------------------------------------------------------------------
 
 
-def _num(value: Optional[float], fmt: str) -> str:
+def _num(value: float | None, fmt: str) -> str:
     width = int(fmt.split(".")[0] or 0)
     return f"{'-':>{width}}" if value is None else format(value, fmt)
 
@@ -193,12 +192,24 @@ def render_table(rep: FleetReport) -> str:
             )
         if rep.medians.get(w) is not None:
             out.write(f"{'':<{wl_w}}  {'median':<{host_w}}  {rep.medians[w]:8.2f}\n")
+        published = [r["label"] for r in REFERENCES if w.startswith(r["workloads"])]
+        if published:
+            out.write(f"{'':<{wl_w}}  {'published':<{host_w}}  {' · '.join(published)}\n")
     smoke_rows = [h for h in rep.hosts if h.smoke]
     if smoke_rows:
         out.write("\nsmoke (capital of France):\n")
         for h in smoke_rows:
             verdict = "PASS" if h.smoke.get("passed") else "FAIL"
             out.write(f"  {h.host:<{host_w}}  {verdict}  answer {str(h.smoke.get('answer', ''))!r}\n")
+    tools_rows = [h for h in rep.hosts if h.tools]
+    if tools_rows:
+        out.write("\ntools (function-call round trip):\n")
+        for h in tools_rows:
+            if h.tools.get("passed"):
+                detail = f"get_weather({h.tools.get('arguments')}) -> answered"
+            else:
+                detail = str(h.tools.get("reason") or h.tools.get("status"))
+            out.write(f"  {h.host:<{host_w}}  {'PASS' if h.tools.get('passed') else 'FAIL'}  {detail}\n")
     if rep.failed:
         out.write("\nfailed hosts:\n")
         for h in rep.failed:
@@ -208,7 +219,7 @@ def render_table(rep: FleetReport) -> str:
         for host, w, c in rep.flagged:
             out.write(f"  {host} on {w}: {c.tok_s:.2f} tok/s vs median {c.median:.2f} ({c.vs_median * 100:+.1f}%)\n")
     out.write(
-        "\nreferences (seeds, GB10, c=1): " + " · ".join(r["label"] for r in REFERENCES) + "\n"
+        "\nreferences (the reference recipe, GB10, c=1): " + " · ".join(r["label"] for r in REFERENCES) + "\n"
         "decode/* and agent are decode-only tok/s (TTFT excluded); e2e is albond's "
         "completion_tokens / wall time.\n"
     )
@@ -259,6 +270,7 @@ def render_json(rep: FleetReport) -> dict:
                 "status": h.status,
                 "reason": h.reason,
                 "smoke": h.smoke,
+                "tools": h.tools,
                 "workloads": {w: vars(c) for w, c in h.cells.items()},
             }
             for h in rep.hosts
@@ -271,7 +283,7 @@ def render_json(rep: FleetReport) -> dict:
     }
 
 
-def _spread(values: List[float], gap: float) -> List[float]:
+def _spread(values: list[float], gap: float) -> list[float]:
     """Label heights near ``values``, at least ``gap`` apart (so labels do not overlap)."""
     order = sorted(range(len(values)), key=lambda i: values[i])
     out = list(values)
@@ -321,8 +333,10 @@ def render_png(rep: FleetReport, path: Path) -> None:
                              label=row.host + (" (failed)" if failed else "")))
     # Reference lines over the workloads they compare with; labels in the right margin.
     right = len(workloads) - 0.5
-    label_y = _spread([r["tok_s"] for r in REFERENCES], top * 0.035)
-    for ref, y_label in zip(REFERENCES, label_y):
+    # Only the references of workloads this run measured: the others have nothing to compare.
+    shown = [r for r in REFERENCES if any(w.startswith(r["workloads"]) for w in workloads)] or REFERENCES
+    label_y = _spread([r["tok_s"] for r in shown], top * 0.035)
+    for ref, y_label in zip(shown, label_y):
         groups = [gi for gi, w in enumerate(workloads) if w.startswith(ref["workloads"])]
         lo, hi = (min(groups) - 0.45, max(groups) + 0.45) if groups else (-0.5, right)
         ax.hlines(ref["tok_s"], lo, hi, colors="#444444", linestyles="dashed", linewidth=1.2)
@@ -345,7 +359,7 @@ def render_png(rep: FleetReport, path: Path) -> None:
 # --- entry points ----------------------------------------------------------------------------------
 
 
-def write(rep: FleetReport, plot: bool = True) -> Dict[str, Path]:
+def write(rep: FleetReport, plot: bool = True) -> dict[str, Path]:
     """Write the report files next to the results; returns their paths."""
     paths = {ext: rep.run_dir / f"{REPORT_STEM}.{ext}" for ext in ("txt", "csv", "json", "png")}
     paths["txt"].write_text(render_table(rep), encoding="utf-8")
@@ -368,7 +382,7 @@ def write_and_print(run_dir: Path, plot: bool = True, stream=None) -> FleetRepor
     return rep
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """``sparkfleet report RESULTS/RUN_ID``: rebuild the fleet report from saved results.
 
     Exit status 0 when written, 1 with ``--strict`` when a host failed or was flagged,

@@ -1,0 +1,434 @@
+"""The fleet endpoint: one OpenAI-compatible URL over every serving host.
+
+HAProxy from the distribution's archives runs on one host of the inventory
+(``fleet_endpoint``; resolved in config.chosen_endpoint) as the packaged ``haproxy.service``
+(master-worker, ``systemctl reload`` is seamless). Its members are the inventory's serving
+hosts, at the address each has on its route to the endpoint host (inventory names may be
+SSH aliases only the controller resolves). Clients need the fleet API key (anything else
+is answered 401 by HAProxy itself); HAProxy checks every member each second with a real
+request carrying that key and routes leastconn over those that answer. Its Prometheus
+exporter answers on ``endpoint_metrics_port`` with the same key.
+
+Why HAProxy and not vllm-router: a static bearer-key ACL (vllm-router authenticates
+clients only through an external validation URL), active HTTP checks that send headers,
+drain / ready through the runtime API, the Prometheus exporter, seamless reloads in
+master-worker mode, and it comes from the OS archives (no wheels on the hosts).
+
+The runtime API, for a rollout (controller side, over SSH, sudo honoured)::
+
+    ep = endpoint_host(state)           # the pyinfra Host serving the endpoint, or None
+    members(ep)                         # {inventory name: Member(state, sessions, ...)}
+    drain(ep, "spark-2", timeout_s=600) # no new requests; waits for in-flight ones
+    ready(ep, "spark-2", timeout_s=30)  # back in rotation; True once its checks pass
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import re
+import shlex
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import gevent
+import jinja2
+from pyinfra import host, logger
+from pyinfra.api import FactBase, FileUploadCommand, FunctionCommand, StringCommand, operation
+from pyinfra.api.exceptions import OperationError
+from pyinfra.facts.files import Sha256File
+from pyinfra.operations import systemd
+
+from sparkfleet import remote, secrets
+from sparkfleet.config import Settings, all_settings, chosen_endpoint
+from sparkfleet.hostpaths import ARCHIVE_APT_KEYRING, ARCHIVE_APT_SOURCES
+
+PROJECT = Path(__file__).resolve().parents[1]
+TEMPLATE = PROJECT / "templates" / "haproxy.cfg.j2"
+UNIT = "haproxy.service"
+CONFIG = "/etc/haproxy/haproxy.cfg"
+ADMIN_SOCKET = "/run/haproxy/admin.sock"
+STATE_FILE = "/var/lib/haproxy/server-state"
+BACKEND = "members"
+MARKER = "The sparkfleet fleet endpoint"
+
+# One runtime-API command on the endpoint host: HAProxy answers and closes the socket.
+_SOCKET_CLIENT = (
+    "import socket,sys\n"
+    "s=socket.socket(socket.AF_UNIX);s.settimeout(10);s.connect(sys.argv[1]);s.sendall(sys.argv[2].encode()+b'\\n')\n"
+    "b=b''\n"
+    "while True:\n"
+    " d=s.recv(65536)\n"
+    " if not d: break\n"
+    " b+=d\n"
+    "sys.stdout.write(b.decode())\n"
+)
+
+
+def server_name(inventory_name: str) -> str:
+    """The member's name in HAProxy (its inventory name, in HAProxy's alphabet)."""
+    return re.sub(r"[^A-Za-z0-9_.:-]", "_", inventory_name)
+
+
+def client_address(target_host) -> str:
+    """How clients reach the endpoint host (what the deploy prints)."""
+    return str(target_host.data.get("ssh_hostname") or target_host.name)
+
+
+# --- facts ------------------------------------------------------------------------------
+
+
+class HAProxyInstalled(FactBase[bool]):
+    """Whether haproxy is installed."""
+
+    @staticmethod
+    def default():
+        return False
+
+    def command(self) -> str:
+        return "command -v haproxy >/dev/null 2>&1 || test -x /usr/sbin/haproxy && echo yes || echo no"
+
+    def process(self, output):
+        return bool(output) and output[-1].strip() == "yes"
+
+
+class OurConfig(FactBase["dict[str, str]"]):
+    """The members (server name -> address:port) of sparkfleet's HAProxy config here; None
+    when the host's HAProxy config is not sparkfleet's."""
+
+    def command(self) -> str:
+        return (f"if grep -qs {shlex.quote(MARKER)} {CONFIG}; then echo ours; "
+                f"sed -n 's/^ *server \\([^ ]*\\) \\([^ ]*\\).*/\\1 \\2/p' {CONFIG}; fi")
+
+    def process(self, output):
+        if not output or output[0].strip() != "ours":
+            return None
+        return dict(line.split(None, 1) for line in output[1:] if len(line.split()) == 2)
+
+
+class SSHServerAddress(FactBase["str | None"]):
+    """The address this host was reached at over SSH (a real address, not an alias); its
+    first address when not over SSH. Read without sudo: sudo drops SSH_CONNECTION."""
+
+    def command(self) -> str:
+        return 'set -- $SSH_CONNECTION; if [ -n "$3" ]; then echo "$3"; else hostname -I | cut -d" " -f1; fi'
+
+    def process(self, output):
+        return output[0].strip() if output and output[0].strip() else None
+
+
+class RouteSource(FactBase["str | None"]):
+    """The source address of this host's route to ``destination`` (how that host sees us)."""
+
+    def command(self, destination: str) -> str:
+        return (f"ip -o route get {shlex.quote(destination)} 2>/dev/null "
+                "| sed -n 's/.* src \\([^ ]*\\).*/\\1/p' | head -n 1")
+
+    def process(self, output):
+        return output[0].strip() if output and output[0].strip() else None
+
+
+# --- the configuration ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    """One member as HAProxy reaches it."""
+
+    name: str  # inventory name
+    server: str  # name in HAProxy
+    address: str
+    port: int
+
+
+def render(settings: Settings, members: list[Target], key: str | None) -> str:
+    """The HAProxy configuration (templates/haproxy.cfg.j2)."""
+    template = jinja2.Template(TEMPLATE.read_text(), keep_trailing_newline=True, undefined=jinja2.StrictUndefined)
+    return template.render(
+        admin_socket=ADMIN_SOCKET, state_file=STATE_FILE, timeout_s=settings.endpoint_timeout_s,
+        port=settings.endpoint_port, metrics_port=settings.endpoint_metrics_port, key=key,
+        model_regex=re.escape(settings.served_model_name),
+        members=[{"server": m.server, "address": f"[{m.address}]" if ":" in m.address else m.address, "port": m.port}
+                 for m in members],
+    )
+
+
+def _targets(settings: Settings) -> list[Target]:
+    """Every serving host of the inventory, at the address it has on its route to this host.
+
+    A host that cannot be asked (unreachable now) keeps the address it has in the current
+    configuration: an unreachable host does not change the membership.
+    """
+    state = host.state
+    every = all_settings()
+    own = host.get_fact(SSHServerAddress, _sudo=False)
+    current = host.get_fact(OurConfig) or {}
+    targets = []
+    for member in state.inventory:
+        ms = every.get(member.name)
+        if ms is None or not ms.serving:
+            continue
+        server = server_name(member.name)
+        address = None
+        if member is host:
+            address = own
+        elif own and member in state.activated_hosts and member not in state.failed_hosts:
+            try:
+                address = member.get_fact(RouteSource, destination=own)
+            except Exception:  # noqa: BLE001 - an unreachable member keeps its address
+                address = None
+        if not address and server in current:
+            address = current[server].rsplit(":", 1)[0].strip("[]")
+        address = address or client_address(member)
+        if ms.served_model_name != settings.served_model_name:
+            logger.warning(f"{member.name}: serves `{ms.served_model_name}`, the fleet endpoint checks for "
+                           f"`{settings.served_model_name}`: it stays out of rotation")
+        targets.append(Target(member.name, server, address, ms.port))
+    return targets
+
+
+# --- operations -------------------------------------------------------------------------
+
+
+@operation()
+def haproxy_installed(settings: Settings):
+    """
+    Install haproxy from the distribution's archives when it is missing.
+
+    + settings: validated settings (``apt_repo``/``apt_key_url``: a repository
+      to take it from; None: the host's own archives, Debian/Ubuntu main)
+    """
+    if host.get_fact(HAProxyInstalled):
+        host.noop("haproxy is installed")
+        return
+    q = shlex.quote
+    if settings.apt_repo:
+        yield f"curl -fsSL --retry 3 {q(settings.apt_key_url)} -o {ARCHIVE_APT_KEYRING}"
+        yield f"echo {q(f'deb [signed-by={ARCHIVE_APT_KEYRING}] {settings.apt_repo} /')} > {ARCHIVE_APT_SOURCES}"
+        # Only that list is refreshed: the rest of the host's apt state is not ours.
+        yield (f"apt-get update -o Dir::Etc::sourcelist={ARCHIVE_APT_SOURCES} -o Dir::Etc::sourceparts=- "
+               "-o APT::Get::List-Cleanup=0")
+    else:
+        yield "apt-get update"
+    # Our haproxy.cfg replaces the package's; keep it on upgrades.
+    yield ("DEBIAN_FRONTEND=noninteractive apt-get install -y -o Dpkg::Options::=--force-confold "
+           "--no-install-recommends haproxy")
+
+
+@operation()
+def config_written(text: str):
+    """
+    Write the HAProxy configuration, root:haproxy 0640, only once HAProxy accepts it.
+
+    + text: the rendered configuration (it holds the API key: compared by hash, never shown)
+    """
+    if host.get_fact(Sha256File, path=CONFIG) == hashlib.sha256(text.encode()).hexdigest():
+        return
+    new = f"{CONFIG}.sparkfleet-new"
+    yield f"install -m 0640 -o root -g haproxy /dev/null {new}"
+    yield FileUploadCommand(io.BytesIO(text.encode()), new)
+    # A configuration HAProxy refuses never replaces the running one.
+    yield StringCommand(
+        "sh", "-c",
+        shlex.quote(f"chown root:haproxy {new} && chmod 0640 {new} && haproxy -c -q -f {new} && mv -f {new} {CONFIG} "
+                    f"|| {{ rc=$?; rm -f {new}; echo 'haproxy refused the new configuration' >&2; exit $rc; }}"),
+    )
+
+
+@operation(is_idempotent=False)
+def reloaded():
+    """
+    Reload HAProxy for its new configuration: the new worker takes the listening sockets,
+    the old one finishes its requests (no connection is refused or cut). Admin states
+    (drained members) are saved first and read back by the new worker.
+    """
+    yield StringCommand("sh", "-c", shlex.quote(save_state_command()))
+    yield "systemctl reload haproxy"
+
+
+@operation(is_idempotent=False)
+def announced(settings: Settings, members: list[Target], changed: bool):
+    """
+    Print the endpoint, how to call it, and its members' states.
+
+    + settings: validated settings
+    + members: the members of the configuration
+    + changed: whether this run (re)configures or starts it: wait for each member's first check
+    """
+    if not changed:
+        # Printed on every run (a noop's text shows only with -v): the user's way in.
+        host.log(_hint(host, settings, members, _states_now(host)), logger.info)
+        return
+    yield FunctionCommand(_announce_after_checks, (settings, members), {})
+
+
+def _announce_after_checks(state, host, settings: Settings, members: list[Target]) -> bool:  # noqa: ARG001
+    deadline = time.monotonic() + 15  # a member answers (rise 2: 2 s) or is marked down
+    states: dict[str, Member] = {}
+    while time.monotonic() < deadline:
+        try:
+            states = members_of(host)
+        except OperationError:
+            states = {}
+        if states and all(m.checked for m in states.values()):
+            break
+        gevent.sleep(1)
+    host.log(_hint(host, settings, members, states), logger.info)
+    return True
+
+
+def _states_now(target_host) -> dict[str, "Member"]:
+    try:
+        return members_of(target_host)
+    except OperationError:
+        return {}
+
+
+def _hint(target_host, settings: Settings, members: list[Target], states: dict[str, "Member"]) -> str:
+    url = f"http://{client_address(target_host)}:{settings.endpoint_port}"
+    mode = settings.api_key.get_secret_value()
+    auth = (f'-H "Authorization: Bearer $(cat {settings.api_key_file})" ' if mode == "auto"
+            else '-H "Authorization: Bearer $API_KEY" ' if mode != "none" else "")
+    key = (f'open("{settings.api_key_file}").read().strip()' if mode == "auto"
+           else 'os.environ["API_KEY"]' if mode != "none" else '"none"')
+    listing = ", ".join(
+        f"{m.name} {m.address}:{m.port} {states[m.name].state if m.name in states else '?'}" for m in members
+    )
+    return (
+        f"fleet endpoint {url}/v1 serves `{settings.served_model_name}` over {len(members)} member(s): {listing}\n"
+        f"    curl {auth}{url}/v1/models\n"
+        f'    openai.OpenAI(base_url="{url}/v1", api_key={key})\n'
+        f"    metrics: curl {auth}http://{client_address(target_host)}:{settings.endpoint_metrics_port}/metrics"
+    )
+
+
+# --- the state ------------------------------------------------------------------------------
+
+
+def served(settings: Settings) -> None:
+    """The fleet endpoint on the host ``fleet_endpoint`` names; stopped on a host that
+    served it before; nothing elsewhere."""
+    if endpoint_name(host.state) != host.name:
+        if host.get_fact(OurConfig) is not None:
+            systemd.service(name="former fleet endpoint: haproxy stopped", service=UNIT, running=False, enabled=False)
+        return
+    members = _targets(settings)
+    haproxy_installed(name="fleet endpoint: haproxy installed", settings=settings)
+    config = config_written(name="fleet endpoint: haproxy configuration",
+                            text=render(settings, members, secrets.api_key(settings)))
+    started = systemd.service(name="fleet endpoint: haproxy enabled and running", service=UNIT, running=True,
+                              enabled=True)
+    # Membership and settings change by a reload, never a restart.
+    reloaded(name="fleet endpoint: haproxy reloaded for its new configuration", _if=config.did_change)
+    announced(name="fleet endpoint", settings=settings, members=members,
+              changed=config.will_change or started.will_change)
+
+
+# --- the runtime API (controller side) --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Member:
+    """A member as HAProxy sees it now."""
+
+    name: str  # inventory name (the HAProxy server name)
+    address: str
+    state: str  # UP, DOWN, DRAIN, MAINT, NOLB, "UP 1/2" (going down), "DOWN 1/2" (coming up)...
+    sessions: int  # requests in flight through the endpoint
+    requests: int  # requests sent to it since HAProxy started
+    errors: int  # connection and response errors
+    check: str  # last check's result (e.g. L7OK, L4CON, L7STS)
+
+    @property
+    def in_rotation(self) -> bool:
+        return self.state == "UP" or self.state.startswith("UP ")
+
+    @property
+    def checked(self) -> bool:
+        return bool(self.check) and not self.check.startswith("INI")
+
+
+def endpoint_name(state, settings: dict[str, Settings] | None = None) -> str | None:
+    """The inventory name of the fleet endpoint's host, or None (fleet_endpoint=none).
+
+    + settings: every host's settings (default: this run's, validated once)
+    """
+    return chosen_endpoint(list(state.inventory), settings if settings is not None else all_settings())[0]
+
+
+def endpoint_host(state, settings: dict[str, Settings] | None = None):
+    """The pyinfra Host that serves the fleet endpoint, or None."""
+    name = endpoint_name(state, settings)
+    return state.inventory.get_host(name) if name else None
+
+
+def save_state_command() -> str:
+    """Save the members' states where the next worker reads them (nothing when HAProxy
+    does not answer, e.g. before its first start)."""
+    return (_runtime_shell("show servers state") + f" > {STATE_FILE}.new && mv -f {STATE_FILE}.new {STATE_FILE} "
+            f"|| rm -f {STATE_FILE}.new")
+
+
+def _runtime_shell(command: str) -> str:
+    return f"python3 -c {shlex.quote(_SOCKET_CLIENT)} {ADMIN_SOCKET} {shlex.quote(command)}"
+
+
+def runtime(endpoint, command: str) -> list[str]:
+    """One HAProxy runtime-API command on the endpoint host; its answer's lines."""
+    done = remote.run(endpoint, _runtime_shell(command), timeout=30)
+    ok, lines = done.ok, done.stdout
+    if not ok:
+        raise OperationError(f"{endpoint.name}: the HAProxy runtime API did not answer `{command}` "
+                             f"(is {UNIT} running? systemctl status haproxy)")
+    return lines
+
+
+def show_stat(endpoint) -> list[dict[str, str]]:
+    """HAProxy's `show stat`: one row per frontend, backend and member."""
+    return list(csv.DictReader(io.StringIO("\n".join(runtime(endpoint, "show stat")).lstrip("# "))))
+
+
+def members_of(endpoint, stat: list[dict[str, str]] | None = None) -> dict[str, Member]:
+    """Every member of the endpoint and its state, by HAProxy server name (the inventory
+    name; see server_name)."""
+    found = {}
+    for row in stat if stat is not None else show_stat(endpoint):
+        if row.get("pxname") != BACKEND or row.get("svname") in ("BACKEND", "FRONTEND"):
+            continue
+        found[row["svname"]] = Member(
+            name=row["svname"], address=row.get("addr", ""), state=row.get("status", ""),
+            sessions=int(row.get("scur") or 0), requests=int(row.get("stot") or 0),
+            errors=int(row.get("econ") or 0) + int(row.get("eresp") or 0),
+            check=row.get("check_status", "").lstrip("* "),  # "* " marks a check in progress
+        )
+    return found
+
+
+def drain(endpoint, name: str, timeout_s: float = 600, poll_s: float = 1.0) -> int:
+    """Take member ``name`` out of rotation: no new requests; wait (up to ``timeout_s``)
+    for its in-flight ones to finish. Returns how many are still in flight (0: drained)."""
+    runtime(endpoint, f"set server {BACKEND}/{server_name(name)} state drain")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        member = members_of(endpoint).get(server_name(name))
+        if member is None:
+            raise OperationError(f"{endpoint.name}: {name} is not a member of the fleet endpoint")
+        if member.sessions == 0 or time.monotonic() >= deadline:
+            return member.sessions
+        gevent.sleep(poll_s)
+
+
+def ready(endpoint, name: str, timeout_s: float = 0, poll_s: float = 1.0) -> bool:
+    """Put member ``name`` back in rotation: it serves again once its checks pass. Waits
+    up to ``timeout_s`` for that; returns whether it is in rotation."""
+    runtime(endpoint, f"set server {BACKEND}/{server_name(name)} state ready")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        member = members_of(endpoint).get(server_name(name))
+        if member is None:
+            raise OperationError(f"{endpoint.name}: {name} is not a member of the fleet endpoint")
+        if member.in_rotation or time.monotonic() >= deadline:
+            return member.in_rotation
+        gevent.sleep(poll_s)

@@ -1,0 +1,159 @@
+"""Runtime patches checked against the serving image before the service (re)starts.
+
+The serve wrapper edits the image's vLLM at every start (``runtime/patches``). A real
+image's vLLM is upstream plus overlays and in-image edits, so a patch's anchor can be
+missing there; at start that would make the wrapper exit and systemd restart it in a
+loop. So before the unit is installed or restarted, the deploy runs the wrapper's check
+mode (``python3 /host/serve.py --check``: the same patch programs, nothing written, no
+GPU) inside the pinned image with the runtime copy at ``/host``, exactly as the unit
+will. A patch that cannot apply fails this host's deploy, naming the patch, the file and
+the fix; the running service is left as it is.
+
+The verdict is cached on the host per image (its content digest), patch plan and patch
+programs, in ``/var/lib/sparkfleet/patch-verdicts/``: a converged run reads it and runs
+no container.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+from pathlib import Path
+
+from pyinfra import host, logger
+from pyinfra.api import FactBase, FunctionCommand, operation
+
+from sparkfleet import remote
+from sparkfleet.config import Settings
+from sparkfleet.hostpaths import RUNTIME_DIR
+from sparkfleet.mirror import image_reference
+
+VERDICT_DIR = "/var/lib/sparkfleet/patch-verdicts"
+CONTAINER = "sparkfleet-patch-check"
+RUNTIME = Path(__file__).resolve().parents[1] / "runtime"
+# What decides a verdict besides the image: the wrapper and the patch programs.
+_CHECKED_FILES = ("serve.py", "serve_args.py", "patches/*.py")
+
+
+def plan_key(patches: str) -> str:
+    """Names the verdict of ``patches`` (SF_PATCHES) as the controller's runtime/ checks them."""
+    digest = hashlib.sha256(patches.encode() + b"\0")
+    for pattern in _CHECKED_FILES:
+        for path in sorted(RUNTIME.glob(pattern)):
+            digest.update(path.relative_to(RUNTIME).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _verdict_path(key: str) -> str:
+    # The image's id is its config digest: the same image under any name or registry.
+    return f'{VERDICT_DIR}/"${{id#sha256:}}"-{key}.json'
+
+
+def _image_id(reference: str) -> str:
+    return f"id=$(docker image inspect --format '{{{{.Id}}}}' {shlex.quote(reference)} 2>/dev/null)"
+
+
+class CachedVerdict(FactBase["dict | None"]):
+    """The cached patch verdict of image ``reference`` for plan ``key``, or None."""
+
+    def command(self, reference: str, key: str) -> str:
+        return f'{_image_id(reference)} && [ -n "$id" ] && cat {_verdict_path(key)} 2>/dev/null || true'
+
+    def process(self, output):
+        try:
+            doc = json.loads("\n".join(output))
+        except ValueError:
+            return None
+        return doc if isinstance(doc, dict) and "patches" in doc else None
+
+
+def summary(verdict: dict) -> str:
+    words = {"would-apply": "applies", "already-present": "already present", "not-needed": "not needed"}
+    return ", ".join(f"{p['name']} {words.get(p['verdict'], 'CANNOT APPLY')}" for p in verdict["patches"])
+
+
+def problems(verdict: dict, reference: str, patches: list[str]) -> list[str]:
+    """One message per required patch that cannot apply: the patch, the file, the fix."""
+    version = (verdict.get("vllm") or {}).get("version") or "unknown"
+    out = []
+    for patch in verdict["patches"]:
+        if patch["verdict"] != "cannot-apply" or not patch["required"]:
+            continue
+        rest = ",".join(name for name in patches if name != patch["name"])
+        where = patch["file"] or "the image's vLLM"
+        detail = patch["detail"].removeprefix(f"{patch['file']} (vLLM {version}): ")
+        out.append(
+            f"runtime patch {patch['name']} cannot apply to {where} of vLLM {version} in "
+            f"{reference}: {detail}. Fix: pin an image whose vLLM has "
+            f"this anchor or already carries the fix (--data image=name@sha256:...), or drop the "
+            f"patch as data (--data patches={rest})"
+        )
+    return out
+
+
+def _fail(host, message: str) -> bool:
+    # A False result fails this host only (the others go on), without a traceback.
+    host.log_styled(message, fg="red", log_func=logger.error)
+    return False
+
+
+def _check(state, host, reference: str, patches: list[str], key: str) -> bool:  # state, host: pyinfra's
+    q = shlex.quote
+    path = _verdict_path(key)
+    run = (
+        f"docker rm -f {CONTAINER} >/dev/null 2>&1; "
+        f"docker run --rm --pull never --name {CONTAINER} --network none "
+        f"-e SF_PATCHES={q(','.join(patches))} -v {RUNTIME_DIR}:/host:ro "
+        f"--entrypoint python3 {q(reference)} /host/serve.py --check"
+    )
+    # The check's exit status is 0 or 1 with a verdict on stdout; anything else (no image,
+    # no python3, a crash) leaves no cache entry and fails with the check's own words.
+    done = remote.run(
+        host,
+        f"{_image_id(reference)} || {{ echo 'image {reference} is not on this host'; exit 3; }}; "
+        f"mkdir -p {VERDICT_DIR} && out={path} && "
+        f'{{ [ -s "$out" ] || {{ {run} > "$out.tmp" 2> "$out.log"; rc=$?; '
+        f'if [ $rc -le 1 ]; then mv "$out.tmp" "$out" && rm -f "$out.log"; else cat "$out.tmp" "$out.log"; exit $rc; fi; }}; }} && '
+        f'cat "$out"',
+        timeout=600,
+    )
+    ok, lines = done.ok, done.stdout
+    try:
+        verdict = json.loads("\n".join(lines))
+    except ValueError:
+        verdict = None
+    if not ok or not isinstance(verdict, dict) or "patches" not in verdict:
+        return _fail(host, f"the patch check could not run in {reference}:\n    " + "\n    ".join(lines[-15:]))
+    found = problems(verdict, reference, patches)
+    if found:
+        return _fail(host, "\n".join(found) + "\nThe unit, serve.env and the running service were left as they are.")
+    for patch in verdict["patches"]:
+        if patch["verdict"] == "cannot-apply":  # a tolerated one: serving goes on without it
+            host.log(f"runtime patch {patch['name']} cannot apply ({patch['detail']}); serving without it",
+                     logger.warning)
+    host.log(f"runtime patches checked against {reference}: {summary(verdict)}", logger.info)
+    return True
+
+
+@operation()
+def checked(settings: Settings):
+    """
+    Check the patch plan against the pinned image before the unit is installed or restarted.
+
+    + settings: validated settings (``image``, ``patches``/the profile's patch plan)
+
+    Fails this host, naming the patch, the file and the fix, when a required patch cannot
+    apply to the image's vLLM; the verdict is cached per image and plan on the host.
+    """
+    patches = settings.patch_plan
+    if not patches:
+        host.noop("no runtime patches in the plan")
+        return
+    reference = image_reference(settings)
+    key = plan_key(",".join(patches))
+    cached = host.get_fact(CachedVerdict, reference=reference, key=key)
+    if cached is not None and cached.get("ok"):
+        host.noop(f"runtime patches checked against {reference}: {summary(cached)}")
+        return
+    yield FunctionCommand(_check, (reference, patches, key), {})

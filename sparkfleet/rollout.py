@@ -1,0 +1,286 @@
+"""Rolling changes: a change that restarts the engine of a serving fleet rolls through it.
+
+pyinfra runs an operation on every host at once, in one greenlet per host, with a barrier
+between operations. The restart of a serving host is therefore one FunctionCommand
+(:func:`rolled`) that first waits for its turn: hosts roll ``rollout_batch`` at a time, in
+inventory order, each batch after the previous one has ended. A turn is: drain the host
+from the fleet endpoint (no new requests; its in-flight ones finish, up to
+``drain_timeout_s``), restart, wait for READY, gate, back in rotation.
+
+The gate, from the controller against the host's API: the smoke check (Paris), a tool-call
+round trip (bench/onhost/checks.py) and, for a speculative profile, the acceptance length
+those requests got (from ``/metrics``) at or above ``rollout_min_acceptance``.
+
+A host whose new settings do not get READY or fail the gate is rolled back to its last good
+settings (service.py keeps them on the host), gated again and put back; the rollout then
+stops: the hosts still waiting get their files put back to what they run (no restart) and
+fail naming the host that stopped it. Their running service is untouched, so the next
+deploy (after the data is fixed) rolls them, and skips hosts that already run the new
+settings: it resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import time
+from dataclasses import dataclass, field
+
+import gevent
+import gevent.event
+from pyinfra import host as current_host
+from pyinfra import logger
+from pyinfra.api.exceptions import OperationError
+
+from sparkfleet import endpoint, remote, secrets
+from sparkfleet.bench.onhost.checks import tool_call_round_trip
+from sparkfleet.bench.onhost.client import BenchError, Client
+from sparkfleet.bench.onhost.metrics import acceptance, parse_spec_counters
+from sparkfleet.bench.onhost.workloads import SMOKE_EXPECT, SMOKE_MAX_TOKENS, SMOKE_PROMPT
+from sparkfleet.config import Settings
+from sparkfleet.hostpaths import LAST_GOOD_DIR, REVISION_FILE, STARTED_FILE, UNIT
+
+# How long a host put back in rotation may take to pass the endpoint's checks (rise 2 at 1 s).
+BACK_TIMEOUT_S = 30
+# Tokens of the gate's decode request: enough drafts for an acceptance length.
+GATE_DECODE_TOKENS = 128
+GATE_DECODE_PROMPT = "Write a short paragraph about the history of Paris."
+
+
+@dataclass
+class Rollout:
+    """One deploy's rollout: who rolls, in which batch, and whether it stopped."""
+
+    batch: int
+    names: list[str] = field(default_factory=list)
+    ended: dict[str, gevent.event.Event] = field(default_factory=dict)
+    stopped: str | None = None  # "host (step)" that stopped it
+    planning: int = 0  # hosts that planned their turn
+    announced: bool = False
+
+    def register(self, name: str) -> int:
+        if name not in self.ended:
+            self.names.append(name)
+            self.ended[name] = gevent.event.Event()
+        return self.names.index(name) // self.batch + 1
+
+    def batches(self, state) -> list[list[str]]:
+        order = {h.name: i for i, h in enumerate(state.inventory)}
+        names = sorted(self.names, key=lambda n: order.get(n, len(order)))
+        return [names[i:i + self.batch] for i in range(0, len(names), self.batch)]
+
+    def wait_turn(self, state, name: str) -> None:
+        """Until every host of the earlier batches has ended its turn (or failed before it)."""
+        for earlier in self.batches(state):
+            if name in earlier:
+                return
+            for other in earlier:
+                while not self.ended[other].wait(timeout=2):
+                    other_host = state.inventory.get_host(other)
+                    if other_host in state.failed_hosts:  # failed before its turn: no turn to wait for
+                        break
+
+
+_ROLLOUTS: dict[int, Rollout] = {}
+
+
+def rollout_of(state, settings: Settings) -> Rollout:
+    return _ROLLOUTS.setdefault(id(state), Rollout(batch=settings.rollout_batch))
+
+
+def planned(settings: Settings) -> None:
+    """Register the current host for a rolling restart. While planning (pyinfra plans every
+    host at once, in no fixed order), wait until every host has planned this far or ended,
+    then say once which hosts roll in which batch (what --dry shows)."""
+    state = current_host.state
+    ro = rollout_of(state, settings)
+    ro.register(current_host.name)
+    if state.is_executing:  # the generator runs again to execute: planned already
+        return
+    ro.planning += 1
+    deadline = time.monotonic() + 600
+    while not ro.announced and ro.planning < len(state.pool) and time.monotonic() < deadline:
+        gevent.sleep(0.1)
+    if ro.announced:
+        return
+    ro.announced = True
+    batches = ro.batches(state)
+    steps = ("drain, restart, gate, back in rotation" if endpoint.endpoint_name(state)
+             else "restart, gate (no fleet endpoint)")
+    for number, names in enumerate(batches, 1):
+        for name in names:
+            logger.info(f"{state.inventory.get_host(name).print_prefix}rolls in batch {number} of {len(batches)} "
+                        f"(rollout_batch={settings.rollout_batch}): {steps}")
+
+
+# --- one host's turn (controller side, in the host's greenlet) -------------------------------
+
+
+def rolled(state, host, settings: Settings, revision: str) -> bool:
+    """Wait for this host's turn, then drain, restart, gate and put it back."""
+    from sparkfleet import service  # service imports this module
+
+    ro = rollout_of(state, settings)
+    ro.wait_turn(state, host.name)
+    step = "drain"
+    try:
+        if ro.stopped:
+            kept = _keep_running_settings(host)
+            raise OperationError(
+                f"rollout: not changed — the rollout stopped at {ro.stopped}; this host serves what it ran "
+                f"({kept}). Fix the data and deploy again: the rollout resumes here.")
+        ep = _endpoint(state, host)
+        out_since = time.monotonic()
+        if ep is not None:
+            left = endpoint.drain(ep, host.name, settings.drain_timeout_s)
+            host.log(f"drained from the fleet endpoint in {time.monotonic() - out_since:.0f} s"
+                     + (f" ({left} request(s) still in flight after drain_timeout_s)" if left else ""), logger.info)
+        step = "restart"
+        done = remote.run(host, f"echo {revision} > {REVISION_FILE} && systemctl reset-failed {UNIT} 2>/dev/null; "
+                                f"systemctl restart {UNIT}", timeout=300)
+        if not done.ok:
+            raise OperationError(f"rollout: systemctl restart {UNIT} failed: {' '.join(done.stderr)}")
+        step = "READY"
+        try:
+            service._wait_ready(state, host, *service.ready_for(settings, host), restarting=True)  # rolls back
+        except OperationError as exc:
+            rolled_back = "rolled back: the last good settings serve again" in str(exc)
+            _after_rollback(ep, host, settings, rolled_back)
+            raise OperationError(f"rollout stopped at {host.name}, step READY: {exc}") from None
+        step = "gate"
+        problem = gate(host, settings)
+        if problem:
+            journal = service._journal_tail(host)
+            change = service._change_from_last_good(host)
+            host.log(f"gate failed ({problem}): rolling back to the last good settings ({change})", logger.warning)
+            restored = remote.run(host, service._restore_last_good(), timeout=300)
+            again = (service._await_ready(host, *service.ready_for(settings, host)) if restored.ok
+                     else "could not restore: " + " ".join(restored.stderr))
+            _after_rollback(ep, host, settings, again is None)
+            outcome = ("rolled back: the last good settings serve again" if again is None
+                       else f"the rollback did not get READY either ({again})")
+            raise OperationError(
+                f"rollout stopped at {host.name}, step gate: {problem}; {outcome}. Changed: {change} — fix that "
+                f"and deploy again. Last log lines of the new settings:\n{journal}")
+        step = "back in rotation"
+        if ep is not None:
+            _back(ep, host)
+            host.log(f"gate passed; back in rotation after {time.monotonic() - out_since:.0f} s out", logger.info)
+        else:
+            host.log("gate passed", logger.info)
+        return True
+    except BaseException:
+        if not ro.stopped:
+            ro.stopped = f"{host.name} ({step})"
+        raise
+    finally:
+        ro.ended[host.name].set()
+
+
+def _after_rollback(ep, host, settings: Settings, serving_again: bool) -> None:
+    """A rolled-back host: gated again on its old settings, then back in rotation."""
+    if not serving_again:
+        host.log("the rollback did not get READY: left out of the fleet endpoint's rotation", logger.error)
+        return
+    # The old settings' own profile is not known here: smoke and tools, no acceptance floor.
+    problem = gate(host, settings, acceptance_floor=False)
+    if problem:
+        host.log(f"the rolled-back settings fail the gate too ({problem}): left out of rotation", logger.error)
+        return
+    if ep is not None:
+        _back(ep, host)
+    host.log("rolled back, gated again" + (" and back in rotation" if ep is not None else ""), logger.warning)
+
+
+def _endpoint(state, host):
+    """The endpoint host when ``host`` is one of its members (None: no endpoint yet)."""
+    ep = endpoint.endpoint_host(state)
+    if ep is None:
+        return None
+    try:
+        members = endpoint.members_of(ep)
+    except OperationError as exc:
+        host.log(f"the fleet endpoint does not answer ({exc}): rolling without draining", logger.warning)
+        return None
+    return ep if endpoint.server_name(host.name) in members else None
+
+
+def _back(ep, host) -> None:
+    if not endpoint.ready(ep, host.name, timeout_s=BACK_TIMEOUT_S):
+        raise OperationError(f"rollout stopped at {host.name}, step back in rotation: the fleet endpoint's "
+                             f"checks did not pass within {BACK_TIMEOUT_S} s (see the endpoint's metrics)")
+
+
+def _keep_running_settings(host) -> str:
+    """Put back the files of a host that does not roll to what its service runs (no restart)."""
+    from sparkfleet import service
+
+    running = remote.run(host, f"cat {STARTED_FILE}").stdout
+    last_good = remote.run(host, f"cat {LAST_GOOD_DIR}/serving.rev").stdout
+    if not running or running != last_good:
+        return "its files are the new ones: no last good copy of what runs"
+    restore = service._restore_last_good().rsplit("\n", 2)[0]  # without reset-failed and restart
+    done = remote.run(host, restore, timeout=120)
+    return "files put back to them, no restart" if done.ok else f"could not put files back: {' '.join(done.stderr)}"
+
+
+# --- the gate ---------------------------------------------------------------------------------
+
+
+def api_url(host, settings: Settings) -> str:
+    """The host's API as the controller reaches it: its bind address, else the address the
+    controller's SSH connection reached it at."""
+    address = ipaddress.ip_address(settings.bind_address)
+    if address.is_loopback:
+        raise OperationError(f"{host.name}: the rollout gate needs the API reachable from the controller, but "
+                             f"bind_address is {settings.bind_address}; bind another address or use --data rollout=all")
+    if address.is_unspecified:
+        found = host.get_fact(endpoint.SSHServerAddress, _sudo=False) or endpoint.client_address(host)
+        address = ipaddress.ip_address(found) if _is_ip(found) else found
+    text = f"[{address}]" if getattr(address, "version", 4) == 6 else str(address)
+    return f"http://{text}:{settings.port}"
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def gate(host, settings: Settings, acceptance_floor: bool = True) -> str | None:
+    """Smoke, tool-call round trip and (speculative profiles) acceptance: None, or what failed."""
+    client = Client(api_url(host, settings), settings.served_model_name, secrets.api_key(settings), timeout=120)
+    speculative = acceptance_floor and settings.speculative_method is not None
+    try:
+        before = parse_spec_counters(client.metrics_text()) if speculative else None
+        data, _ = client.complete(SMOKE_PROMPT, SMOKE_MAX_TOKENS)
+        answer = ((data.get("choices") or [{}])[0].get("text") or "")
+        if SMOKE_EXPECT not in answer.lower():
+            return f"smoke check: the answer does not contain Paris: {answer.strip()!r}"
+        tools = tool_call_round_trip(client)
+        if not tools["passed"]:
+            return f"tools check: {tools['reason']}"
+        if speculative:
+            client.complete(GATE_DECODE_PROMPT, GATE_DECODE_TOKENS)
+            acc = acceptance(parse_spec_counters(client.metrics_text()) - before)
+            if acc is None:
+                return f"acceptance: {settings.profile} is speculative but /metrics counted no drafts"
+            if acc["mean_length"] < settings.rollout_min_acceptance:
+                return (f"acceptance length {acc['mean_length']:.2f} is below rollout_min_acceptance "
+                        f"{settings.rollout_min_acceptance} (is the drafter the one for this model?)")
+            host.log(f"gate: smoke, tools, acceptance length {acc['mean_length']:.2f}", logger.info)
+        else:
+            host.log("gate: smoke, tools", logger.info)
+    except BenchError as exc:
+        return f"the API at {client.base_url} failed a gate request: {exc}"
+    except OSError as exc:
+        return f"the API at {client.base_url} is not reachable from the controller: {exc}"
+    return None
+
+
+def applies(settings: Settings, unit: dict[str, str], served: list[str]) -> bool:
+    """Whether this host's restart rolls: rollout=rolling and the host serves now."""
+    return (settings.rollout == "rolling" and unit.get("ActiveState") == "active"
+            and settings.served_model_name in served)
+

@@ -1,0 +1,276 @@
+"""`sparkfleet status <inventory>`: the fleet at a glance.
+
+One table, per host: profile, image digest, model revision, the serving unit's state and
+uptime, READY (the API lists the served model with the fleet key), endpoint membership,
+and from the engine's ``/metrics`` the requests running and waiting, KV-cache use and the
+mean acceptance length since the engine started; then the fleet endpoint's state.
+``--json`` prints the same as one JSON document.
+
+It reads over SSH through pyinfra's API with the inventory's own connection data and
+group data (sudo users included: every read goes through facts or the hosts' connector
+arguments), in parallel, and changes nothing. Exit status 1 when a host cannot be reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import sys
+from typing import Any
+
+import gevent
+
+from sparkfleet import endpoint, remote
+from sparkfleet.config import ConfigError, Settings, validate_fleet
+
+UNIT = "sparkfleet-serve.service"
+SERVE_ENV = "/etc/sparkfleet/serve.env"
+AUTH_HEADER = "/etc/sparkfleet/api-auth.header"
+CONTAINER = "sparkfleet-serve"
+METRICS = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_cache",
+    "vllm:spec_decode_num_drafts_total": "drafts",
+    "vllm:spec_decode_num_accepted_tokens_total": "accepted",
+}
+
+
+def connect(inventory_path: str, data: dict[str, Any] | None = None):
+    """A connected pyinfra State for ``inventory_path`` (group_data/ of the current
+    directory, as `pyinfra` itself reads it) and every host's validated settings."""
+    from pyinfra.api import Config, State
+    from pyinfra.api.connect import connect_all
+    from pyinfra.context import ctx_state
+    from pyinfra_cli.inventory import make_inventory
+
+    state = State()
+    ctx_state.set(state)  # the inventory file is executed in a state's context, as by pyinfra
+    inventory = make_inventory(inventory_path, override_data=data or {}, cwd=os.getcwd())
+    state.init(inventory, Config())
+    settings = validate_fleet(state.inventory)
+    connect_all(state)
+    return state, settings
+
+
+# --- one host -------------------------------------------------------------------------------
+
+
+def _host_command(s: Settings) -> str:
+    q = shlex.quote
+    metric_names = "|".join(re.escape(name) for name in METRICS)
+    return "; ".join([
+        "echo '== unit'",
+        f"systemctl show {UNIT} -p ActiveState -p SubState -p ActiveEnterTimestampMonotonic -p NRestarts",
+        "echo '== uptime'", "cut -d' ' -f1 /proc/uptime",
+        "echo '== env'", f"cat {SERVE_ENV} 2>/dev/null",
+        "echo '== image'",
+        f"docker image inspect --format '{{{{range .RepoDigests}}}}{{{{println .}}}}{{{{end}}}}' "
+        f"$(docker inspect --format '{{{{.Image}}}}' {CONTAINER} 2>/dev/null) 2>/dev/null",
+        "echo '== models'",
+        f"curl -s -m 5 -H @{AUTH_HEADER} http://127.0.0.1:{s.port}/v1/models 2>/dev/null; echo",
+        "echo '== metrics'",
+        f"curl -s -m 5 http://127.0.0.1:{s.port}/metrics 2>/dev/null | grep -E {q('^(' + metric_names + ')')}",
+        "echo '== refs'",
+        f"for f in {q(s.hf_home)}/hub/models--*/refs/*; do [ -f \"$f\" ] && echo \"$f $(cat \"$f\")\"; done 2>/dev/null",
+        "true",
+    ])
+
+
+def _sections(lines: list[str]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    current = None
+    for line in lines:
+        if line.startswith("== "):
+            current = line[3:].strip()
+            out[current] = []
+        elif current:
+            out[current].append(line)
+    return out
+
+
+def parse_host(lines: list[str], s: Settings) -> dict[str, Any]:
+    """What one host's status command printed, as a row."""
+    sec = _sections(lines)
+    unit = dict(line.split("=", 1) for line in sec.get("unit", []) if "=" in line)
+    env = dict(line.split("=", 1) for line in sec.get("env", []) if "=" in line and not line.startswith("#"))
+    row: dict[str, Any] = {"unit": unit.get("ActiveState") or "unknown", "restarts": int(unit.get("NRestarts") or 0)}
+    try:
+        now = float((sec.get("uptime") or ["0"])[0])
+        entered = int(unit.get("ActiveEnterTimestampMonotonic") or 0) / 1e6
+        row["uptime_s"] = round(now - entered) if row["unit"] == "active" and entered else None
+    except ValueError:
+        row["uptime_s"] = None
+    row["profile"] = env.get("SF_PROFILE")
+    digests = [d.strip() for d in sec.get("image", []) if "@sha256:" in d]
+    row["image_digest"] = digests[0].split("@", 1)[1] if digests else None
+    model, revision = env.get("SF_MODEL"), env.get("SF_REVISION") or None
+    row["model"], row["revision"] = model, revision
+    commit = revision if revision and re.fullmatch(r"[0-9a-f]{40}", revision) else None
+    if model and revision and not commit:
+        ref = f"/models--{model.replace('/', '--')}/refs/{revision}"
+        commit = next((line.split()[-1] for line in sec.get("refs", []) if line.split()[0].endswith(ref)), None)
+    row["commit"] = commit
+    try:
+        served = [m["id"] for m in json.loads("\n".join(sec.get("models", [])).strip() or "{}").get("data", [])]
+    except (ValueError, AttributeError, TypeError, KeyError):
+        served = []
+    row["ready"] = s.served_model_name in served
+    values: dict[str, float] = {}
+    for line in sec.get("metrics", []):
+        m = re.match(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{[^}]*\})?\s+(\S+)", line)
+        if m and m.group(1) in METRICS:
+            key = METRICS[m.group(1)]
+            try:
+                values[key] = values.get(key, 0.0) + float(m.group(2))
+            except ValueError:
+                pass
+    row["running"] = int(values["running"]) if "running" in values else None
+    row["waiting"] = int(values["waiting"]) if "waiting" in values else None
+    row["kv_cache"] = values.get("kv_cache")
+    drafts = values.get("drafts", 0.0)
+    # Mean acceptance length = 1 + accepted / drafts (the token the target adds each step).
+    row["acceptance_length"] = round(1 + values.get("accepted", 0.0) / drafts, 2) if drafts else None
+    return row
+
+
+def _read_host(target, s: Settings) -> dict[str, Any]:
+
+    done = remote.run(target, _host_command(s), timeout=60)
+    ok, lines = done.ok, done.stdout
+    if not ok and not lines:
+        return {"reachable": False}
+    return {"reachable": True, **parse_host(lines, s)}
+
+
+# --- the fleet --------------------------------------------------------------------------------
+
+
+def collect(state, settings: dict[str, Settings]) -> dict[str, Any]:
+    """Every host's row and the endpoint's state, read in parallel."""
+    hosts = list(state.inventory)
+    live = [h for h in hosts if h in state.active_hosts]
+    jobs = {h.name: gevent.spawn(_read_host, h, settings[h.name]) for h in live}
+    ep_name = endpoint.endpoint_name(state, settings)
+    ep_host = state.inventory.get_host(ep_name) if ep_name else None
+    ep: dict[str, Any] | None = None
+    members: dict[str, endpoint.Member] = {}
+    if ep_host is not None:
+        ep = {"host": ep_name, "url": None, "reachable": ep_host in state.active_hosts}
+        es = settings[ep_name]
+        ep["url"] = f"http://{endpoint.client_address(ep_host)}:{es.endpoint_port}/v1"
+        ep["metrics"] = f"http://{endpoint.client_address(ep_host)}:{es.endpoint_metrics_port}/metrics"
+        if ep["reachable"]:
+            try:
+                stat = endpoint.show_stat(ep_host)
+                members = endpoint.members_of(ep_host, stat)
+                front = next((r for r in stat if r.get("pxname") == "fleet" and r.get("svname") == "FRONTEND"), {})
+                ep.update(
+                    state="running",
+                    requests=int(front.get("req_tot") or 0),
+                    in_flight=int(front.get("scur") or 0),
+                    refused_401=int(front.get("hrsp_4xx") or 0),
+                    errors_5xx=int(front.get("hrsp_5xx") or 0),
+                    errors=sum(m.errors for m in members.values()),
+                )
+            except Exception as exc:  # noqa: BLE001 - a stopped endpoint is a state to show
+                ep.update(state=f"not answering ({str(exc).splitlines()[0]})")
+        ep["members"] = {
+            name: {"state": m.state, "in_flight": m.sessions, "requests": m.requests, "errors": m.errors,
+                   "check": m.check, "address": m.address}
+            for name, m in members.items()
+        }
+    gevent.joinall(list(jobs.values()))
+    rows = []
+    for h in hosts:
+        job = jobs.get(h.name)
+        row = job.value if job is not None and job.successful() else {"reachable": False}
+        row = {"host": h.name, **row}
+        if ep is not None:
+            member = members.get(endpoint.server_name(h.name))
+            row["endpoint"] = member.state if member else ("-" if settings[h.name].serving else "not a member")
+        rows.append(row)
+    return {"hosts": rows, "endpoint": ep}
+
+
+def _uptime(seconds: int | None) -> str:
+    if seconds is None:
+        return "-"
+    d, rest = divmod(int(seconds), 86400)
+    h, rest = divmod(rest, 3600)
+    m, s = divmod(rest, 60)
+    return f"{d}d{h:02d}h" if d else f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def table(doc: dict[str, Any]) -> str:
+    """The human-readable table."""
+    head = ["host", "profile", "image", "revision", "unit", "uptime", "READY", "endpoint",
+            "running", "waiting", "KV cache", "accept len"]
+    lines = []
+    for r in doc["hosts"]:
+        if not r.get("reachable"):
+            lines.append([r["host"], "unreachable"] + ["-"] * (len(head) - 2))
+            continue
+        rev = r.get("revision") or "-"
+        if r.get("commit") and r["commit"] != rev:
+            rev = f"{rev}@{r['commit'][:10]}"
+        elif r.get("commit"):
+            rev = r["commit"][:12]
+        lines.append([
+            r["host"], r.get("profile") or "-",
+            (r["image_digest"] or "-")[:19] if r.get("image_digest") else "-",
+            rev, r["unit"], _uptime(r.get("uptime_s")), "yes" if r.get("ready") else "no",
+            r.get("endpoint", "-"),
+            "-" if r.get("running") is None else str(r["running"]),
+            "-" if r.get("waiting") is None else str(r["waiting"]),
+            "-" if r.get("kv_cache") is None else f"{100 * r['kv_cache']:.0f}%",
+            "-" if r.get("acceptance_length") is None else f"{r['acceptance_length']:.2f}",
+        ])
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
+    out = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip() for row in [head, *lines]]
+    ep = doc.get("endpoint")
+    if ep is None:
+        out.append("\nfleet endpoint: none (fleet_endpoint=none, or no inventory group `endpoint`)")
+    else:
+        up = sum(1 for m in ep.get("members", {}).values() if m["state"] == "UP")
+        out.append(f"\nfleet endpoint {ep['url']} on {ep['host']}: {ep.get('state', 'unreachable')}, "
+                   f"{up}/{len(ep.get('members', {}))} members in rotation")
+        if "requests" in ep:
+            out.append(f"    requests {ep['requests']}, in flight {ep['in_flight']}, refused (401/4xx) "
+                       f"{ep['refused_401']}, 5xx {ep['errors_5xx']}, member errors {ep['errors']}; "
+                       f"metrics {ep['metrics']}")
+        for name, m in ep.get("members", {}).items():
+            out.append(f"    {name} {m['address']}: {m['state']}, in flight {m['in_flight']}, "
+                       f"requests {m['requests']}, errors {m['errors']}, last check {m['check'] or '-'}")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sparkfleet status", description=__doc__.split("\n\n")[0])
+    parser.add_argument("inventory", help="a pyinfra inventory, e.g. inventory/sparks.py")
+    parser.add_argument("--data", action="append", default=[], metavar="KEY=VALUE",
+                        help="override data as with pyinfra --data (e.g. fleet_endpoint=spark-01)")
+    parser.add_argument("--json", action="store_true", help="one JSON document, for scripts")
+    args = parser.parse_args(argv)
+    from pyinfra_cli.util import parse_cli_arg
+
+    data = {}
+    for item in args.data:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--data {item!r}: use KEY=VALUE")
+        data[key] = parse_cli_arg(value)
+    import logging
+
+    logging.getLogger("pyinfra").setLevel(logging.ERROR)  # the table says what is unreachable
+    try:
+        state, settings = connect(args.inventory, data)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    doc = collect(state, settings)
+    print(json.dumps(doc, indent=2) if args.json else table(doc))
+    return 0 if all(r.get("reachable") for r in doc["hosts"]) else 1

@@ -1,0 +1,225 @@
+"""The simulated model: what it writes, token by token, in Qwen3's own output format.
+
+Text is deterministic per prompt: "capital of France" -> "Paris."; counting, code, JSON,
+arithmetic and prose prompts get matching text; a reply ends by itself (finish "stop")
+unless ``ignore_eos``/``min_tokens``/``max_tokens`` say otherwise.
+
+The raw output is what Qwen3.5 writes before any parser sees it: its thinking, ended by
+``</think>`` (the chat template opens ``<think>`` in the prompt; thinking is on unless the
+request sets ``chat_template_kwargs.enable_thinking: false``, as with Qwen3.5), then
+either an answer or a tool call in Qwen3's XML form::
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    </function>
+    </tool_call>
+
+The server's parsers (``parsers.py``) turn that into ``reasoning``, ``content`` and
+``tool_calls``, as vLLM's do; without them the raw text is the content.
+
+A tool call comes when ``tool_choice`` requires one, or the last message is the user's
+and names a declared tool (or says "tool"/"function"). After a tool result the model
+answers in prose, quoting the result.
+
+The **workload** of a request (what ``perf.py`` sets acceptance by) is what its answer
+is: ``counting``, ``code`` or ``prose`` for a completion; for a chat request ``agent``
+when tools or tool calls are in play (the agent-turn replay), else ``chat``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+from collections.abc import Iterator
+from typing import Any
+
+from . import perf
+
+_WORDS = (
+    "the history of tea begins in southwest China where leaves were first brewed as a medicinal drink "
+    "during the Shang dynasty and later spread along trade routes to Japan Korea India and Europe "
+    "merchants carried compressed bricks across mountains while monks cultivated gardens near temples "
+    "ceremonies developed around preparation and serving and each region shaped its own customs flavor "
+    "and meaning over many centuries of careful practice patient growth and quiet exchange between "
+    "cultures cities and families who gathered around warm cups to share stories news and ideas"
+).split()
+_CODE = (
+    "def", " process", "_items", "(", "items", ")", ":", "\n", "    ", "total", " =", " 0", "\n", "    ",
+    "for", " item", " in", " items", ":", "\n", "        ", "if", " item", " >", " 0", ":", "\n",
+    "            ", "total", " +=", " item", "\n", "    ", "return", " total", "\n", "\n",
+)
+_REASONING = (" Okay", ",", " the", " user", " asks", " a", " question", ".", " Let", " me", " think",
+              " it", " through", " step", " by", " step", ".")
+THINK_START, THINK_END = "<think>", "</think>"
+TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+_TOKEN_RE = re.compile(r"\w+|[^\w\s]")
+_PIECE_RE = re.compile(r"\w+|\s+|[^\w\s]")
+_COUNTING_RE = re.compile(r"\bcount|\bnumbers from \d+ to \d+")
+_CODE_RE = re.compile(r"\b(code|function|python|program|script|implement|implementation|class)\b")
+
+
+def count_tokens(text: str) -> int:
+    return len(_TOKEN_RE.findall(text))
+
+
+def pieces_of(text: str) -> list[str]:
+    """``text`` cut into the tokens the simulated model emits (words, spaces, marks)."""
+    return _PIECE_RE.findall(text)
+
+
+def text_of(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return str(content)
+
+
+def chat_prompt_tokens(messages: list[dict[str, Any]], tools: list[Any]) -> int:
+    """The prompt's length after the chat template: contents, tool calls, tools, markup."""
+    texts = [text_of(m.get("content")) for m in messages]
+    texts += [json.dumps(tc.get("function", {})) for m in messages for tc in m.get("tool_calls") or []]
+    n = sum(count_tokens(t) for t in texts) + 4 * len(messages) + 3
+    return n + (count_tokens(json.dumps(tools)) if tools else 0)
+
+
+def _seed(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
+
+
+def _prose(rng: random.Random) -> Iterator[str]:
+    while True:
+        length = rng.randint(8, 18)
+        for i in range(length):
+            word = rng.choice(_WORDS)
+            yield " " + (word.capitalize() if i == 0 else word)
+        yield "."
+
+
+def _filler(seed_text: str) -> Iterator[str]:
+    return _prose(random.Random(_seed("filler:" + seed_text)))
+
+
+def completion_workload(prompt: str) -> str:
+    low = prompt.lower()
+    if _COUNTING_RE.search(low):
+        return perf.COUNTING
+    if _CODE_RE.search(low):
+        return perf.CODE
+    return perf.PROSE
+
+
+def chat_workload(messages: list[dict[str, Any]], tools: list[Any]) -> str:
+    in_play = bool(tools) or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+    return perf.AGENT if in_play else perf.CHAT
+
+
+def answer(topic_text: str, seed_text: str, chat: bool) -> list[str]:
+    """The natural answer to ``topic_text``, ending where the model would stop."""
+    rng = random.Random(_seed(seed_text))
+    low = topic_text.lower()
+    if "capital of france" in low:
+        return ["Paris", "."]
+    m = re.search(r"\bnumbers from (\d+) to (\d+)", low) or re.search(r"\bcount\w*(?: from (\d+))? to (\d+)", low)
+    if m or re.search(r"\bcount", low):
+        start = int(m.group(1) or 1) if m else 1
+        top = min(int(m.group(2)), start + 10000) if m else 100
+        return [f" {i}" for i in range(start, top + 1)]
+    m = re.search(r"(\d+)\s*[*x×]\s*(\d+)", low)
+    if m:
+        a, b = int(m.group(1)), int(m.group(2))
+        return pieces_of(f"{a} × {b} = {a} × {b // 100 * 100} + {a} × {b % 100} = "
+                         f"{a * (b // 100 * 100)} + {a * (b % 100)} = {a * b}")
+    if "json" in low:
+        m = re.search(r"\b(\d+)\b", low)
+        items = min(int(m.group(1)), 200) if m else rng.randint(2, 4)
+        out = ["["]
+        for i in range(items):  # noqa: B007
+            out += ["{"]
+            for j in range(rng.randint(5, 7)):
+                out += ['"', f"field_{j}", '":', ' "', rng.choice(_WORDS), " ", rng.choice(_WORDS), '"', ","]
+            out[-1] = "}"
+            out.append(",")
+        out[-1] = "]"
+        return out
+    if _CODE_RE.search(low):
+        # "complete" asks for a whole implementation: long enough to fill a 2048 budget.
+        repeats = 60 if "complete" in low and chat else rng.randint(6, 10) if chat else rng.randint(2, 4)
+        return list(_CODE) * repeats
+    prose = _prose(rng)
+    return [next(prose) for _ in range(rng.randint(120, 220) if chat else rng.randint(40, 120))]
+
+
+def completion_output(prompt: str) -> tuple[list[str], Iterator[str]]:
+    return answer(prompt, prompt, chat=False), _filler(prompt)
+
+
+def example_value(schema: dict[str, Any], name: str) -> Any:
+    kind = schema.get("type")
+    if "enum" in schema and schema["enum"]:
+        return schema["enum"][0]
+    if kind in ("integer", "number"):
+        return 1
+    if kind == "boolean":
+        return True
+    if kind == "array":
+        return []
+    if kind == "object":
+        return {}
+    return "Paris" if "city" in name or "location" in name else f"{name}_value"
+
+
+def tool_call_xml(function: dict[str, Any]) -> list[str]:
+    """A call of ``function`` with example arguments, as Qwen3 writes it."""
+    params = function.get("parameters") or {}
+    props = params.get("properties") or {}
+    wanted = params.get("required") or list(props)[:1]
+    out = [TOOL_CALL_START, "\n", f"<function={function.get('name', 'tool')}>", "\n"]
+    for name in wanted:
+        value = example_value(props.get(name, {}), name)
+        raw = value if isinstance(value, str) else json.dumps(value)
+        out += [f"<parameter={name}>", "\n", *pieces_of(raw), "\n", "</parameter>", "\n"]
+    return out + ["</function>", "\n", TOOL_CALL_END]
+
+
+def pick_tool(tools: list[Any], tool_choice: Any, last: dict[str, Any], last_user: str) -> dict[str, Any] | None:
+    functions = [t.get("function", {}) for t in tools if isinstance(t, dict)]
+    if not functions or tool_choice in (None, "none"):
+        return None
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name")
+        return next((f for f in functions if f.get("name") == name), functions[0])
+    if tool_choice == "required":
+        return functions[0]
+    if last.get("role") != "user":
+        return None  # after a tool result the simulated model answers in prose
+    low = last_user.lower()
+    for f in functions:
+        name = str(f.get("name", ""))
+        if name and (name.lower() in low or name.lower().replace("_", " ") in low):
+            return f
+    return functions[0] if re.search(r"\b(tool|function)\b", low) else None
+
+
+def chat_output(messages: list[dict[str, Any]], tools: list[Any], tool_choice: Any,
+                thinking: bool) -> tuple[list[str], Iterator[str], bool]:
+    """(raw output tokens, filler past EOS, whether the output is a tool call)."""
+    last_user = next((text_of(m.get("content")) for m in reversed(messages) if m.get("role") == "user"), "")
+    seed_text = json.dumps(messages, sort_keys=True, default=str)
+    function = pick_tool(tools, tool_choice, messages[-1], last_user)
+    if function is not None:
+        body = tool_call_xml(function)
+    elif messages[-1].get("role") == "tool":
+        result = pieces_of(text_of(messages[-1].get("content")))[:40]
+        body = pieces_of("Here is what the tool returned: ") + result + ["."]
+    else:
+        body = answer(last_user, seed_text, chat=True)
+    # Qwen3.5's chat template puts <think> in the prompt: the output starts inside it.
+    think = [*_REASONING, THINK_END] if thinking else []
+    return think + body, _filler(seed_text), function is not None

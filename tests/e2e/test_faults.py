@@ -1,0 +1,174 @@
+"""A host never loses a working server: one deploy converges it from any state, a change
+that does not get READY is rolled back on that host, crash loops end, and docker's own
+stop/start brings the server back.
+
+The tests share the session's fleet and leave it serving the defaults. (The module runs
+after test_deploy.py, whose first test wants a fleet nothing was deployed to.)
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from tests.e2e.test_deploy import SERVE_ENV, changed_hosts, completion, unit
+
+pytestmark = pytest.mark.e2e
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(2)
+    raise AssertionError(f"not within {timeout} s: {what}")
+
+
+def test_the_fleet_serves_the_defaults(testbed, run_pyinfra):
+    result = run_pyinfra("deploy.py")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+
+
+def test_a_change_that_breaks_the_engine_is_rolled_back_on_every_host(testbed, run_pyinfra):
+    result = run_pyinfra("deploy.py", "--data", "tool_call_parser=bogus", "--data", "ready_timeout_s=120",
+                         "--data", "rollout=all")
+    out = result.stdout + result.stderr
+    assert result.returncode != 0
+    for name in testbed.names:
+        # Named: the host, the change, the outcome; the old settings serve again.
+        assert re.search(rf"\[{name}(?:\.local)?\].*rolled back: the last good settings serve again", out), out[-4000:]
+        assert "SF_TOOL_CALL_PARSER 'qwen3_xml' -> 'bogus'" in out
+        assert "SF_TOOL_CALL_PARSER=qwen3_xml" in testbed.exec(name, f"cat {SERVE_ENV}").stdout
+        assert "Paris" in (completion(testbed, name) or "")
+        assert unit(testbed, name)["ActiveState"] == "active"
+    # What is on disk is what serves: the next deploy has nothing to do.
+    again = run_pyinfra("deploy.py")
+    assert again.returncode == 0 and changed_hosts(again.stdout + again.stderr) == set(), again.stdout[-3000:]
+
+
+def test_a_host_with_nothing_good_before_is_left_stopped_not_crash_looping(testbed, run_pyinfra):
+    fresh = testbed.names[2]
+    testbed.exec(fresh, "rm -rf /var/lib/sparkfleet/last-good")  # as on a first deploy
+    result = run_pyinfra("deploy.py", "--data", "tool_call_parser=bogus", "--data", "ready_timeout_s=120",
+                         "--data", "rollout=all")
+    out = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert re.search(rf"\[{fresh}(?:\.local)?\].*nothing else got READY on this host before, so sparkfleet-serve.service "
+                     r"is stopped", out), out[-4000:]
+    time.sleep(15)  # longer than RestartSec: a crash loop would have started again
+    assert unit(testbed, fresh)["ActiveState"] in ("inactive", "failed")
+    for name in testbed.names[:2]:
+        assert "Paris" in (completion(testbed, name) or "")
+    result = run_pyinfra("deploy.py")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert "Paris" in (completion(testbed, fresh) or "")
+    assert testbed.exec(fresh, "test -f /var/lib/sparkfleet/last-good/serving.rev && echo kept").stdout.strip() == "kept"
+
+
+def test_a_crash_loop_ends_and_one_deploy_converges_the_host(testbed, run_pyinfra):
+    name = testbed.names[1]
+    # Something else takes the port while our server is down: the engine cannot bind.
+    testbed.exec(name, "systemctl stop sparkfleet-serve && systemd-run --unit=sf-test-squatter "
+                       "python3 -m http.server 8000 && sleep 1 && systemctl start sparkfleet-serve", check=True)
+    # Bounded: after StartLimitBurst starts systemd gives up and shows failed.
+    wait_until(lambda: unit(testbed, name)["ActiveState"] == "failed", 180, "the crash loop to end as failed")
+    assert int(unit(testbed, name)["NRestarts"]) <= 5
+    testbed.exec(name, "systemctl stop sf-test-squatter", check=True)
+    # The deploy's own start is not blocked by that limit, and one run converges the host.
+    result = run_pyinfra("deploy.py")
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    assert "Paris" in (completion(testbed, name) or "")
+    again = run_pyinfra("deploy.py")
+    assert again.returncode == 0 and changed_hosts(again.stdout + again.stderr) == set(), again.stdout[-3000:]
+
+
+def test_a_host_restarting_on_its_own_runs_the_settings_on_disk_after_one_deploy(testbed, run_pyinfra):
+    name = testbed.names[0]
+    # The engine dies while a new setting is deployed: systemd's own restart races the deploy.
+    testbed.exec(name, "docker kill --signal KILL sparkfleet-serve")
+    result = run_pyinfra("deploy.py", "--data", "max_num_seqs=2")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    argv = testbed.exec(name, "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '").stdout
+    assert "--max-num-seqs 2" in argv
+    started = unit(testbed, name)["ExecMainStartTimestampMonotonic"]
+    again = run_pyinfra("deploy.py", "--data", "max_num_seqs=2")
+    assert again.returncode == 0 and changed_hosts(again.stdout + again.stderr) == set()
+    assert unit(testbed, name)["ExecMainStartTimestampMonotonic"] == started
+    assert run_pyinfra("deploy.py").returncode == 0
+
+
+def test_docker_stopped_and_started_brings_the_server_back_without_a_deploy(testbed):
+    name = testbed.names[2]
+    testbed.exec(name, "systemctl stop docker.socket docker", check=True, timeout=120)
+    assert unit(testbed, name)["ActiveState"] in ("inactive", "failed")
+    testbed.exec(name, "systemctl start docker", check=True, timeout=120)
+    assert "Paris" in wait_until(lambda: completion(testbed, name), 180, "the server to answer after docker start")
+
+
+def _biggest_blob(testbed, name: str) -> str:
+    """The biggest blob of the checkpoint the default profile serves (other tests may have
+    cached other repositories, which a deploy of the default profile does not look at)."""
+    repo = "/var/lib/sparkfleet/hf/hub/models--bleysg--Qwen3.5-122B-A10B-int4-fp8-hybrid"
+    return testbed.exec(name, f"ls -S {repo}/blobs/* | head -n 1").stdout.strip()
+
+
+def _blob_matches(testbed, name: str, blob: str) -> bool:
+    digest = testbed.exec(name, f"sha256sum {blob} | cut -d' ' -f1").stdout.strip()
+    return blob.rsplit("/", 1)[-1] == digest
+
+
+def test_a_truncated_weight_blob_is_seen_and_downloaded_again(testbed, run_pyinfra):
+    name = testbed.names[0]
+    blob = _biggest_blob(testbed, name)
+    assert len(blob.rsplit("/", 1)[-1]) == 64, blob  # an LFS blob, named by its sha256
+    testbed.exec(name, f"truncate -s -4096 {blob}", check=True)
+    result = run_pyinfra("deploy.py")
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    assert re.search(rf"\[{name}(?:\.local)?\].*corrupt: .* downloading again", out), out[-4000:]
+    assert _blob_matches(testbed, name, blob)
+    for other in testbed.names[1:]:  # their caches were fine
+        assert not re.search(rf"\[{other}(?:\.local)?\].*corrupt", out)
+
+
+def test_a_bit_flip_is_found_with_verify_weights(testbed, run_pyinfra):
+    name = testbed.names[1]
+    blob = _biggest_blob(testbed, name)
+    testbed.exec(name, f"printf X | dd of={blob} bs=1 seek=100 conv=notrunc status=none", check=True)
+    assert not _blob_matches(testbed, name, blob)
+    # Same size: a normal run trusts the verified record ...
+    plain = run_pyinfra("deploy.py")
+    assert plain.returncode == 0 and "corrupt" not in plain.stdout + plain.stderr
+    # ... and verify_weights=true re-hashes every blob, finds it and repairs it.
+    result = run_pyinfra("deploy.py", "--data", "verify_weights=true")
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    assert _blob_matches(testbed, name, blob)
+    # The step reported it (the deploy prints a step's report lines; the journal keeps them).
+    journal = testbed.exec(name, "journalctl -o cat --no-pager | grep -c 'report: corrupt' || true").stdout.strip()
+    assert re.search(rf"\[{name}(?:\.local)?\].*corrupt: .* downloading again", out) or int(journal or 0) > 0
+
+
+def test_a_checkout_without_the_fleet_key_stops_instead_of_rekeying(testbed, run_pyinfra):
+    from pathlib import Path
+
+    key_file = Path(__file__).resolve().parents[2] / ".sparkfleet" / "api-key"
+    key = key_file.read_text()
+    aside = key_file.with_name("api-key.aside")
+    key_file.rename(aside)
+    try:
+        result = run_pyinfra("deploy.py")
+        out = result.stdout + result.stderr
+        assert result.returncode != 0
+        for name in testbed.names:
+            assert re.search(rf"\[{name}(?:\.local)?\].*already serves with an API key", out), out[-3000:]
+        assert not key_file.exists()  # no new key made
+        assert key.strip() in testbed.exec(testbed.names[0], "cat /etc/sparkfleet/secrets.env").stdout
+    finally:
+        aside.rename(key_file)
+    assert run_pyinfra("deploy.py").returncode == 0
