@@ -2,8 +2,9 @@
 in daemon.json (spark-1) or through CDI only (spark-2), and Docker's containerd image
 store (spark-2), on Docker 28 hosts.
 
-The module boots its own fleet of 2 (it replaces the session's, which the session's
-teardown then removes). The simulated hosts see the machine's memory, shared with other
+The module boots its own fleet of 2, as DGX OS logs in (it replaces the session's, which
+the session's teardown then removes; it sorts after the session's modules), once for all
+its tests: the Docker 28 host root is built once and cached. The simulated hosts see the machine's memory, shared with other
 fleets: the fleet's data gives the preflight the simulated engine's real needs.
 """
 
@@ -62,6 +63,13 @@ def manifest_bytes(tb) -> int:
     return doc["config"]["size"] + sum(layer["size"] for layer in doc["layers"])
 
 
+def prefix(tb, name: str) -> str:
+    """How pyinfra's output names the host (its inventory name)."""
+    from sparkfleet.testbed import login
+
+    return login.inventory_name(name, tb.state.names)
+
+
 def docker_started(tb, name: str) -> str:
     return tb.exec(name, "systemctl show docker -p ExecMainStartTimestampMonotonic -p NRestarts").stdout
 
@@ -82,7 +90,8 @@ def test_containerd_store_need_is_checked_on_var_lib_containerd(kinds, deploy_ru
     assert result.returncode != 0
     needed = {}
     for name, path in (("spark-1", "/var/lib/docker"), ("spark-2", "/var/lib/containerd")):
-        line = next(line for line in out.splitlines() if f"[{name}]" in line and "GiB needed for" in line)
+        line = next(line for line in out.splitlines()
+                    if f"[{prefix(kinds, name)}]" in line and "GiB needed for" in line)
         assert f"needed for {path}" in line or f", {path}" in line, line
         needed[name] = float(re.search(r"([\d.]+) GiB needed", line).group(1)) - 5.0  # disk_margin_gib
         assert "nothing was changed on this host" in out
@@ -186,7 +195,7 @@ def test_the_oom_guard_kills_the_engine_not_the_host(kinds, deploy_run):
         # earlyoom restarts with the new line during this deploy and acts at once; only
         # this host gets it (the others have no hog to free what they lack).
         result = deploy_run("deploy.py", "--data", f"oom_guard_min_available_gib={threshold}",
-                            "--limit", name)
+                            "--limit", prefix(kinds, name))
         assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
         assert f"-M {int(threshold * 1024 * 1024)}" in kinds.exec(name, "cat /etc/default/earlyoom").stdout
         deadline = time.monotonic() + 90
@@ -208,7 +217,7 @@ def test_the_oom_guard_kills_the_engine_not_the_host(kinds, deploy_run):
     result = deploy_run("deploy.py")
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
-    assert re.search(rf"\[{name}\] .*OOM guard: earlyoom killed python3", out), out[-3000:]
+    assert re.search(rf"\[{re.escape(prefix(kinds, name))}\] .*OOM guard: earlyoom killed python3", out), out[-3000:]
     assert "-M 4194304" in kinds.exec(name, "cat /etc/default/earlyoom").stdout
     kills = kinds.exec(name, "cat /var/lib/sparkfleet/oom-guard.log").stdout.splitlines()
     assert len(kills) == 1, kills  # the hog, then nothing else
