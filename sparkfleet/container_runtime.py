@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import re
 import shlex
 
@@ -30,6 +31,7 @@ from pyinfra.facts.files import FileContents, Sha256File
 from pyinfra.facts.server import Which
 from pyinfra.operations import systemd
 
+from sparkfleet import remote
 from sparkfleet.config import Settings
 from sparkfleet.facts import CDI_ALL, GPU_FLAGS, GPUS_ALL, GpuAccess, UnitState
 from sparkfleet.hostpaths import (
@@ -129,6 +131,14 @@ def docker_configured(gpu_works: bool):
     """
     if gpu_works:
         host.noop(f"GPU containers work: {DOCKER_DAEMON_JSON} is left alone")
+        return
+    lines = host.get_fact(FileContents, path=DOCKER_DAEMON_JSON)
+    try:
+        current = json.loads("\n".join(lines or []) or "{}")
+    except ValueError:
+        current = None
+    if not isinstance(current, dict):
+        yield remote.fail(f"{DOCKER_DAEMON_JSON} is not valid JSON: fix or remove it, then re-run")
         return
     yield f"nvidia-ctk runtime configure --runtime=docker --config={DOCKER_DAEMON_JSON}"
 
