@@ -191,8 +191,9 @@ def _up(state: State, names: list[str], host_switches: dict[str, dict[str, Any]]
         # shared machine's memory (README, "How faithful"), so the preflight gets those needs.
         "gpu_memory_utilization": 0.1,
         "engine_startup_memory_gib": 0.5,
-        # The fleet source (fleet_mirror) installs docker-registry from the testbed's apt
-        # repository (a Spark: from Ubuntu's archive) and copies the image over plain HTTP.
+        # The hosts install earlyoom (and the mirror docker-registry and skopeo, the endpoint
+        # haproxy) from the testbed's apt repository (a Spark: from Ubuntu's archives); the
+        # mirror copies the image over plain HTTP.
         "apt_repo": paths.APT_URL,
         "apt_key_url": paths.APT_KEY_URL,
         "image_registry_url": f"http://{paths.REGISTRY}",
