@@ -14,6 +14,7 @@ from sparkfleet import (
     hybrid,
     image,
     mirror,
+    oomguard,
     patchcheck,
     preflight,
     service,
@@ -31,6 +32,7 @@ else:
     preflight.passed(name="preflight: GB10, aarch64, driver, docker, disk, memory", findings=findings)
     if not findings.problems:  # a failing host stops at preflight; the others go on
         container_runtime.configured(settings)
+        oomguard.configured(settings)  # earlyoom: the engine, not the host, when memory runs out
         host_files = service.host_files(settings)  # runtime/ copy and 0600 secrets
         mirror_ops = mirror.configured(settings)  # fleet_mirror: served, trusted or off
         pulled = image.present(settings)

@@ -52,9 +52,6 @@ mirror_registry_port = 5000
 mirror_dir = "/var/lib/sparkfleet/mirror"
 # Installed on the mirror from wheels the controller downloads from PyPI for the host's Python.
 mirror_olah = "olah==0.5.4"
-# Where the mirror gets `docker-registry`; None: the host's own archives (Ubuntu universe).
-mirror_apt_repo = None
-mirror_apt_key_url = None
 # The registry's TLS certificate, made once per mirror address on the controller (hosts
 # trust it in /etc/docker/certs.d, so docker needs no insecure-registries and no restart).
 mirror_tls_dir = ".sparkfleet/mirror-tls"
@@ -62,7 +59,7 @@ mirror_tls_dir = ".sparkfleet/mirror-tls"
 image_registry_url = None
 
 # --- The fleet endpoint: one OpenAI-compatible URL over every serving host -----------------
-# HAProxy (from the host's archives, or mirror_apt_repo) on one host of the inventory:
+# HAProxy (from the host's archives, or apt_repo) on one host of the inventory:
 # leastconn over the hosts that answer a real request with the fleet key, clients need the
 # same key. "auto": the first host of the inventory group `endpoint`, else none (a router
 # is a new port and a new way in on a host: the inventory opts in); a host name picks it.
@@ -87,6 +84,12 @@ max_num_seqs = 3
 max_num_batched_tokens = 8192
 # 0.82 leaves ~14-16 GiB to the OS on a 128 GiB Spark; 0.88+ swaps and stalls the host.
 gpu_memory_utilization = 0.82
+# What vLLM's own start-up takes before its memory check on GB10 (~8-9 GiB): the preflight
+# wants gpu_memory_utilization x MemTotal plus this available.
+engine_startup_memory_gib = 9.0
+# The OOM guard (earlyoom) kills the engine when MemAvailable falls under this (the
+# seeds' monitor: 4 GiB), before a unified-memory OOM freezes the host.
+oom_guard_min_available_gib = 4.0
 # Reads the checkpoint straight to device in ~32 s instead of ~8 min on GB10.
 load_format = "fastsafetensors"
 attention_backend = "FLASH_ATTN"
@@ -140,8 +143,17 @@ rollout_min_acceptance = 1.5
 # NVIDIA's signed apt repository for the container toolkit ($(ARCH) is apt's own).
 nvidia_apt_repo = "https://nvidia.github.io/libnvidia-container/stable/deb/$(ARCH)"
 nvidia_apt_key_url = "https://nvidia.github.io/libnvidia-container/gpgkey"
-# Sizes used by the disk preflight, for what is not yet on the host.
-image_size_gib = 40.0
+# Where hosts get the distribution packages sparkfleet installs (docker-registry and skopeo on
+# the mirror, haproxy on the endpoint, earlyoom everywhere) and its signing key; None: the
+# host's own archives (Ubuntu main/universe). The same URL as nvidia_apt_repo needs the same key.
+apt_repo = None
+apt_key_url = None
+# Sizes used by the disk preflight, for what is not yet on the host. The image's come
+# from its manifest in the registry (compressed); unpacked is this ratio times that (the
+# published image: ~50 GB on disk from ~21 GB compressed). image_size_gib (unpacked) is
+# used only when a host cannot read the manifest.
+image_unpack_ratio = 2.4
+image_size_gib = 47.0
 artifact_sizes_gib = {
     "Intel/Qwen3.5-122B-A10B-int4-AutoRound": 62.0,
     "bleysg/Qwen3.5-122B-A10B-int4-fp8-hybrid": 67.0,

@@ -108,8 +108,6 @@ class Settings(BaseModel):
     mirror_registry_port: int = Field(ge=1, le=65535)
     mirror_dir: str
     mirror_olah: str
-    mirror_apt_repo: str | None
-    mirror_apt_key_url: str | None
     mirror_tls_dir: str
     image_registry_url: str | None
     # The fleet endpoint: HAProxy over every serving host (sparkfleet/endpoint.py)
@@ -125,6 +123,8 @@ class Settings(BaseModel):
     max_num_seqs: int = Field(ge=1, le=256)
     max_num_batched_tokens: int = Field(ge=256, le=1048576)
     gpu_memory_utilization: float = Field(ge=0.10, le=0.95)
+    engine_startup_memory_gib: float = Field(ge=0)
+    oom_guard_min_available_gib: float = Field(gt=0)
     load_format: str
     attention_backend: str
     drafter_attention_backend: str
@@ -151,7 +151,10 @@ class Settings(BaseModel):
     # Host preparation
     nvidia_apt_repo: str
     nvidia_apt_key_url: str
+    apt_repo: str | None
+    apt_key_url: str | None
     image_size_gib: float = Field(gt=0)
+    image_unpack_ratio: float = Field(ge=1)
     artifact_sizes_gib: dict[str, float]
     disk_margin_gib: float = Field(ge=0)
     # Post-deploy checks (see checks/)
@@ -247,8 +250,8 @@ class Settings(BaseModel):
             raise ValueError("not an image reference")
         return value
 
-    @field_validator("hf_endpoint", "nvidia_apt_repo", "nvidia_apt_key_url", "mirror_apt_repo",
-                     "mirror_apt_key_url", "image_registry_url")
+    @field_validator("hf_endpoint", "nvidia_apt_repo", "nvidia_apt_key_url", "apt_repo",
+                     "apt_key_url", "image_registry_url")
     @classmethod
     def _url(cls, value: str | None) -> str | None:
         if value is not None and not _URL.match(value):
@@ -336,8 +339,12 @@ class Settings(BaseModel):
                 "set agent_state_db "
                 "(e.g. --data agent_state_db=~/.hermes/state.db)"
             )
-        if (self.mirror_apt_repo is None) != (self.mirror_apt_key_url is None):
-            raise ValueError("set both mirror_apt_repo and mirror_apt_key_url, or neither")
+        if (self.apt_repo is None) != (self.apt_key_url is None):
+            raise ValueError("set both apt_repo and apt_key_url, or neither")
+        if (self.apt_repo and self.apt_repo.rstrip("/") == self.nvidia_apt_repo.rstrip("/")
+                and self.apt_key_url != self.nvidia_apt_key_url):
+            # apt takes one Signed-By per URL: both lists name one keyring (container_runtime.py).
+            raise ValueError("apt_repo is nvidia_apt_repo: give it the same key (apt_key_url = nvidia_apt_key_url)")
         if self.num_speculative_tokens and not self.profile_spec.speculative_method:
             raise ValueError(
                 f"profile {self.profile} has no speculative decoder; "

@@ -1,46 +1,117 @@
-"""NVIDIA container runtime: the toolkit from NVIDIA's signed apt repository, and docker
-configured to know the ``nvidia`` runtime — each only when missing.
+"""GPU access for the serving container: whatever the host already gives, configured only
+when nothing does.
 
-Docker is restarted only when its configuration really changed: a restart stops every
-running container, and NVIDIA documents that needless reloads can detach GPUs.
+DGX OS units differ: some list the ``nvidia`` runtime in /etc/docker/daemon.json, some
+only have the toolkit's legacy hook, some only a CDI spec. None of them needs the runtime
+in daemon.json: dockerd honours ``--gpus all`` through the legacy hook when it found
+``nvidia-container-runtime-hook`` in PATH at its start, and Docker 29 also through CDI
+when ``nvidia-cdi-hook`` is there; ``--device nvidia.com/gpu=all`` uses a CDI spec in
+/etc/cdi or /var/run/cdi on any Docker with CDI on (measured: Docker 28.5.2 with a spec and
+``nvidia-cdi-hook`` but no legacy hook refuses ``--gpus all`` and runs ``--device``;
+moby #50228 maps ``--gpus`` to CDI from 29 on).
+
+So the host is asked what works (``facts.GpuAccess``), and the unit uses that
+(:func:`gpu_flag`); only when nothing does is the toolkit installed and docker restarted
+— which stops every container, so never while our server runs (it already has a GPU).
+The ``/dev/char`` symlinks NVIDIA documents keep ``systemctl daemon-reload`` from
+detaching a running container from its GPU under the systemd cgroup driver.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
+import re
 import shlex
 
 from pyinfra import host
 from pyinfra.api import FileUploadCommand, deploy, operation
-from pyinfra.facts.files import FileContents
+from pyinfra.facts.files import FileContents, Sha256File
 from pyinfra.facts.server import Which
 from pyinfra.operations import systemd
 
 from sparkfleet import remote
 from sparkfleet.config import Settings
-from sparkfleet.facts import docker_info
-from sparkfleet.hostpaths import DOCKER_DAEMON_JSON, NVIDIA_APT_KEYRING, NVIDIA_APT_SOURCES
+from sparkfleet.facts import CDI_ALL, GPU_FLAGS, GPUS_ALL, GpuAccess, UnitState
+from sparkfleet.hostpaths import (
+    ARCHIVE_APT_KEYRING,
+    DOCKER_DAEMON_JSON,
+    NVIDIA_APT_KEYRING,
+    NVIDIA_APT_SOURCES,
+    NVIDIA_DEV_CHAR_RULE,
+    UNIT,
+    UNIT_PATH,
+)
+from sparkfleet.mirror import image_reference
 
-NVIDIA_RUNTIME = {"path": "nvidia-container-runtime", "runtimeArgs": []}
-#: What ``docker run --gpus`` uses of the toolkit.
-TOOLKIT_PROGRAMS = ("nvidia-container-runtime-hook", "nvidia-container-runtime")
+__all__ = ["CDI_ALL", "GPUS_ALL", "configured", "gpu_flag", "unit_gpu_flag"]
+
+#: What ``docker run --gpus`` uses of the toolkit, and its configuration tool.
+TOOLKIT_PROGRAMS = ("nvidia-container-runtime-hook", "nvidia-ctk")
+
+#: NVIDIA's udev rule: the /dev/char links again whenever the driver loads (at boot).
+DEV_CHAR_RULE = (
+    "# sparkfleet: NVIDIA's workaround for containers losing their GPU on systemctl daemon-reload\n"
+    'ACTION=="add", DEVPATH=="/bus/pci/drivers/nvidia", '
+    'RUN+="/usr/bin/nvidia-ctk system create-dev-char-symlinks --create-all"\n'
+)
+
+
+def _unit_flag() -> str | None:
+    """The GPU flag the installed serving unit runs with, while it is active."""
+    if host.get_fact(UnitState, unit=UNIT).get("ActiveState") != "active":
+        return None
+    text = "\n".join(host.get_fact(FileContents, path=UNIT_PATH) or [])
+    found = re.search("|".join(re.escape(flag) for flag in GPU_FLAGS), text)
+    return found.group(0) if found else None
+
+
+def gpu_flag(settings: Settings) -> str | None:
+    """The docker flag that gives the serving container the GPU here, or None when nothing
+    does yet. A running server keeps the flag it runs with: it has the GPU already."""
+    running_with = _unit_flag()
+    if running_with:
+        return running_with
+    works = host.get_fact(GpuAccess, image=image_reference(settings))["works"]
+    return works[0] if works else None
+
+
+def unit_gpu_flag(settings: Settings) -> str:
+    """What the unit is rendered with: the working flag, else ``--gpus all``, which the
+    toolkit this deploy then installs provides."""
+    return gpu_flag(settings) or GPUS_ALL
+
+
+def apt_keyring(nvidia_apt_repo: str, apt_repo: str | None) -> str:
+    """The keyring NVIDIA's list names. apt refuses two lists naming one URL with different
+    Signed-By files (all of apt, not only our install), so a repository that also serves
+    ``apt_repo`` (validated: the same key) names the keyring of that one."""
+    if apt_repo and apt_repo.rstrip("/") == nvidia_apt_repo.rstrip("/"):
+        return ARCHIVE_APT_KEYRING
+    return NVIDIA_APT_KEYRING
 
 
 @operation()
-def toolkit_installed(apt_repo: str, apt_key_url: str):
+def toolkit_installed(apt_repo: str, apt_key_url: str, keyring: str, gpu_works: bool):
     """
-    Install nvidia-container-toolkit from NVIDIA's signed apt repository when missing.
+    Install nvidia-container-toolkit from NVIDIA's signed apt repository when GPU
+    containers do not work and it is missing.
 
     + apt_repo: the repository (``nvidia_apt_repo``; ``$(ARCH)`` is apt's own)
     + apt_key_url: its signing key (``nvidia_apt_key_url``)
+    + keyring: where the key goes (:func:`apt_keyring`)
+    + gpu_works: whether a GPU container already works here (then nothing is installed)
     """
+    if gpu_works:
+        host.noop("GPU containers work: nothing to install")
+        return
     if all(host.get_fact(Which, command=program) for program in TOOLKIT_PROGRAMS):
         host.noop("nvidia-container-toolkit is installed")
         return
     q = shlex.quote
-    yield f"curl -fsSL --retry 3 {q(apt_key_url)} -o {NVIDIA_APT_KEYRING}"
-    yield f"echo {q(f'deb [signed-by={NVIDIA_APT_KEYRING}] {apt_repo} /')} > {NVIDIA_APT_SOURCES}"
+    yield f"curl -fsSL --retry 3 {q(apt_key_url)} -o {keyring}"
+    yield f"echo {q(f'deb [signed-by={keyring}] {apt_repo} /')} > {NVIDIA_APT_SOURCES}"
     # Refresh only NVIDIA's list: the rest of the host's apt state is not ours to touch.
     yield (
         f"apt-get update -o Dir::Etc::sourcelist={NVIDIA_APT_SOURCES} -o Dir::Etc::sourceparts=- "
@@ -50,14 +121,16 @@ def toolkit_installed(apt_repo: str, apt_key_url: str):
 
 
 @operation()
-def docker_knows_nvidia():
+def docker_configured(gpu_works: bool):
     """
-    Add the ``nvidia`` runtime to docker's daemon.json, keeping every other setting.
+    NVIDIA's install step, ``nvidia-ctk runtime configure --runtime=docker`` (merges the
+    ``nvidia`` runtime into daemon.json, keeping every other key), only on a host where no
+    GPU container works (docker restarts there anyway).
 
-    Nothing is written when docker already lists the runtime.
+    + gpu_works: whether a GPU container already works here (then daemon.json is left alone)
     """
-    if "nvidia" in (docker_info().get("Runtimes") or {}):
-        host.noop("docker lists the nvidia runtime")
+    if gpu_works:
+        host.noop(f"GPU containers work: {DOCKER_DAEMON_JSON} is left alone")
         return
     lines = host.get_fact(FileContents, path=DOCKER_DAEMON_JSON)
     try:
@@ -67,17 +140,34 @@ def docker_knows_nvidia():
     if not isinstance(current, dict):
         yield remote.fail(f"{DOCKER_DAEMON_JSON} is not valid JSON: fix or remove it, then re-run")
         return
-    desired = {**current, "runtimes": {**current.get("runtimes", {}), "nvidia": NVIDIA_RUNTIME}}
-    yield "mkdir -p /etc/docker"
-    yield FileUploadCommand(io.BytesIO((json.dumps(desired, indent=2) + "\n").encode()), DOCKER_DAEMON_JSON)
+    yield f"nvidia-ctk runtime configure --runtime=docker --config={DOCKER_DAEMON_JSON}"
+
+
+@operation()
+def dev_char_symlinks():
+    """
+    NVIDIA's udev rule for the ``/dev/char`` symlinks, and the links made now when the
+    rule is new: without them ``systemctl daemon-reload`` (a package install, a unit
+    change) can cut a running container off its GPU under the systemd cgroup driver.
+    """
+    if host.get_fact(Sha256File, path=NVIDIA_DEV_CHAR_RULE) == hashlib.sha256(DEV_CHAR_RULE.encode()).hexdigest():
+        host.noop("the /dev/char symlinks rule is in place")
+        return
+    yield f"mkdir -p {NVIDIA_DEV_CHAR_RULE.rsplit('/', 1)[0]}"
+    yield FileUploadCommand(io.BytesIO(DEV_CHAR_RULE.encode()), NVIDIA_DEV_CHAR_RULE)
+    yield "nvidia-ctk system create-dev-char-symlinks --create-all"
 
 
 @deploy("NVIDIA container runtime")
 def configured(settings: Settings) -> None:
-    """The toolkit installed, docker configured for it, docker restarted only if changed."""
+    """GPU access as the host gives it; toolkit, docker configuration and a docker restart
+    only where no GPU container works; the /dev/char links everywhere."""
+    works = gpu_flag(settings) is not None
     toolkit = toolkit_installed(name="NVIDIA container toolkit installed",
-                                apt_repo=settings.nvidia_apt_repo, apt_key_url=settings.nvidia_apt_key_url)
-    daemon = docker_knows_nvidia(name="docker knows the nvidia runtime")
+                                apt_repo=settings.nvidia_apt_repo, apt_key_url=settings.nvidia_apt_key_url,
+                                keyring=apt_keyring(settings.nvidia_apt_repo, settings.apt_repo),
+                                gpu_works=works)
+    daemon = docker_configured(name="docker configured for the NVIDIA runtime", gpu_works=works)
     # dockerd looks for the GPU hook only when it starts: a new toolkit needs a restart too.
     systemd.service(
         name="restart docker for its new runtime",
@@ -85,3 +175,4 @@ def configured(settings: Settings) -> None:
         restarted=True,
         _if=lambda: toolkit.did_change() or daemon.did_change(),
     )
+    dev_char_symlinks(name="/dev/char symlinks for the GPU (daemon-reload safe)")

@@ -44,6 +44,7 @@ from pyinfra.operations import systemd
 from sparkfleet import remote, secrets
 from sparkfleet.config import Settings, all_settings, chosen_endpoint
 from sparkfleet.facts import RouteSource, SshServerAddress
+from sparkfleet.hostpaths import ARCHIVE_APT_KEYRING, ARCHIVE_APT_SOURCES
 
 PROJECT = Path(__file__).resolve().parents[1]
 TEMPLATE = PROJECT / "templates" / "haproxy.cfg.j2"
@@ -53,9 +54,6 @@ ADMIN_SOCKET = "/run/haproxy/admin.sock"
 STATE_FILE = "/var/lib/haproxy/server-state"
 BACKEND = "members"
 MARKER = "The sparkfleet fleet endpoint"
-# The package's repository list when mirror_apt_repo is set (the same one the mirror uses).
-APT_KEYRING = "/usr/share/keyrings/sparkfleet-mirror.asc"
-APT_SOURCES = "/etc/apt/sources.list.d/sparkfleet-mirror.list"
 
 # One runtime-API command on the endpoint host: HAProxy answers and closes the socket.
 _SOCKET_CLIENT = (
@@ -173,18 +171,18 @@ def haproxy_installed(settings: Settings):
     """
     Install haproxy from the distribution's archives when it is missing.
 
-    + settings: validated settings (``mirror_apt_repo``/``mirror_apt_key_url``: a repository
+    + settings: validated settings (``apt_repo``/``apt_key_url``: a repository
       to take it from; None: the host's own archives, Debian/Ubuntu main)
     """
     if host.get_fact(HAProxyInstalled):
         host.noop("haproxy is installed")
         return
     q = shlex.quote
-    if settings.mirror_apt_repo:
-        yield f"curl -fsSL --retry 3 {q(settings.mirror_apt_key_url)} -o {APT_KEYRING}"
-        yield f"echo {q(f'deb [signed-by={APT_KEYRING}] {settings.mirror_apt_repo} /')} > {APT_SOURCES}"
+    if settings.apt_repo:
+        yield f"curl -fsSL --retry 3 {q(settings.apt_key_url)} -o {ARCHIVE_APT_KEYRING}"
+        yield f"echo {q(f'deb [signed-by={ARCHIVE_APT_KEYRING}] {settings.apt_repo} /')} > {ARCHIVE_APT_SOURCES}"
         # Only that list is refreshed: the rest of the host's apt state is not ours.
-        yield (f"apt-get update -o Dir::Etc::sourcelist={APT_SOURCES} -o Dir::Etc::sourceparts=- "
+        yield (f"apt-get update -o Dir::Etc::sourcelist={ARCHIVE_APT_SOURCES} -o Dir::Etc::sourceparts=- "
                "-o APT::Get::List-Cleanup=0")
     else:
         yield "apt-get update"

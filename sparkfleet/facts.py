@@ -339,3 +339,160 @@ class RouteSource(FactBase[str]):
 
     def process(self, output):
         return output[0].strip() if output else ""
+
+
+# --- GPU access, the image store (the serving host as it is) ------------------------------
+
+GPUS_ALL = "--gpus all"
+CDI_ALL = "--device nvidia.com/gpu=all"
+GPU_FLAGS = (GPUS_ALL, CDI_ALL)  # the first that works is used
+
+
+class GpuAccess(FactBase["dict[str, object]"]):
+    """How docker gives this host's containers the GPU.
+
+    With ``image`` on the host, a GPU container of it runs ``nvidia-smi -L`` with each of
+    :data:`GPU_FLAGS` (the truth). Without, the evidence: the legacy hook and whether
+    dockerd started after it appeared, ``nvidia-cdi-hook``, a CDI spec for
+    ``nvidia.com/gpu``, docker's version and CDI spec dirs. Returns ``{"works": [flags],
+    "probed": bool, "evidence": {...}}``.
+    """
+
+    @staticmethod
+    def default():
+        return {"works": [], "probed": False, "evidence": {}}
+
+    def requires_command(self, image: str) -> str:
+        return "docker"
+
+    def command(self, image: str) -> str:
+        q = shlex.quote
+        probes = "".join(
+            f"docker run --rm --pull never {flag} --entrypoint nvidia-smi {q(image)} -L 2>/dev/null "
+            f"| grep -q '^GPU ' && echo {q('works=' + flag)}; "
+            for flag in GPU_FLAGS
+        )
+        return (
+            "echo docker=$(docker version --format '{{.Server.Version}}' 2>/dev/null); "
+            "echo cdi_dirs=$(docker info --format '{{json .CDISpecDirs}}' 2>/dev/null); "
+            "echo cdi_spec=$(grep -ls 'nvidia.com/gpu' /etc/cdi/* /var/run/cdi/* 2>/dev/null | head -n 1); "
+            "echo cdi_hook=$(command -v nvidia-cdi-hook); "
+            "h=$(command -v nvidia-container-runtime-hook); echo hook=$h; "
+            # dockerd registers the hook's --gpus driver only if the hook was there at its start.
+            "s=$(systemctl show docker.service -p ExecMainStartTimestamp --value 2>/dev/null); "
+            'if [ -n "$h" ] && [ -n "$s" ] && [ "$(stat -c %Z "$h")" -lt "$(date -d "$s" +%s)" ]; '
+            "then echo hook_registered=yes; fi; "
+            f"if docker image inspect --format . {q(image)} >/dev/null 2>&1; then echo probed=yes; {probes}fi; true"
+        )
+
+    def process(self, output):
+        evidence: dict[str, str] = {}
+        works: list[str] = []
+        for line in output:
+            key, _, value = line.strip().partition("=")
+            if key == "works":
+                works.append(value)
+            elif key:
+                evidence[key] = value
+        probed = evidence.pop("probed", "") == "yes"
+        if not probed:
+            works = [flag for flag in GPU_FLAGS if _evidently_works(flag, evidence)]
+        return {"works": works, "probed": probed, "evidence": evidence}
+
+
+def _evidently_works(flag: str, ev: dict[str, str]) -> bool:
+    cdi = bool(ev.get("cdi_spec")) and ev.get("cdi_dirs", "") not in ("", "null", "[]")
+    if flag == GPUS_ALL:
+        # Docker 28 maps --gpus to CDI only from 29 on (moby #50228).
+        major = ev.get("docker", "").split(".")[0]
+        docker_maps_gpus_to_cdi = major.isdigit() and int(major) >= 29 and bool(ev.get("cdi_hook"))
+        return ev.get("hook_registered") == "yes" or (docker_maps_gpus_to_cdi and cdi)
+    return cdi
+
+
+class ContainerdRoot(FactBase[str]):
+    """containerd's root directory (where Docker's containerd image store keeps images)."""
+
+    @staticmethod
+    def default():
+        return "/var/lib/containerd"
+
+    def requires_command(self) -> str:
+        return "containerd"
+
+    def command(self) -> str:
+        return "containerd config dump 2>/dev/null | sed -n \"s/^root = ['\\\"]\\(.*\\)['\\\"]$/\\1/p\" || true"
+
+    def process(self, output):
+        return output[0].strip() if output and output[0].startswith("/") else self.default()
+
+
+#: Reads the image's manifest from its registry on the host (stdlib only; anonymous or
+#: bearer-token auth as registries answer): prints the compressed bytes of its layers
+#: and config, for arm64 when the reference is a multi-platform index.
+_MANIFEST_SIZE_PY = r"""
+import json, re, sys, urllib.error, urllib.parse, urllib.request
+base, repo, ref, accept = sys.argv[1:5]
+token = None
+def get(ref):
+    global token
+    while True:
+        headers = {"Accept": accept, **({"Authorization": "Bearer " + token} if token else {})}
+        req = urllib.request.Request(f"{base}/v2/{repo}/manifests/{ref}", headers=headers)
+        try:
+            return json.load(urllib.request.urlopen(req, timeout=20))
+        except urllib.error.HTTPError as err:
+            challenge = err.headers.get("WWW-Authenticate", "")
+            if err.code != 401 or token is not None or not challenge.lower().startswith("bearer "):
+                raise
+            params = dict(re.findall(r'(\w+)="([^"]*)"', challenge))
+            realm = params.pop("realm")
+            doc = json.load(urllib.request.urlopen(realm + "?" + urllib.parse.urlencode(params), timeout=20))
+            token = doc.get("token") or doc.get("access_token") or ""
+doc = get(ref)
+if "manifests" in doc:
+    children = doc["manifests"]
+    arm = [m for m in children if m.get("platform", {}).get("architecture") == "arm64"]
+    doc = get((arm or children)[0]["digest"])
+print("compressed", doc["config"]["size"] + sum(layer["size"] for layer in doc["layers"]))
+"""
+
+
+class ManifestSize(FactBase["int | None"]):
+    """Compressed bytes of ``path:reference`` in the registry at ``url`` (None if unread)."""
+
+    def requires_command(self, url: str, path: str, reference: str) -> str:
+        return "python3"
+
+    def command(self, url: str, path: str, reference: str) -> str:
+        q = shlex.quote
+        return (
+            f"timeout 60 python3 -c {q(_MANIFEST_SIZE_PY)} {q(url)} {q(path)} {q(reference)} "
+            f"{q(MANIFEST_ACCEPT)} 2>/dev/null || true"
+        )
+
+    def process(self, output):
+        for line in output:
+            key, _, value = line.partition(" ")
+            if key == "compressed" and value.strip().isdigit():
+                return int(value)
+        return None
+
+
+class NewKills(FactBase["dict"]):
+    """The OOM guard's kills the deploy has not reported yet: {"lines": [...], "total": n}."""
+
+    @staticmethod
+    def default():
+        return {"lines": [], "total": 0}
+
+    def command(self) -> str:
+        log, reported = hostpaths.OOM_LOG, hostpaths.OOM_REPORTED
+        return (
+            f"n=$(cat {reported} 2>/dev/null || echo 0); t=$(cat {log} 2>/dev/null | wc -l); "
+            f'echo "total $t"; [ "$t" -gt "$n" ] && tail -n $((t - n)) {log}; true'
+        )
+
+    def process(self, output):
+        total = int(output[0].split()[1]) if output and output[0].startswith("total ") else 0
+        return {"lines": [line.strip() for line in output[1:] if line.strip()], "total": total}

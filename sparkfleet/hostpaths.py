@@ -26,6 +26,17 @@ COMPILE_SIGNATURE = "sparkfleet-compile-signature"  # in hf_home/.vllm_cache
 DOCKER_DAEMON_JSON = "/etc/docker/daemon.json"
 NVIDIA_APT_KEYRING = "/usr/share/keyrings/nvidia-container-toolkit.asc"
 NVIDIA_APT_SOURCES = "/etc/apt/sources.list.d/nvidia-container-toolkit.list"
+NVIDIA_DEV_CHAR_RULE = "/etc/udev/rules.d/71-nvidia-dev-char.rules"  # NVIDIA's daemon-reload workaround
+# apt_repo's list and key (docker-registry, skopeo, haproxy, earlyoom), one for every step.
+ARCHIVE_APT_KEYRING = "/usr/share/keyrings/sparkfleet-archive.asc"
+ARCHIVE_APT_SOURCES = "/etc/apt/sources.list.d/sparkfleet-archive.list"
+
+# --- the OOM guard (every serving host) ------------------------------------------------
+EARLYOOM_DEFAULTS = "/etc/default/earlyoom"
+EARLYOOM_DROPIN = "/etc/systemd/system/earlyoom.service.d/sparkfleet.conf"
+OOM_HOOK = "/usr/local/lib/sparkfleet/oom-killed"  # run by earlyoom after a kill
+OOM_LOG = "/var/lib/sparkfleet/oom-guard.log"  # one line per kill
+OOM_REPORTED = "/var/lib/sparkfleet/oom-guard.reported"  # lines of OOM_LOG the deploy has shown
 
 # --- the HF cache layout (hf_home), shared with runtime/fetch_weights.py ---------------
 
@@ -54,8 +65,6 @@ REGISTRY_CONFIG = "/etc/docker/registry/config.yml"
 REGISTRY_CERT = "/etc/docker/registry/sparkfleet-mirror.crt"
 REGISTRY_KEY = "/etc/docker/registry/sparkfleet-mirror.key"
 REGISTRY_USER = "docker-registry"
-MIRROR_APT_KEYRING = "/usr/share/keyrings/sparkfleet-mirror.asc"
-MIRROR_APT_SOURCES = "/etc/apt/sources.list.d/sparkfleet-mirror.list"
 
 
 def mirror_hf_cache(mirror_dir: str) -> str:

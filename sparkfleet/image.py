@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from dataclasses import dataclass
 
 from pyinfra import host
 from pyinfra.api import deploy, operation
@@ -20,9 +21,10 @@ from pyinfra.facts.docker import DockerImage
 
 from sparkfleet import mirror, remote
 from sparkfleet.config import Settings, host_mirror
-from sparkfleet.facts import MANIFEST_ACCEPT, docker_info
+from sparkfleet.facts import MANIFEST_ACCEPT, ContainerdRoot, ManifestSize, docker_info
 from sparkfleet.hostpaths import HF_ENV, RUNTIME_DIR, registry_ca_path
 from sparkfleet.mirror import ImageName, image_reference, local_image
+from sparkfleet.mirror.names import upstream_registry_url
 from sparkfleet.tasks import detached
 
 
@@ -46,13 +48,57 @@ def is_present(reference: str) -> bool:
     return bool(used) and _present(ImageName.parse(reference).at(used.registry))
 
 
+def image_store() -> dict | None:
+    """Where docker keeps images here (:func:`store_of` this host's ``docker info``)."""
+    return store_of(docker_info(), lambda: host.get_fact(ContainerdRoot))
+
+
+def store_of(info: dict, containerd_root) -> dict | None:
+    """Where docker keeps images: ``{"containerd": bool, "path": dir}``, or None when docker
+    does not answer. Docker's containerd image store (``driver-type
+    io.containerd.snapshotter.v1``, Docker 29's default) keeps the compressed blobs and
+    the unpacked snapshots under containerd's root (``containerd_root()``), not
+    ``DockerRootDir``."""
+    root = info.get("DockerRootDir")
+    if not root:
+        return None
+    status = info.get("DriverStatus") or []
+    if any("io.containerd.snapshotter" in str(value) for pair in status for value in pair):
+        return {"containerd": True, "path": containerd_root()}
+    return {"containerd": False, "path": root}
+
+
+@dataclass(frozen=True)
+class ImageSizes:
+    compressed_gib: float  # what the registry sends, and a registry copy holds
+    unpacked_gib: float  # the layers unpacked on disk
+    source: str  # where the numbers come from
+
+
+def sizes(settings: Settings) -> ImageSizes:
+    """The image's sizes: from its manifest in the registry (compressed, exact; unpacked,
+    ``image_unpack_ratio`` times that), else ``image_size_gib`` as the unpacked size."""
+    name = ImageName.parse(settings.image)
+    url = upstream_registry_url(settings.image, settings.image_registry_url)
+    compressed = host.get_fact(ManifestSize, url=url, path=name.path, reference=name.digest or name.tag)
+    if compressed:
+        gib = compressed / 1024**3
+        return ImageSizes(gib, gib * settings.image_unpack_ratio, f"its manifest in {url}")
+    unpacked = settings.image_size_gib
+    return ImageSizes(unpacked / settings.image_unpack_ratio, unpacked,
+                      f"image_size_gib (the manifest in {url} could not be read from this host)")
+
+
 def disk_needs(settings: Settings) -> dict[str, float]:
-    """What the image still needs on this host: {docker's data root: GiB} (nothing when it
-    is there or docker does not answer, which the preflight reports on its own)."""
-    root = docker_info().get("DockerRootDir")
-    if not root or _present(local_image(settings)) or is_present(settings.image):
+    """What the image still needs on this host: {the directory that holds docker's images:
+    GiB}. The classic store keeps the unpacked layers under DockerRootDir (each compressed
+    layer is deleted once unpacked); the containerd store keeps both under containerd's
+    root. Nothing when the image is there or docker does not answer (the preflight says so)."""
+    store = image_store()
+    if store is None or _present(local_image(settings)) or is_present(settings.image):
         return {}
-    return {root: settings.image_size_gib}
+    size = sizes(settings)
+    return {store["path"]: size.unpacked_gib + (size.compressed_gib if store["containerd"] else 0.0)}
 
 
 def one_shot(image: str, hf_home: str, hf_endpoint: str | None, name: str, args: str, extra_mounts: str = "") -> str:

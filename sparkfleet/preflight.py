@@ -53,8 +53,9 @@ def still_needed(settings: Settings) -> dict[str, float]:
     """
     image_needs = image.disk_needs(settings)
     needs = _added(image_needs, weights.disk_needs(settings), hybrid.disk_needs(settings))
-    image_gib = sum(image_needs.values()) if image_needs else 0.0
-    return _added(needs, mirror.disk_needs(settings, image_gib, needs.get(settings.hf_home, 0.0)))
+    # The mirror's registry keeps the image as the registry sends it: compressed.
+    registry_gib = image.sizes(settings).compressed_gib if image_needs else 0.0
+    return _added(needs, mirror.disk_needs(settings, registry_gib, needs.get(settings.hf_home, 0.0)))
 
 
 def inspect(settings: Settings) -> Findings:
@@ -113,6 +114,11 @@ def inspect(settings: Settings) -> Findings:
             "point model_dir at a checkpoint directory on this host"
         )
 
+    if needs and image.disk_needs(settings):
+        size = image.sizes(settings)
+        if size.source.startswith("image_size_gib"):
+            found.warnings.append(f"image size from {size.source}: {size.unpacked_gib:.1f} GiB unpacked assumed")
+
     key_file = secrets.api_key_path(settings)
     try:
         secrets.existing_api_key(settings.api_key, key_file)
@@ -132,11 +138,14 @@ def inspect(settings: Settings) -> Findings:
 
     memory = host.get_fact(Memory)
     if memory_share and memory:
-        want = memory_share * memory["MemTotal"]
+        # vLLM takes its own start-up memory before it checks for its share (GB10: ~8-9 GiB).
+        claim = memory_share * memory["MemTotal"]
+        want = claim + settings.engine_startup_memory_gib * GIB
         if memory["MemAvailable"] < want:
             found.problems.append(
-                f"{memory['MemAvailable'] / GIB:.1f} GiB memory available, vLLM will claim "
-                f"{want / GIB:.1f} GiB (gpu_memory_utilization={settings.gpu_memory_utilization:g}): "
+                f"{memory['MemAvailable'] / GIB:.1f} GiB memory available, vLLM needs {want / GIB:.1f} GiB: "
+                f"{claim / GIB:.1f} GiB (gpu_memory_utilization={settings.gpu_memory_utilization:g}) plus "
+                f"{settings.engine_startup_memory_gib:g} GiB for its start-up (engine_startup_memory_gib): "
                 "stop other GPU/memory users or lower gpu_memory_utilization"
             )
 

@@ -26,7 +26,7 @@ from pyinfra.facts.files import FileContents, Sha256File
 from pyinfra.facts.systemd import SystemdStatus
 from pyinfra.operations import files, server, systemd
 
-from sparkfleet import remote, rollout, secrets
+from sparkfleet import container_runtime, remote, rollout, secrets
 from sparkfleet.bench.onhost.workloads import SMOKE_PROMPT as READY_PROMPT  # READY asks what smoke asks
 from sparkfleet.config import Settings
 from sparkfleet.facts import PortHolders, ServedAnswer, ServedModels, StartedRevision, UnitState
@@ -424,6 +424,7 @@ def running(settings: Settings, also_restart_for: tuple = ()) -> None:
         revision_file=REVISION_FILE,
         started_file=STARTED_FILE,
         image=local_image(settings),
+        gpu_flag=container_runtime.unit_gpu_flag(settings),  # --gpus all, or CDI's --device
     )
     env = files.put(name="serving settings (serve.env)", src=io.StringIO(env_text), dest=SERVE_ENV, mode="644")
     unit = files.put(name=f"systemd unit {UNIT}", src=io.StringIO(unit_text), dest=UNIT_PATH, mode="644")

@@ -119,3 +119,20 @@ def test_compile_signature_follows_what_is_compiled():
     for change in ({"profile": "dflash"}, {"num_speculative_tokens": 4}, {"build_hybrid": True},
                    {"image": "registry.example/vllm@sha256:" + "a" * 64}):
         assert validate_host_data("s", {**defaults(), **change}).compile_signature != base.compile_signature
+
+
+def test_one_apt_url_takes_one_key():
+    # apt refuses two lists naming one URL with different Signed-By files: the same URL
+    # as NVIDIA's repository must come with the same key, and then both name one keyring.
+    from sparkfleet.container_runtime import apt_keyring
+    from sparkfleet.hostpaths import ARCHIVE_APT_KEYRING, NVIDIA_APT_KEYRING
+
+    url, key = "http://apt.lan/", "http://apt.lan/gpgkey"
+    message = error_for(nvidia_apt_repo=url, nvidia_apt_key_url=key, apt_repo=url.rstrip("/"),
+                        apt_key_url="http://other/key")
+    assert "spark-7" in message and "apt_key_url = nvidia_apt_key_url" in message
+    settings = validate_host_data("spark-1", {**defaults(), "nvidia_apt_repo": url, "nvidia_apt_key_url": key,
+                                              "apt_repo": url, "apt_key_url": key})
+    assert apt_keyring(settings.nvidia_apt_repo, settings.apt_repo) == ARCHIVE_APT_KEYRING
+    assert apt_keyring(defaults()["nvidia_apt_repo"], url) == NVIDIA_APT_KEYRING
+    assert apt_keyring(defaults()["nvidia_apt_repo"], None) == NVIDIA_APT_KEYRING

@@ -27,9 +27,9 @@ from sparkfleet import remote
 from sparkfleet.config import Mirror
 from sparkfleet.facts import RegistryManifest
 from sparkfleet.hostpaths import (
+    ARCHIVE_APT_KEYRING,
+    ARCHIVE_APT_SOURCES,
     DOCKER_AUTH,
-    MIRROR_APT_KEYRING,
-    MIRROR_APT_SOURCES,
     REGISTRY_CERT,
     mirror_registry_storage,
     registry_ca_path,
@@ -46,7 +46,7 @@ def installed(apt_repo: str | None, apt_key_url: str | None):
     image copy) when one is missing.
 
     + apt_repo, apt_key_url: a repository to take it from and its signing key
-      (``mirror_apt_repo``/``mirror_apt_key_url``); None: the host's own archives,
+      (``apt_repo``/``apt_key_url``); None: the host's own archives,
       Ubuntu universe / Debian main
     """
     if all(host.get_fact(Which, command=program) for program in ("docker-registry", "skopeo")):
@@ -54,11 +54,11 @@ def installed(apt_repo: str | None, apt_key_url: str | None):
         return
     q = shlex.quote
     if apt_repo:
-        yield f"curl -fsSL --retry 3 {q(apt_key_url)} -o {MIRROR_APT_KEYRING}"
-        yield f"echo {q(f'deb [signed-by={MIRROR_APT_KEYRING}] {apt_repo} /')} > {MIRROR_APT_SOURCES}"
+        yield f"curl -fsSL --retry 3 {q(apt_key_url)} -o {ARCHIVE_APT_KEYRING}"
+        yield f"echo {q(f'deb [signed-by={ARCHIVE_APT_KEYRING}] {apt_repo} /')} > {ARCHIVE_APT_SOURCES}"
         # Only that list is refreshed: the rest of the host's apt state is not ours.
         yield (
-            f"apt-get update -o Dir::Etc::sourcelist={MIRROR_APT_SOURCES} -o Dir::Etc::sourceparts=- "
+            f"apt-get update -o Dir::Etc::sourcelist={ARCHIVE_APT_SOURCES} -o Dir::Etc::sourceparts=- "
             "-o APT::Get::List-Cleanup=0"
         )
     else:

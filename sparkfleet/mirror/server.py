@@ -35,8 +35,8 @@ TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
 def served(settings: Settings, mirror: Mirror) -> list:
     """The registry (image copy included) and the HF mirror on this host, the mirror.
     Returns the operations it declared (for the report)."""
-    installed = registry.installed(name="docker-registry and skopeo installed", apt_repo=settings.mirror_apt_repo,
-                                   apt_key_url=settings.mirror_apt_key_url)
+    installed = registry.installed(name="docker-registry and skopeo installed", apt_repo=settings.apt_repo,
+                                   apt_key_url=settings.apt_key_url)
     storage = files.directory(
         name="registry storage", path=mirror_registry_storage(settings.mirror_dir),
         user=REGISTRY_USER, group=REGISTRY_USER, mode="750",

@@ -191,12 +191,14 @@ def _up(state: State, names: list[str], host_switches: dict[str, dict[str, Any]]
         "artifact_sizes_gib": hubservice.repo_sizes_gib(revisions),
         "ready_timeout_s": READY_TIMEOUT_S,
         # The simulated engine claims no GPU memory and runs in ~30 MiB; the hosts see the
-        # shared machine's memory, so the preflight's memory check gets that need.
+        # shared machine's memory (README, "How faithful"), so the preflight gets those needs.
         "gpu_memory_utilization": 0.1,
-        # The fleet source (fleet_mirror) installs docker-registry from the testbed's apt
-        # repository (a Spark: from Ubuntu's archive) and copies the image over plain HTTP.
-        "mirror_apt_repo": paths.APT_URL,
-        "mirror_apt_key_url": paths.APT_KEY_URL,
+        "engine_startup_memory_gib": 0.5,
+        # The hosts install earlyoom (and the mirror docker-registry and skopeo, the endpoint
+        # haproxy) from the testbed's apt repository (a Spark: from Ubuntu's archives); the
+        # mirror copies the image over plain HTTP.
+        "apt_repo": paths.APT_URL,
+        "apt_key_url": paths.APT_KEY_URL,
         "image_registry_url": f"http://{paths.REGISTRY}",
     }
 

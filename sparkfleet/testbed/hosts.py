@@ -17,7 +17,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from . import cgroups, login, paths, simhw
+from . import cgroups, hostkinds, login, paths, simhw
 from .proc import TestbedError, kill_wait, log, pid_alive, pid_matches, run, start_detached, wait_until
 from .state import HostState
 
@@ -136,6 +136,7 @@ def provision(h: HostState, rootfs: Path, pubkey: str, toolkit_deb: Path, login_
     if not h.switches.get("no_nvidia_runtime"):
         run(["chroot", root, "dpkg", "-i", "/usr/lib/sparkfleet-sim/nvidia-container-toolkit.deb"],
             timeout=120, env={"DEBIAN_FRONTEND": "noninteractive"})
+    hostkinds.provision(root, h.switches)
 
 
 # --- lifecycle -------------------------------------------------------------------------

@@ -59,7 +59,7 @@ def test_an_unknown_mirror_or_a_mirror_that_does_not_use_itself_is_refused():
     ("mirror_address", "spark 1", "host name, an IPv4 or an IPv6 address"),
     ("mirror_dir", "relative/dir", "absolute path"),
     ("mirror_hf_port", 0, "greater than or equal to 1"),
-    ("mirror_apt_repo", "http://apt.lan/", "both mirror_apt_repo and mirror_apt_key_url"),
+    ("apt_repo", "http://apt.lan/", "both apt_repo and apt_key_url"),
 ])
 def test_mirror_settings_are_validated(key, value, needle):
     with pytest.raises(ConfigError, match=needle):

@@ -2,9 +2,10 @@
 """Simulated `nvidia-ctk` (NVIDIA Container Toolkit CLI), stdlib only.
 
 Installed as /usr/bin/nvidia-ctk by the simulated `nvidia-container-toolkit` package.
-Implements what a deploy uses: `--version`, and `runtime configure --runtime=docker
+Implements what a deploy uses: `--version`, `runtime configure --runtime=docker
 [--config=PATH] [--set-as-default]`, which merges the `nvidia` runtime into docker's
-daemon.json exactly as the real tool does (other keys are kept).
+daemon.json exactly as the real tool does (other keys are kept), and `system
+create-dev-char-symlinks [--create-all]`.
 """
 
 from __future__ import annotations
@@ -49,6 +50,23 @@ def configure(args: argparse.Namespace) -> int:
     return 0
 
 
+def dev_char_symlinks(create_all: bool) -> int:
+    """/dev/char/MAJOR:MINOR -> the NVIDIA device node, for each node there is (none on
+    a CPU machine); the call is recorded in /run/sparkfleet-sim/ctk.log for tests."""
+    import glob
+
+    os.makedirs("/dev/char", exist_ok=True)
+    for node in glob.glob("/dev/nvidia*"):
+        st = os.stat(node)
+        link = f"/dev/char/{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
+        if not os.path.lexists(link):
+            os.symlink(os.path.relpath(node, "/dev/char"), link)
+    os.makedirs("/run/sparkfleet-sim", exist_ok=True)
+    with open("/run/sparkfleet-sim/ctk.log", "a") as log:
+        log.write(f"system create-dev-char-symlinks{' --create-all' if create_all else ''}\n")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="nvidia-ctk")
     p.add_argument("--version", "-v", action="store_true")
@@ -68,6 +86,10 @@ def main(argv: list[str]) -> int:
     g.add_argument("--output", default="")
     csub.add_parser("list")
     sub.add_parser("info")
+    system = sub.add_parser("system")
+    ssub = system.add_subparsers(dest="scmd")
+    links = ssub.add_parser("create-dev-char-symlinks")
+    links.add_argument("--create-all", action="store_true")
     args = p.parse_args(argv)
     if args.version:
         print(f"NVIDIA Container Toolkit CLI version {VERSION}\ncommit: simulated-sparkfleet-testbed")
@@ -88,6 +110,8 @@ def main(argv: list[str]) -> int:
     if args.cmd == "cdi" and args.ccmd == "list":
         print("nvidia.com/gpu=0\nnvidia.com/gpu=all")
         return 0
+    if args.cmd == "system" and args.scmd == "create-dev-char-symlinks":
+        return dev_char_symlinks(args.create_all)
     if args.cmd == "info":
         print(f"NVIDIA Container Toolkit CLI version {VERSION} (simulated)")
         return 0

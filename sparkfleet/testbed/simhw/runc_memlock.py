@@ -6,7 +6,8 @@ Not simulated hardware but a limit of the machine the testbed runs on: its proce
 lack CAP_SYS_RESOURCE, so no process can raise the hard RLIMIT_MEMLOCK, and runc fails
 any container asking for more (the deploy runs the serving container with
 `--ulimit memlock=-1:-1`, as a real Spark needs). On `create`/`run` this clamps the
-memlock limit in the bundle's config.json to the allowed maximum and logs it to
+memlock limit in the bundle's config.json (on `exec`, in the process spec a `docker exec`
+inherits it into) to the allowed maximum and logs it to
 /run/sparkfleet-sim/runc-clamp.log; with CAP_SYS_RESOURCE it changes nothing.
 """
 
@@ -46,7 +47,33 @@ def clamp(cfg: dict, cap: int) -> bool:
     return changed
 
 
+def process_file_of(args: list[str]) -> str | None:
+    """`runc exec --process FILE` (docker exec): the process spec, rlimits at its top."""
+    for i, a in enumerate(args):
+        if a in ("--process", "-p") and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith("--process="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def clamp_exec(path: str, cap: int) -> None:
+    try:
+        with open(path) as f:
+            process = json.load(f)
+        if clamp({"process": process}, cap):
+            with open(path + ".tmp", "w") as f:
+                json.dump(process, f)
+            os.replace(path + ".tmp", path)
+    except (OSError, ValueError):
+        pass  # let the real runc report whatever is wrong
+
+
 def main(args: list[str]) -> None:
+    if "exec" in args and process_file_of(args) and not has_sys_resource():
+        cap = resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]
+        if cap != resource.RLIM_INFINITY:
+            clamp_exec(process_file_of(args), cap)
     if any(a in ("create", "run") for a in args) and not has_sys_resource():
         cap = resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]
         bundle = bundle_of(args)

@@ -1,0 +1,135 @@
+"""The OOM guard: earlyoom kills the engine, not sshd or the host, when memory runs out.
+
+A Spark's CPU and GPU share its 128 GiB: when vLLM's profiling overshoots
+``gpu_memory_utilization`` the kernel's OOM killer comes too late and the host can
+freeze. earlyoom (Debian/Ubuntu archives) acts on MemAvailable, the number the seeds'
+monitor watched: under ``oom_guard_min_available_gib`` it sends SIGTERM (SIGKILL at half
+that) to the process it picks, the engine first (``--prefer``), never sshd, systemd,
+dockerd or containerd (``--avoid``). Swap is ignored (``-s 100,100``): on unified memory
+swapping is what stalls the host. systemd-oomd would fit less: it acts on pressure (PSI)
+per cgroup, not on MemAvailable, and the serving container's processes live in docker's
+scope, not in the unit's cgroup, so killing the unit's cgroup would leave the engine.
+
+After a kill earlyoom runs :data:`~sparkfleet.hostpaths.OOM_HOOK`: it says why in the serving unit's journal (so
+``journalctl -u sparkfleet-serve`` and a failing READY show it), keeps a line in
+:data:`~sparkfleet.hostpaths.OOM_LOG` (the next deploy prints the new ones), and ends the serving container when
+the killed process was the engine's kind, so that systemd restarts a whole engine.
+"""
+
+from __future__ import annotations
+
+import io
+import shlex
+
+from pyinfra import host, logger
+from pyinfra.api import deploy, operation
+from pyinfra.facts.server import Which
+from pyinfra.operations import files, systemd
+
+from sparkfleet.config import Settings
+from sparkfleet.facts import NewKills
+from sparkfleet.hostpaths import (
+    ARCHIVE_APT_KEYRING,
+    ARCHIVE_APT_SOURCES,
+    CONTAINER,
+    EARLYOOM_DEFAULTS,
+    EARLYOOM_DROPIN,
+    OOM_HOOK,
+    OOM_LOG,
+    OOM_REPORTED,
+    UNIT,
+)
+
+#: Process names (comm) of the engine: vLLM's processes, serve.py's python.
+ENGINE_NAMES = r"(^|/)(python3?(\.[0-9]+)?|vllm|VLLM::.*)$"
+NEVER_KILL = r"(^|/)(init|systemd|systemd-.*|sshd|dockerd|containerd|containerd-shim.*|earlyoom|journald)$"
+
+#: The packaged unit runs earlyoom as a dynamic user with a read-only system; the hook
+#: writes the journal entry and stops the container, which needs root.
+DROPIN = """# sparkfleet: the OOM hook logs to the serving unit's journal and stops its container.
+[Service]
+DynamicUser=false
+User=root
+ProtectSystem=full
+TasksMax=64
+MemoryMax=200M
+"""
+
+
+def hook(min_available_gib: float) -> str:
+    return f"""#!/bin/sh
+# sparkfleet: run by earlyoom after it killed a process (EARLYOOM_PID, EARLYOOM_NAME).
+msg="OOM guard: earlyoom killed $EARLYOOM_NAME (pid $EARLYOOM_PID): MemAvailable fell under {min_available_gib:g} GiB"
+printf 'MESSAGE=%s\\nPRIORITY=2\\nSYSLOG_IDENTIFIER=sparkfleet-oom-guard\\nOBJECT_SYSTEMD_UNIT={UNIT}\\n' "$msg" \\
+    | logger --journald 2>/dev/null || logger -t sparkfleet-oom-guard -p user.crit "$msg"
+mkdir -p {OOM_LOG.rsplit('/', 1)[0]} && echo "$(date -u +%FT%TZ) $msg" >> {OOM_LOG}
+# A vLLM with a killed process does not serve: end the container, systemd restarts the engine.
+if echo "$EARLYOOM_NAME" | grep -Eq {shlex.quote(ENGINE_NAMES)}; then
+    docker kill --signal KILL {CONTAINER} >/dev/null 2>&1 || true
+fi
+"""
+
+
+def earlyoom_args(min_available_gib: float) -> str:
+    kib = int(min_available_gib * 1024 * 1024)
+    return (
+        f"-M {kib} -s 100,100 -r 60 -p -N {OOM_HOOK} "
+        f"--prefer {shlex.quote(ENGINE_NAMES)} --avoid {shlex.quote(NEVER_KILL)}"
+    )
+
+
+@operation()
+def installed(apt_repo: str | None, apt_key_url: str | None):
+    """
+    Install earlyoom from the distribution's archives when it is missing.
+
+    + apt_repo, apt_key_url: a repository to take it from and its signing key
+      (``apt_repo``/``apt_key_url``); None: the host's own archives (Ubuntu universe)
+    """
+    if host.get_fact(Which, command="earlyoom"):
+        host.noop("earlyoom is installed")
+        return
+    q = shlex.quote
+    if apt_repo:
+        yield f"curl -fsSL --retry 3 {q(apt_key_url)} -o {ARCHIVE_APT_KEYRING}"
+        yield f"echo {q(f'deb [signed-by={ARCHIVE_APT_KEYRING}] {apt_repo} /')} > {ARCHIVE_APT_SOURCES}"
+        # Only that list is refreshed: the rest of the host's apt state is not ours.
+        yield (f"apt-get update -o Dir::Etc::sourcelist={ARCHIVE_APT_SOURCES} -o Dir::Etc::sourceparts=- "
+               "-o APT::Get::List-Cleanup=0")
+    else:
+        yield "apt-get update"
+    # Our /etc/default/earlyoom replaces the package's; keep it on upgrades.
+    yield "DEBIAN_FRONTEND=noninteractive apt-get install -y -o Dpkg::Options::=--force-confold earlyoom"
+
+
+@operation()
+def reported():
+    """Say on the deploy's output what the guard killed since the last deploy (once)."""
+    kills = host.get_fact(NewKills)
+    if not kills["lines"]:
+        host.noop("the OOM guard killed nothing since the last deploy")
+        return
+    for line in kills["lines"]:
+        logger.warning(f"{host.print_prefix}{line}")
+    yield f"echo {kills['total']} > {OOM_REPORTED}"
+
+
+@deploy("OOM guard")
+def configured(settings: Settings) -> None:
+    """earlyoom installed, configured for the engine and running; restarted only when its
+    configuration changed (a drop-in change also needs a daemon-reload: only then)."""
+    gib = settings.oom_guard_min_available_gib
+    package = installed(name="earlyoom installed", apt_repo=settings.apt_repo, apt_key_url=settings.apt_key_url)
+    kill_hook = files.put(name="kill hook", src=io.StringIO(hook(gib)), dest=OOM_HOOK, mode="755")
+    args = files.put(
+        name="earlyoom settings", dest=EARLYOOM_DEFAULTS, mode="644",
+        src=io.StringIO(f'# Rendered by sparkfleet (oomguard.py).\nEARLYOOM_ARGS="{earlyoom_args(gib)}"\n'),
+    )
+    dropin = files.put(name="earlyoom unit drop-in", src=io.StringIO(DROPIN), dest=EARLYOOM_DROPIN, mode="644")
+    systemd.daemon_reload(name="systemd reload for the drop-in", _if=dropin.did_change)
+    systemd.service(name="earlyoom running", service="earlyoom.service", running=True, enabled=True)
+    systemd.service(
+        name="earlyoom restarted for its new settings", service="earlyoom.service", restarted=True,
+        _if=lambda: any(op.did_change() for op in (package, kill_hook, args, dropin)),
+    )
+    reported(name="kills since the last deploy")

@@ -1,0 +1,54 @@
+"""What the serving host's facts make of what hosts answer (the e2e suite runs them for real)."""
+
+from __future__ import annotations
+
+from sparkfleet.facts import CDI_ALL, GPUS_ALL, ContainerdRoot, GpuAccess, ManifestSize, NewKills
+from sparkfleet.image import store_of
+from sparkfleet.oomguard import earlyoom_args
+
+SPEC = ["docker=28.5.2", 'cdi_dirs=["/etc/cdi","/var/run/cdi"]', "cdi_spec=/etc/cdi/nvidia.yaml",
+        "cdi_hook=/usr/bin/nvidia-cdi-hook", "hook="]
+
+
+def test_a_probe_is_the_truth_whatever_the_evidence():
+    out = GpuAccess().process([*SPEC, "probed=yes", f"works={CDI_ALL}"])
+    assert out["probed"] and out["works"] == [CDI_ALL]
+    assert GpuAccess().process(["hook=/usr/bin/nvidia-container-runtime-hook", "hook_registered=yes",
+                                "probed=yes"])["works"] == []
+
+
+def test_without_the_image_the_evidence_decides():
+    # Docker 28 with CDI only: --device, not --gpus (measured on the testbed).
+    assert GpuAccess().process(SPEC)["works"] == [CDI_ALL]
+    # Docker 29 maps --gpus to CDI when nvidia-cdi-hook is there.
+    assert GpuAccess().process(["docker=29.1.0", *SPEC[1:]])["works"] == [GPUS_ALL, CDI_ALL]
+    # The legacy hook counts only if dockerd started after it appeared.
+    legacy = ["docker=28.5.2", "cdi_dirs=[]", "hook=/usr/bin/nvidia-container-runtime-hook"]
+    assert GpuAccess().process(legacy)["works"] == []
+    assert GpuAccess().process([*legacy, "hook_registered=yes"])["works"] == [GPUS_ALL]
+    # A spec with CDI off in docker gives nothing.
+    assert GpuAccess().process(["docker=28.5.2", "cdi_dirs=null", "cdi_spec=/etc/cdi/nvidia.yaml"])["works"] == []
+
+
+def test_the_image_store_is_read_from_docker_info():
+    classic = {"DockerRootDir": "/var/lib/docker", "DriverStatus": [["Backing Filesystem", "extfs"]]}
+    assert store_of(classic, lambda: "unused") == {"containerd": False, "path": "/var/lib/docker"}
+    c8d = {"DockerRootDir": "/var/lib/docker", "DriverStatus": [["driver-type", "io.containerd.snapshotter.v1"]]}
+    assert store_of(c8d, lambda: "/data/containerd") == {"containerd": True, "path": "/data/containerd"}
+    assert store_of({}, lambda: "unused") is None
+    assert ContainerdRoot().process(["/data/containerd"]) == "/data/containerd"
+    assert ContainerdRoot().process([]) == "/var/lib/containerd"
+
+
+def test_manifest_size_needs_the_scripts_answer():
+    assert ManifestSize().process(["compressed 22548578304"]) == 22548578304
+    assert ManifestSize().process(["Traceback (most recent call last):"]) is None
+
+
+def test_new_kills_and_the_guard_line():
+    assert NewKills().process(["total 2", "T1 killed a", "T2 killed b"]) == {"lines": ["T1 killed a", "T2 killed b"],
+                                                                          "total": 2}
+    assert NewKills().process(["total 2"])["lines"] == []
+
+    args = earlyoom_args(4.0)
+    assert args.startswith("-M 4194304 -s 100,100 ") and "--avoid" in args and "sshd" in args
