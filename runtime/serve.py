@@ -182,8 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv:
         log(f"usage: serve.py [--check] (unknown arguments: {' '.join(argv)})")
         return 2
-    # The patched vLLM finds runtime/int8_lmhead.py here (the /host mount by default).
+    # The patched vLLM finds runtime/int8_lmhead.py here (the /host mount by default),
+    # and imports --middleware (key_guard) from here.
     env.setdefault("SPARKFLEET_RUNTIME_DIR", str(HERE))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH", "")) if p)
     try:
         command = serve_args.build_serve_argv(env)
         patches = serve_args.patches_for(env)

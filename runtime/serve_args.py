@@ -99,6 +99,8 @@ SERVE_ENV = (
         flag="--enable-prefix-caching"),
     Var("SF_SPECULATIVE_CONFIG", "speculative_config", "json", "JSON object with a `method`", PRESENT, "json",
         "--speculative-config"),
+    Var("SF_MIDDLEWARE", "serve_middleware", "text", "`key_guard.KeyGuard`", OPTIONAL, "value-if-set",
+        "--middleware", note="with an API key: every route needs it, not only /v1 (runtime/key_guard.py)"),
     Var("SF_EXTRA_ARGS", "extra_serve_args", "json-list", "JSON list of strings", OPTIONAL, "args"),
     Var("SF_PATCHES", "patch_plan", "names", "`kv_unify,fla_shmem`", OPTIONAL, "plan"),
     Var("HF_HOME", "", "fixed", "`/hf`", ENV, "env", fixed="/hf", note="the host's HF cache is mounted there"),
