@@ -195,3 +195,27 @@ def test_a_checkout_without_the_fleet_key_stops_instead_of_rekeying(testbed, run
     finally:
         aside.rename(key_file)
     assert run_pyinfra("deploy.py").returncode == 0
+
+
+def test_every_route_of_the_engine_needs_the_key(testbed):
+    name = testbed.names[1]
+
+    def status(path: str, key: bool) -> str:
+        auth = "-H @/etc/sparkfleet/api-auth.header " if key else ""
+        return testbed.exec(name, f"curl -s -m 5 -o /dev/null -w '%{{http_code}}' {auth}"
+                                  f"http://127.0.0.1:8000{path}").stdout.strip()
+
+    # vLLM's own check guards /v1 only; runtime/key_guard.py (--middleware) the rest.
+    for path in ("/metrics", "/health", "/version", "/v1/models"):
+        assert (status(path, key=False), status(path, key=True)) == ("401", "200"), path
+
+
+def test_the_mirror_answers_fleet_hosts_only(testbed):
+    mirror, peer = testbed.names[0], testbed.names[1]
+    address = testbed.host(mirror).address
+    for port in (5000, 8090):  # the registry, the HF mirror
+        reached = testbed.exec(peer, f"timeout 5 bash -c '</dev/tcp/{address}/{port}' && echo open").stdout
+        assert reached.strip() == "open", (port, reached)
+        # The controller's side of the testbed is no fleet host: reset.
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((address, port), timeout=5).close()
