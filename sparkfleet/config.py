@@ -432,6 +432,11 @@ class Settings(BaseModel):
         return f"profile={self.profile} " + hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
     @property
+    def serve_middleware(self) -> str:
+        """vLLM's own key check guards /v1 only: with a key, runtime/key_guard.py guards the rest."""
+        return "" if self.api_key.get_secret_value() == "none" else "key_guard.KeyGuard"
+
+    @property
     def serve_model(self) -> str:
         """What vLLM serves: the container's /model for a local checkpoint, else the repo."""
         return CONTAINER_MODEL_DIR if self.local_model_dir else self.model_repo
