@@ -70,7 +70,8 @@ def main() -> int:
     args = ap.parse_args()
     if not HOSTS_FILE.exists():
         raise SystemExit(f"{HOSTS_FILE} is missing: `sparkfleet testbed up --hosts 3` and deploy first")
-    hosts = [h["name"] for h in json.loads(HOSTS_FILE.read_text())["hosts"]]
+    # By inventory name: what --limit matches and the results are named by.
+    hosts = [h.get("inventory_name", h["name"]) for h in json.loads(HOSTS_FILE.read_text())["hosts"]]
     if len(hosts) < 2:
         raise SystemExit("the simulated fleet has one host: `sparkfleet testbed up --hosts 3`")
     print(f"fleet: {len(hosts)} hosts ({', '.join(hosts)}); bench={args.bench}, {args.runs} runs x "

@@ -144,7 +144,10 @@ def main() -> int:
         must(subprocess.run(["sparkfleet", "testbed", "up", "--hosts", "1"], cwd=REPO, capture_output=True,
                             text=True, timeout=1800), "testbed up")
     hosts = json.loads(paths.HOSTS_JSON.read_text())["hosts"]
-    address = next(h["address"] for h in hosts if h["name"] == args.host)
+    chosen = next(h for h in hosts if args.host in (h["name"], h.get("inventory_name")))
+    address = chosen["address"]
+    # By inventory name: what --limit matches and the results are named by.
+    args.host = chosen.get("inventory_name", chosen["name"])
     print(f"simulated fleet: {args.host} ({address}); one profile at a time", flush=True)
 
     measured: dict[str, dict[str, dict]] = {}

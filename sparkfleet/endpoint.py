@@ -43,6 +43,7 @@ from pyinfra.operations import systemd
 
 from sparkfleet import remote, secrets
 from sparkfleet.config import Settings, all_settings, chosen_endpoint
+from sparkfleet.facts import RouteSource, SshServerAddress
 
 PROJECT = Path(__file__).resolve().parents[1]
 TEMPLATE = PROJECT / "templates" / "haproxy.cfg.j2"
@@ -74,11 +75,6 @@ def server_name(inventory_name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.:-]", "_", inventory_name)
 
 
-def client_address(target_host) -> str:
-    """How clients reach the endpoint host (what the deploy prints)."""
-    return str(target_host.data.get("ssh_hostname") or target_host.name)
-
-
 # --- facts ------------------------------------------------------------------------------
 
 
@@ -108,28 +104,6 @@ class OurConfig(FactBase["dict[str, str]"]):
         if not output or output[0].strip() != "ours":
             return None
         return dict(line.split(None, 1) for line in output[1:] if len(line.split()) == 2)
-
-
-class SSHServerAddress(FactBase["str | None"]):
-    """The address this host was reached at over SSH (a real address, not an alias); its
-    first address when not over SSH. Read without sudo: sudo drops SSH_CONNECTION."""
-
-    def command(self) -> str:
-        return 'set -- $SSH_CONNECTION; if [ -n "$3" ]; then echo "$3"; else hostname -I | cut -d" " -f1; fi'
-
-    def process(self, output):
-        return output[0].strip() if output and output[0].strip() else None
-
-
-class RouteSource(FactBase["str | None"]):
-    """The source address of this host's route to ``destination`` (how that host sees us)."""
-
-    def command(self, destination: str) -> str:
-        return (f"ip -o route get {shlex.quote(destination)} 2>/dev/null "
-                "| sed -n 's/.* src \\([^ ]*\\).*/\\1/p' | head -n 1")
-
-    def process(self, output):
-        return output[0].strip() if output and output[0].strip() else None
 
 
 # --- the configuration ----------------------------------------------------------------------
@@ -165,7 +139,7 @@ def _targets(settings: Settings) -> list[Target]:
     """
     state = host.state
     every = all_settings()
-    own = host.get_fact(SSHServerAddress, _sudo=False)
+    own = host.get_fact(SshServerAddress, _sudo=False)
     current = host.get_fact(OurConfig) or {}
     targets = []
     for member in state.inventory:
@@ -178,12 +152,12 @@ def _targets(settings: Settings) -> list[Target]:
             address = own
         elif own and member in state.activated_hosts and member not in state.failed_hosts:
             try:
-                address = member.get_fact(RouteSource, destination=own)
+                address = member.get_fact(RouteSource, address=own) or None
             except Exception:  # noqa: BLE001 - an unreachable member keeps its address
                 address = None
         if not address and server in current:
             address = current[server].rsplit(":", 1)[0].strip("[]")
-        address = address or client_address(member)
+        address = address or remote.reached_at(member)
         if ms.served_model_name != settings.served_model_name:
             logger.warning(f"{member.name}: serves `{ms.served_model_name}`, the fleet endpoint checks for "
                            f"`{settings.served_model_name}`: it stays out of rotation")
@@ -289,7 +263,7 @@ def _states_now(target_host) -> dict[str, "Member"]:
 
 
 def _hint(target_host, settings: Settings, members: list[Target], states: dict[str, "Member"]) -> str:
-    url = f"http://{client_address(target_host)}:{settings.endpoint_port}"
+    url = f"http://{remote.reached_at(target_host)}:{settings.endpoint_port}"
     mode = settings.api_key.get_secret_value()
     auth = (f'-H "Authorization: Bearer $(cat {settings.api_key_file})" ' if mode == "auto"
             else '-H "Authorization: Bearer $API_KEY" ' if mode != "none" else "")
@@ -302,7 +276,7 @@ def _hint(target_host, settings: Settings, members: list[Target], states: dict[s
         f"fleet endpoint {url}/v1 serves `{settings.served_model_name}` over {len(members)} member(s): {listing}\n"
         f"    curl {auth}{url}/v1/models\n"
         f'    openai.OpenAI(base_url="{url}/v1", api_key={key})\n'
-        f"    metrics: curl {auth}http://{client_address(target_host)}:{settings.endpoint_metrics_port}/metrics"
+        f"    metrics: curl {auth}http://{remote.reached_at(target_host)}:{settings.endpoint_metrics_port}/metrics"
     )
 
 

@@ -45,7 +45,8 @@ def callback(function, *args, **kwargs) -> FunctionCommand:
             return function(state, host, *args, **kwargs)
         except OperationError as exc:
             meta = state.get_op_meta(host.current_op_hash) if host.current_op_hash else None
-            step = ", ".join(sorted(meta.names)) if meta and meta.names else "step"
+            # The operation's own name, without the deploy group's "Group | " prefix.
+            step = ", ".join(sorted({n.rsplit(" | ", 1)[-1] for n in meta.names})) if meta and meta.names else "step"
             headline, _, detail = str(exc).partition("\n")
             host.log_styled(f"{step}: {headline}", fg="red", log_func=logger.error)
             for line in detail.splitlines():
@@ -55,6 +56,18 @@ def callback(function, *args, **kwargs) -> FunctionCommand:
             return False
 
     return FunctionCommand(run_step, args, kwargs)
+
+
+def reached_at(host) -> str:
+    """How the controller reaches ``host``, for the URLs the deploy prints: ``ssh_hostname``,
+    else the address its SSH connection reached (curl cannot resolve an SSH alias, nor a
+    ``.local`` name without mDNS), else its name."""
+    from sparkfleet.facts import SshServerAddress
+
+    given = host.data.get("ssh_hostname")
+    if given:
+        return str(given)
+    return host.get_fact(SshServerAddress, _sudo=False) or host.name
 
 
 def connector_arguments(host) -> dict:

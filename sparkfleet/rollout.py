@@ -234,7 +234,7 @@ def api_url(host, settings: Settings) -> str:
         raise OperationError(f"{host.name}: the rollout gate needs the API reachable from the controller, but "
                              f"bind_address is {settings.bind_address}; bind another address or use --data rollout=all")
     if address.is_unspecified:
-        found = host.get_fact(endpoint.SSHServerAddress, _sudo=False) or endpoint.client_address(host)
+        found = remote.reached_at(host)
         address = ipaddress.ip_address(found) if _is_ip(found) else found
     text = f"[{address}]" if getattr(address, "version", 4) == 6 else str(address)
     return f"http://{text}:{settings.port}"

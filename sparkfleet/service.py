@@ -285,8 +285,7 @@ def _endpoint_hint(settings: Settings, target_host=None) -> str:
         f"API key in {settings.api_key_file}" if mode == "auto"
         else "no API key (api_key=none)" if mode == "none" else "API key as configured"
     )
-    target_host = target_host or host
-    address = target_host.data.get("ssh_hostname") or target_host.name
+    address = remote.reached_at(target_host or host)
     return f"http://{address}:{settings.port}/v1 serves `{settings.served_model_name}` ({settings.profile}); {key}"
 
 

@@ -161,8 +161,8 @@ def collect(state, settings: dict[str, Settings]) -> dict[str, Any]:
     if ep_host is not None:
         ep = {"host": ep_name, "url": None, "reachable": ep_host in state.active_hosts}
         es = settings[ep_name]
-        ep["url"] = f"http://{endpoint.client_address(ep_host)}:{es.endpoint_port}/v1"
-        ep["metrics"] = f"http://{endpoint.client_address(ep_host)}:{es.endpoint_metrics_port}/metrics"
+        ep["url"] = f"http://{remote.reached_at(ep_host)}:{es.endpoint_port}/v1"
+        ep["metrics"] = f"http://{remote.reached_at(ep_host)}:{es.endpoint_metrics_port}/metrics"
         if ep["reachable"]:
             try:
                 stat = endpoint.show_stat(ep_host)

@@ -13,7 +13,7 @@ import shutil
 import signal
 import time
 
-from . import cgroups, network, paths, rootfs, services
+from . import cgroups, network, pairs, paths, rootfs, services
 from .hosts import kill_netns_processes
 from .proc import TestbedError, all_pids, cmdline, kill_wait, log, pid_alive, pid_matches, run, wait_until
 from .state import State
@@ -103,6 +103,7 @@ def teardown(state: State | None = None, *, remove_hosts_json: bool = True) -> N
     run(["gpgconf", "--homedir", str(paths.CACHE_DIR / "gnupg"), "--kill", "all"], timeout=30, check=False)
     unmount_all()
     remove_cgroups()
+    pairs.remove_all()
     network.remove_all()
     rootfs.remove_stale_builds()
     if paths.STATE_DIR.exists():

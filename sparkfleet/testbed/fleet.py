@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from . import aptrepo, cleanup, hosts, hubservice, image, keys, login, network, paths, registry, rootfs, switches
+from . import aptrepo, cleanup, hosts, hubservice, image, keys, login, network, pairs, paths, registry, rootfs, switches
 from .proc import TestbedError, log, pid_alive, pid_matches, require_root, require_tools, run
 from .services import port_open
 from .state import HostState, State, write_hosts_json
@@ -62,16 +62,18 @@ def _check_env() -> None:
 
 def up(n_hosts: int, host_switches: dict[str, dict[str, Any]] | None = None, *,
        keep_on_failure: bool = False, login_kind: str = login.DEFAULT_LOGIN,
-       names: str = login.DEFAULT_NAMES) -> "Testbed":
+       names: str = login.DEFAULT_NAMES, n_pairs: int = 0) -> "Testbed":
     """Boot a fresh fleet of *n_hosts* hosts (spark-1..N); return it. *login_kind* and
     *names* say how the controller logs in and what the inventory calls the hosts
-    (login.py)."""
+    (login.py); *n_pairs* joins spark-1 + spark-2, ... by a simulated ConnectX-7 link
+    (pairs.py)."""
     if not 1 <= n_hosts <= 50:
         raise TestbedError(f"--hosts must be 1..50, not {n_hosts}")
     login.check(login_kind, names)
     _check_env()
     host_switches = host_switches or {}
     host_names = [paths.host_name(i) for i in range(1, n_hosts + 1)]
+    cabled = pairs.plan(host_names, n_pairs)
     unknown = set(host_switches) - set(host_names)
     if unknown:
         raise TestbedError(f"switches for hosts that are not in the fleet: {', '.join(sorted(unknown))}")
@@ -87,7 +89,7 @@ def up(n_hosts: int, host_switches: dict[str, dict[str, Any]] | None = None, *,
         cleanup.teardown()
         t = mark("cleanup", t0)
         _mount_state_tmpfs()
-        state = State(login=login_kind, names=names)
+        state = State(login=login_kind, names=names, pairs=[p.record() for p in cabled])
         paths.LOG_DIR.mkdir(parents=True, exist_ok=True)
         state.save()
         try:
@@ -153,6 +155,7 @@ def _up(state: State, names: list[str], host_switches: dict[str, dict[str, Any]]
         state.save()
         network.create_host_net(name, h.address)
         hosts.provision(h, host_root, pubkey, deb, state.login, sudo_password)
+    pairs.set_up(state.hosts, [pairs.Pair(tuple(p["members"])) for p in state.pairs])
     t = mark("provision", t)
     for h in state.hosts.values():
         hosts.boot(h)

@@ -69,6 +69,8 @@ class State:
     data: dict[str, Any] = field(default_factory=dict)
     login: str = "root"  # login.LOGINS
     names: str = "plain"  # login.NAMES
+    #: Hosts joined by a simulated ConnectX-7 link (pairs.Pair.record), in hosts.json too.
+    pairs: list[dict[str, Any]] = field(default_factory=list)
 
     # --- (de)serialisation ---------------------------------------------------------
 
@@ -90,6 +92,7 @@ class State:
             data=dict(d.get("data", {})),
             login=d.get("login", "root"),
             names=d.get("names", "plain"),
+            pairs=list(d.get("pairs", [])),
         )
 
     def save(self, path: Path = paths.STATE_FILE) -> None:
@@ -132,6 +135,7 @@ def write_hosts_json(state: State, ssh_key: Path = paths.SSH_KEY, path: Path = p
         "login": state.login,
         "names": state.names,
         "data": state.data,
+        "pairs": state.pairs,
     }
     if state.login != "root":
         doc["sudo_password_file"] = str(path.with_name(paths.SUDO_PASSWORD_FILE.name))

@@ -197,6 +197,14 @@ def test_a_checkout_without_the_fleet_key_stops_instead_of_rekeying(testbed, run
     assert run_pyinfra("deploy.py").returncode == 0
 
 
+def failures(out: str) -> str:
+    """The lines of a deploy's output that say what failed, and what came just before."""
+    lines = out.splitlines()
+    keep = {i + d for i, line in enumerate(lines) if re.search(r"Error|error|failed|Traceback", line)
+            and "|" not in line for d in range(-3, 4)}
+    return "\n".join(lines[i] for i in sorted(keep) if 0 <= i < len(lines))[-6000:]
+
+
 def registry_pid(testbed, name: str) -> str:
     return testbed.exec(name, "systemctl show docker-registry -p MainPID --value").stdout.strip()
 
@@ -239,7 +247,7 @@ def test_an_unreachable_mirror_host_hands_the_mirror_to_a_reachable_one(testbed,
     assert moved.returncode != 0  # the unreachable host fails; the others go on with another mirror
     assert re.search(rf"{first}(?:\.local)? is unreachable, so {second}(?:\.local)? serves the mirror", out), out[-4000:]
     for name in (second, third):
-        assert not re.search(rf"\[{name}(?:\.local)?\] Error", out), out[-4000:]
+        assert not re.search(rf"\[{name}(?:\.local)?\] Error", out), failures(out)
         assert "Paris" in completion(testbed, name)
     second_registry = next(iter(trusted_registries(testbed, second) - trusted_registries(testbed, first)))
     assert testbed.exec(second, "systemctl is-active docker-registry sparkfleet-hf-mirror").stdout.split() == \
@@ -261,6 +269,26 @@ def test_an_unreachable_mirror_host_hands_the_mirror_to_a_reachable_one(testbed,
     assert {n: unit(testbed, n)["ExecMainStartTimestampMonotonic"] for n in testbed.names} == started
     again = run_pyinfra("deploy.py")
     assert again.returncode == 0 and changed_hosts(again.stdout + again.stderr) == set()
+
+
+def test_a_revision_that_does_not_exist_is_one_line_with_its_fix(testbed, run_pyinfra):
+    import json
+
+    from sparkfleet.profiles import PROFILES
+
+    repo = PROFILES["dense"].model
+    revisions = {**testbed.data["model_revisions"], repo: "v9"}
+    started = {n: unit(testbed, n)["ExecMainStartTimestampMonotonic"] for n in testbed.names}
+    result = run_pyinfra("deploy.py", "--data", f"model_revisions={json.dumps(revisions)}")
+    out = result.stdout + result.stderr
+    assert result.returncode != 0
+    for name in testbed.names:
+        assert re.search(rf"\[{name}(?:\.local)?\] weights in the HF cache: fetch-\S+ failed \(exit 2\): {repo} has no "
+                         r"revision 'v9' at \S+ — fix model_revisions", out), out[-4000:]
+    assert "Traceback" not in out and "Unexpected error" not in out
+    # Nothing that serves was touched.
+    assert {n: unit(testbed, n)["ExecMainStartTimestampMonotonic"] for n in testbed.names} == started
+    assert all("Paris" in completion(testbed, n) for n in testbed.names)
 
 
 def test_every_route_of_the_engine_needs_the_key(testbed):

@@ -101,7 +101,7 @@ def test_dropping_the_patch_as_data_deploys_the_image(testbed, run_pyinfra, brok
     for name in testbed.names:
         assert re.search(rf"\[{name}(?:\.local)?\] READY in \d+ s", out), out[-3000:]
         assert f"SF_PATCHES={REST}\n" in testbed.exec(name, "cat /etc/sparkfleet/serve.env").stdout
-        assert broken_image["digest"] in testbed.exec(
+        assert broken_image["id"] in testbed.exec(
             name, "docker inspect -f '{{.Image}} {{.Config.Image}}' sparkfleet-serve").stdout
         assert "Paris" in completion(testbed, name)
     # Back to the default image and plan for whatever runs next.

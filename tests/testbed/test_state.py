@@ -62,7 +62,8 @@ def test_hosts_json_shape(tmp_path):
     out = tmp_path / "hosts.json"
     write_hosts_json(_state(), ssh_key=tmp_path / "id_ed25519", path=out)
     doc = json.loads(out.read_text())
-    assert set(doc) == {"hosts", "data", "login", "names"}
+    assert set(doc) == {"hosts", "data", "login", "names", "pairs"}
+    assert doc["pairs"] == []  # no simulated ConnectX-7 links unless `up --pairs N`
     assert (doc["login"], doc["names"]) == ("root", "plain")
     assert [h["name"] for h in doc["hosts"]] == ["spark-1", "spark-2"]
     assert doc["hosts"][0] == {"name": "spark-1", "inventory_name": "spark-1", "address": "10.213.0.11",

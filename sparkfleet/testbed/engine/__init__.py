@@ -13,6 +13,7 @@ like vLLM where the deploy and the checks can tell the difference, and nowhere e
     metrics.py  ``/metrics`` with vLLM's names
     api.py      the OpenAI-compatible routes over the timed engine
     serve.py    startup, as ``vllm serve`` starts
+    multinode.py  vLLM's multi-node mode without Ray: refusals, rendezvous, a lost node
     local.py    the same server in this process, for tests (``SimServer``)
 
 Run it as ``python -m sparkfleet.testbed.engine serve MODEL ...`` on the controller.

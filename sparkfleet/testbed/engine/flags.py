@@ -187,6 +187,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     pc.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     pc.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     pc.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    pc.add_argument("--master-addr", type=str, default="127.0.0.1")  # multinode.py: the multi-node flags
+    pc.add_argument("--master-port", type=int, default=29501)
+    pc.add_argument("--nnodes", "-n", type=int, default=1)
+    pc.add_argument("--node-rank", "-r", type=int, default=0)
+    pc.add_argument("--distributed-timeout-seconds", type=opt_int, default=None)
     pc.add_argument("--enable-expert-parallel", "-ep", default=False, **B)
     pc.add_argument("--max-parallel-loading-workers", type=opt_int, default=None)
     pc.add_argument("--disable-custom-all-reduce", default=False, **B)

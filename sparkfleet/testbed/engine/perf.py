@@ -48,6 +48,23 @@ every profile (assumed: the reference measured them on dense only).
 Prefill (assumed: the reference publishes no TTFT): the first token comes
 ``TTFT_FIXED_S`` plus the prompt's tokens at ``PREFILL_TOK_S`` after the request.
 
+Tensor parallelism over two Sparks (``--tensor-parallel-size 2 --nnodes 2``, see
+``multinode.py``): ``tensor_parallel_step_s``. A decode step of this MoE model is bound by
+memory bandwidth: each step reads the active weights (and KV/state) once. With TP=N each
+GB10 reads 1/N of them from its own 273 GB/s, so that part of the step takes 1/N of the
+time. What TP adds is the all-reduce of the hidden state after every row-parallel layer:
+two per decoder layer (the attention / linear-attention output and the MoE output) and one
+gather of the sharded lm-head's logits, 2 x 48 + 1 = 97 per forward over the ConnectX-7
+link. Each moves ``tokens x hidden 3072 x 2 bytes`` (6 KiB for one token, 78 KiB for a
+DFlash verify of 13), at most 3 us at 200 Gb/s: the cost is NCCL's latency for a small
+message between two nodes over RoCE, ``ALLREDUCE_LATENCY_S`` = 25 us (assumed: nccl-tests
+report some 15-30 us for small all-reduces between two 200 Gb/s RoCE/IB nodes). A plain
+step: 35.5 ms / 2 + 97 x 25.2 us = 20.2 ms, 1.76x one Spark (49.6 against 28.2 tok/s); a
+DFlash step on code (99 ms) gains 1.9x. That sits where the peers' two-Spark reports put
+a pair (about 1.6-1.9x one Spark on decode); a real pair also pays per-step fixed costs
+(scheduling, sampling) that do not halve, which this model leaves out (assumed small
+against 35 ms). ``SIM_DECODE_TOK_S`` still sets the rate as given.
+
 Simulator-only overrides (environment): ``SIM_DECODE_TOK_S`` (every workload's decode
 rate at one stream), ``SIM_ACCEPT_LEN`` (every workload's acceptance, capped at k + 1),
 ``SIM_TTFT_S`` (a fixed TTFT, prompt length ignored), ``SIM_PREFILL_TOK_S``,
@@ -98,6 +115,23 @@ CONCURRENCY_CLASS = {PROSE: PROSE, CODE: CODE, COUNTING: CODE, CHAT: CODE, AGENT
 TTFT_FIXED_S = 0.12  # assumed: scheduling, the first forward and the HTTP round trip
 PREFILL_TOK_S = 2500.0  # assumed
 DEFAULT_READY_DELAY_S = 3.0
+
+# Tensor parallelism (module docstring): Qwen3.5-122B-A10B's 48 layers, hidden size 3072.
+TP_LAYERS = 48
+TP_HIDDEN = 3072
+ALLREDUCES_PER_FORWARD = 2 * TP_LAYERS + 1
+ALLREDUCE_LATENCY_S = 25e-6  # assumed: a small NCCL all-reduce between two nodes over RoCE
+LINK_BYTES_S = 200e9 / 8  # ConnectX-7: 200 Gb/s
+
+
+def tensor_parallel_step_s(step_s: float, tp: int, tokens: int = 1) -> float:
+    """A decode step of ``step_s`` on one Spark, with the model split over ``tp`` Sparks
+    that verify ``tokens`` positions per step: the bandwidth-bound part over ``tp``, plus
+    the all-reduces over the link (module docstring)."""
+    if tp <= 1:
+        return step_s
+    per_rank_bytes = 2 * (tp - 1) / tp * tokens * TP_HIDDEN * 2  # ring all-reduce, bf16
+    return step_s / tp + ALLREDUCES_PER_FORWARD * (ALLREDUCE_LATENCY_S + per_rank_bytes / LINK_BYTES_S)
 
 
 def acceptance_at(accept_ref: float, depth_ref: int, depth: int) -> float:
@@ -156,13 +190,16 @@ class PerfModel:
     prefill_tok_s: float = PREFILL_TOK_S
     decode_tok_s: float | None = None  # SIM_DECODE_TOK_S
     accept_len: float | None = None  # SIM_ACCEPT_LEN
+    tensor_parallel: int = 1  # Sparks the model is split over (multinode.py)
 
     @property
     def label(self) -> str:
         dense = self.levers.fp8_shared_experts or self.levers.int8_lm_head
         if self.method is None:
-            return "dense levers, no speculation" if dense else "base"
-        return f"{self.method} k={self.k}" + (" + dense levers" if dense else "")
+            return ("dense levers, no speculation" if dense else "base") + (
+                f", tp={self.tensor_parallel}" if self.tensor_parallel > 1 else "")
+        tp = f", tp={self.tensor_parallel}" if self.tensor_parallel > 1 else ""
+        return f"{self.method} k={self.k}" + (" + dense levers" if dense else "") + tp
 
     def speed(self, workload: str) -> Speed:
         """Acceptance and single-stream decode rate of ``workload`` on this profile."""
@@ -177,6 +214,7 @@ class PerfModel:
             ref_step = ref_accept / ref_tok_s
             step = PLAIN_STEP_S + (ref_step - PLAIN_STEP_S) * (self.k + 1) / (depth + 1)
             step -= self.levers.saving_s() * LEVER_SCALE[workload]
+        step = tensor_parallel_step_s(step, self.tensor_parallel, tokens=self.k + 1)
         if self.accept_len is not None and self.method is not None and self.k > 0:
             accept = self.accept_len
         tok_s = self.decode_tok_s if self.decode_tok_s is not None else accept / step

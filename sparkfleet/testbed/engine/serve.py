@@ -20,7 +20,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from . import perf
+from . import multinode, perf
 from .api import Engine, EngineHTTPServer
 from .cache import derived_max_model_len, read_config, resolve_model
 from .flags import (
@@ -200,6 +200,9 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     log("INFO", "utils.py:253", f"vLLM API server version {VERSION} (sparkfleet simulator)")
     log("INFO", "utils.py:253", f"non-default args: {_non_default_args(args, parser)}")
     engine = build_engine(args, env)
+    group = multinode.join(args, env, engine, stop)  # None on one node
+    if group is not None and group.headless:
+        return group.run_headless(stop)
     prof = engine.perf
     speeds = ", ".join(f"{w} {s.tok_s:.1f} tok/s (acc {s.accept:.2f})"
                        for w in perf.WORKLOADS for s in [prof.speed(w)])
