@@ -39,7 +39,7 @@ else:
         cached = weights.fetched(settings)
         mirror.track(settings, mirror_ops, pulled, cached, weights.repo_dirs(settings))
         build = hybrid.checkpoint(settings)
-        patchcheck.checked(name="runtime patches apply to the image", settings=settings)
+        patchcheck.checked(name="runtime patches and serve flags fit the image", settings=settings)
         service.running(settings, also_restart_for=(*host_files, build))
         endpoint.served(settings)  # fleet_endpoint: HAProxy over every serving host
         if settings.checks:

@@ -14,12 +14,15 @@ mounted read-only at ``SECRETS_FILE`` (so the API key is in no ``docker inspect`
 3. print the final command (argv only: the API key stays in ``VLLM_API_KEY``) and
    ``os.execvp`` it, so vLLM becomes the container's main process and gets its signals.
 
-``python3 /host/serve.py --check`` runs step 2 only, writing nothing (each patch with
-``--check``), needs only ``SF_PATCHES`` and no GPU, and prints one JSON document: the
-vLLM found and, per patch, its verdict (``would-apply``, ``already-present``,
-``not-needed``, ``cannot-apply``), the file, the reason and, for ``cannot-apply``, the
-fix. It exits 1 when a required patch cannot apply: the deploy runs it inside the image
-before it installs or restarts the unit (sparkfleet/patchcheck.py).
+``python3 /host/serve.py --check`` runs step 2 without writing anything (each patch with
+``--check``), then asks the image's vLLM whether it accepts step 1's argv
+(vllm_cli.py); it needs serve.env and no GPU, and prints one JSON document: the vLLM
+found, per patch its verdict (``would-apply``, ``already-present``, ``not-needed``,
+``cannot-apply``), the file, the reason and, for ``cannot-apply``, the fix; and under
+``args`` whether vLLM accepts the command, else what it said and the serve.env variable
+that brought the word it refused. It exits 1 when a required patch cannot apply or vLLM
+refuses the command: the deploy runs it inside the image before it installs or
+restarts the unit (sparkfleet/patchcheck.py).
 
 Nothing depends on the current directory: paths are relative to this file.
 """
@@ -34,10 +37,11 @@ from collections.abc import Mapping
 from pathlib import Path
 
 try:  # imported as the package runtime (controller, tests)
-    from . import serve_args
+    from . import serve_args, vllm_cli
     from .patches import _patchlib as pl
 except ImportError:  # run as /host/serve.py: this directory is sys.path[0]
     import serve_args
+    import vllm_cli
     from patches import _patchlib as pl
 
 HERE = Path(__file__).resolve().parent
@@ -154,13 +158,21 @@ def check_patches(names: list[str], env: Mapping[str, str]) -> dict:
 
 
 def check_main(env: dict[str, str]) -> int:
+    # vLLM logs to stdout as it imports: keep stdout for the one JSON document.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     try:
+        parts = serve_args.argv_parts(env)
         patches = serve_args.patches_for(env)
     except serve_args.ServeEnvError as exc:
-        print(json.dumps({"error": f"invalid serve.env: {exc}", "ok": False}))
+        print(json.dumps({"error": f"invalid serve.env: {exc}", "ok": False}), file=out)
         return 2
     report = check_patches(patches, env)
-    print(json.dumps(report, indent=2, sort_keys=True))
+    # The same command the start will exec, asked of the image's vLLM (vllm_cli.py).
+    report["args"] = {**vllm_cli.check(parts), "argv": [w for _, words in parts for w in words]}
+    report["ok"] = report["ok"] and report["args"]["ok"]
+    print(json.dumps(report, indent=2, sort_keys=True), file=out)
+    out.flush()
     return 0 if report["ok"] else 1
 
 
@@ -182,8 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv:
         log(f"usage: serve.py [--check] (unknown arguments: {' '.join(argv)})")
         return 2
-    # The patched vLLM finds runtime/int8_lmhead.py here (the /host mount by default).
+    # The patched vLLM finds runtime/int8_lmhead.py here (the /host mount by default),
+    # and imports --middleware (key_guard) from here.
     env.setdefault("SPARKFLEET_RUNTIME_DIR", str(HERE))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH", "")) if p)
     try:
         command = serve_args.build_serve_argv(env)
         patches = serve_args.patches_for(env)

@@ -99,6 +99,8 @@ SERVE_ENV = (
         flag="--enable-prefix-caching"),
     Var("SF_SPECULATIVE_CONFIG", "speculative_config", "json", "JSON object with a `method`", PRESENT, "json",
         "--speculative-config"),
+    Var("SF_MIDDLEWARE", "serve_middleware", "text", "`key_guard.KeyGuard`", OPTIONAL, "value-if-set",
+        "--middleware", note="with an API key: every route needs it, not only /v1 (runtime/key_guard.py)"),
     Var("SF_EXTRA_ARGS", "extra_serve_args", "json-list", "JSON list of strings", OPTIONAL, "args"),
     Var("SF_PATCHES", "patch_plan", "names", "`kv_unify,fla_shmem`", OPTIONAL, "plan"),
     Var("HF_HOME", "", "fixed", "`/hf`", ENV, "env", fixed="/hf", note="the host's HF cache is mounted there"),
@@ -264,35 +266,46 @@ def _value(env: Mapping[str, str], var: Var) -> str:
     return _word(env, var.name)
 
 
-def build_serve_argv(env: Mapping[str, str]) -> list[str]:
-    """The full ``vllm serve`` argv for a serve.env mapping, in SERVE_ENV's order.
+def argv_parts(env: Mapping[str, str]) -> list[tuple[str, list[str]]]:
+    """(variable, the words it adds after ``vllm serve``), in SERVE_ENV's order: the
+    pieces of ``build_serve_argv``, so a word vLLM refuses can be traced to its variable.
 
     Raises ServeEnvError naming the first offending variable(s)."""
     _check_presence(env)
     model = _get(env, "SF_MODEL")
     if model.startswith("-") or any(c.isspace() for c in model):
         raise ServeEnvError(f"SF_MODEL={model!r}: not a repo id or path")
-    argv = ["vllm", "serve"]
+    parts: list[tuple[str, list[str]]] = []
     for var in SERVE_ENV:
+        words: list[str] = []
         if var.argv == "positional":
-            argv.append(model)
+            words = [model]
         elif var.argv == "value":
-            argv += [var.flag, _value(env, var)]
+            words = [var.flag, _value(env, var)]
         elif var.argv == "value-if-set":
             value = _value(env, var)
             if value and not (var.name == "SF_REVISION" and model_is_path(model)):
-                argv += [*var.flag.split(), value]
+                words = [*var.flag.split(), value]
         elif var.argv == "switch":
-            argv.append(var.flag if _flag01(env, var.name) else f"--no-{var.flag[2:]}")
+            words = [var.flag if _flag01(env, var.name) else f"--no-{var.flag[2:]}"]
         elif var.argv == "json":
             spec = speculative_config(env)
             if spec is not None:
-                argv += [var.flag, json.dumps(spec, separators=(",", ":"))]
+                words = [var.flag, json.dumps(spec, separators=(",", ":"))]
         elif var.argv == "args":
-            argv += extra_args(env)
+            words = extra_args(env)
         elif var.argv == "plan":
             patches_for(env)  # validate here too: a bad SF_PATCHES must fail the deploy's tests
-    return argv
+        if words:
+            parts.append((var.name, words))
+    return parts
+
+
+def build_serve_argv(env: Mapping[str, str]) -> list[str]:
+    """The full ``vllm serve`` argv for a serve.env mapping, in SERVE_ENV's order.
+
+    Raises ServeEnvError naming the first offending variable(s)."""
+    return ["vllm", "serve", *(word for _, words in argv_parts(env) for word in words)]
 
 
 def render_command(env: Mapping[str, str]) -> str:

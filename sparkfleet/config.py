@@ -439,6 +439,11 @@ class Settings(BaseModel):
         return f"profile={self.profile} " + hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
     @property
+    def serve_middleware(self) -> str:
+        """vLLM's own key check guards /v1 only: with a key, runtime/key_guard.py guards the rest."""
+        return "" if self.api_key.get_secret_value() == "none" else "key_guard.KeyGuard"
+
+    @property
     def serve_model(self) -> str:
         """What vLLM serves: the container's /model for a local checkpoint, else the repo."""
         return CONTAINER_MODEL_DIR if self.local_model_dir else self.model_repo
@@ -564,6 +569,15 @@ def all_settings() -> dict[str, Settings]:
 
     fleet_settings()
     return _FLEET_CACHE[id(state)]
+
+
+def all_mirrors() -> dict[str, "Mirror | None"]:
+    """Every host's mirror by inventory name, as chosen once per run (among the reachable
+    hosts): without their addresses, which :func:`host_mirror` finds."""
+    from pyinfra import state
+
+    fleet_settings()
+    return _MIRROR_CACHE[id(state)]
 
 
 def host_mirror() -> "Mirror | None":

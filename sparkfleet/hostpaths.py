@@ -65,6 +65,9 @@ REGISTRY_CONFIG = "/etc/docker/registry/config.yml"
 REGISTRY_CERT = "/etc/docker/registry/sparkfleet-mirror.crt"
 REGISTRY_KEY = "/etc/docker/registry/sparkfleet-mirror.key"
 REGISTRY_USER = "docker-registry"
+FIREWALL_UNIT = "sparkfleet-mirror-firewall.service"  # nftables: the mirror answers the fleet only
+FIREWALL_UNIT_PATH = f"/etc/systemd/system/{FIREWALL_UNIT}"
+FIREWALL_RULES = f"{ETC_DIR}/mirror-firewall.nft"
 
 
 def mirror_hf_cache(mirror_dir: str) -> str:

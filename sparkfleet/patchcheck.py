@@ -1,4 +1,4 @@
-"""Runtime patches checked against the serving image before the service (re)starts.
+"""Runtime patches and the serving command checked against the image before the service (re)starts.
 
 The serve wrapper edits the image's vLLM at every start (``runtime/patches``). A real
 image's vLLM is upstream plus overlays and in-image edits, so a patch's anchor can be
@@ -7,11 +7,15 @@ loop. So before the unit is installed or restarted, the deploy runs the wrapper'
 mode (``python3 /host/serve.py --check``: the same patch programs, nothing written, no
 GPU) inside the pinned image with the runtime copy at ``/host``, exactly as the unit
 will. A patch that cannot apply fails this host's deploy, naming the patch, the file and
-the fix; the running service is left as it is.
+the fix; the running service is left as it is. The same run asks the image's vLLM
+whether it accepts the command the wrapper will exec (runtime/vllm_cli.py): a flag it
+does not know, a stray argument in ``extra_serve_args``, a parser name it has not
+registered fail every host here, naming the setting and the fix, instead of putting
+every host's new server in a crash loop.
 
-The verdict is cached on the host per image (its content digest), patch plan and patch
-programs, in ``/var/lib/sparkfleet/patch-verdicts/``: a converged run reads it and runs
-no container.
+The verdict is cached on the host per image (its content digest), patch plan, serving
+argv and runtime programs, in ``/var/lib/sparkfleet/patch-verdicts/``: a converged run
+reads it and runs no container.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 from pyinfra import host, logger
 from pyinfra.api import FactBase, operation
 
+from runtime import serve_args
 from sparkfleet import remote
 from sparkfleet.config import Settings
 from sparkfleet.hostpaths import RUNTIME_DIR
@@ -32,13 +37,24 @@ from sparkfleet.mirror import local_image
 VERDICT_DIR = "/var/lib/sparkfleet/patch-verdicts"
 CONTAINER = "sparkfleet-patch-check"
 RUNTIME = Path(__file__).resolve().parents[1] / "runtime"
-# What decides a verdict besides the image: the wrapper and the patch programs.
-_CHECKED_FILES = ("serve.py", "serve_args.py", "patches/*.py")
+# What decides a verdict besides the image and the command: the wrapper, the patch
+# programs, the argument check and the middleware it imports.
+_CHECKED_FILES = ("serve.py", "serve_args.py", "vllm_cli.py", "key_guard.py", "patches/*.py")
+# What each serve.env variable's refusal asks the operator to do.
+_FIXES = {
+    "SF_TOOL_CALL_PARSER": "set tool_call_parser to a parser this vLLM knows (--data tool_call_parser=NAME; "
+                           "empty turns tool calls off)",
+    "SF_REASONING_PARSER": "set reasoning_parser to a parser this vLLM knows (--data reasoning_parser=NAME; "
+                           "empty turns it off)",
+    "SF_EXTRA_ARGS": "remove or correct that argument in extra_serve_args (`vllm serve --help=all` in the "
+                     "image lists its flags)",
+}
 
 
-def plan_key(patches: str) -> str:
-    """Names the verdict of ``patches`` (SF_PATCHES) as the controller's runtime/ checks them."""
-    digest = hashlib.sha256(patches.encode() + b"\0")
+def plan_key(patches: str, argv: list[str]) -> str:
+    """Names the verdict of ``patches`` (SF_PATCHES) and the serving ``argv`` as the
+    controller's runtime/ checks them."""
+    digest = hashlib.sha256(patches.encode() + b"\0" + json.dumps(argv).encode() + b"\0")
     for pattern in _CHECKED_FILES:
         for path in sorted(RUNTIME.glob(pattern)):
             digest.update(path.relative_to(RUNTIME).as_posix().encode() + b"\0" + path.read_bytes())
@@ -73,10 +89,28 @@ def summary(verdict: dict) -> str:
     return ", ".join(f"{p['name']} {words.get(p['verdict'], 'CANNOT APPLY')}" for p in verdict["patches"])
 
 
-def problems(verdict: dict, reference: str, patches: list[str]) -> list[str]:
-    """One message per required patch that cannot apply: the patch, the file, the fix."""
+def args_problem(verdict: dict, reference: str) -> str | None:
+    """What the image's vLLM refuses in the serving command: the setting and the fix."""
+    found = verdict.get("args") or {}
+    if found.get("ok", False):
+        return None
     version = (verdict.get("vllm") or {}).get("version") or "unknown"
-    out = []
+    var = serve_args.VARS.get(found.get("var") or "")
+    setting = (var.setting if var else "") or "the serving settings"
+    fix = _FIXES.get(var.name if var else "") or (
+        f"pin an image whose vLLM accepts it (--data image=name@sha256:...) or change {setting}" if var
+        else "correct the settings the message names")
+    return (f"vLLM {version} in {reference} refuses the serving command: "
+            f"{found.get('detail') or 'no answer'} — key: {setting}"
+            f"{f' ({var.name})' if var else ''}. Fix: {fix}")
+
+
+def problems(verdict: dict, reference: str, patches: list[str]) -> list[str]:
+    """One message per required patch that cannot apply (the patch, the file, the fix),
+    and one when vLLM refuses the serving command."""
+    version = (verdict.get("vllm") or {}).get("version") or "unknown"
+    refused = args_problem(verdict, reference)
+    out = [refused] if refused else []
     for patch in verdict["patches"]:
         if patch["verdict"] != "cannot-apply" or not patch["required"]:
             continue
@@ -98,13 +132,16 @@ def _fail(host, message: str) -> bool:
     return False
 
 
-def _check(state, host, reference: str, patches: list[str], key: str) -> bool:  # state, host: pyinfra's
+def _check(state, host, reference: str, patches: list[str], env: dict[str, str],  # state, host: pyinfra's
+           key: str) -> bool:
     q = shlex.quote
     path = _verdict_path(key)
+    # serve.env as it will be (no secrets in it): the check sees what the start will.
+    env_args = " ".join(f"-e {q(f'{name}={value}')}" for name, value in env.items())
     run = (
         f"docker rm -f {CONTAINER} >/dev/null 2>&1; "
         f"docker run --rm --pull never --name {CONTAINER} --network none "
-        f"-e SF_PATCHES={q(','.join(patches))} -v {RUNTIME_DIR}:/host:ro "
+        f"{env_args} -v {RUNTIME_DIR}:/host:ro "
         f"--entrypoint python3 {q(reference)} /host/serve.py --check"
     )
     # The check's exit status is 0 or 1 with a verdict on stdout; anything else (no image,
@@ -132,28 +169,30 @@ def _check(state, host, reference: str, patches: list[str], key: str) -> bool:  
         if patch["verdict"] == "cannot-apply":  # a tolerated one: serving goes on without it
             host.log(f"runtime patch {patch['name']} cannot apply ({patch['detail']}); serving without it",
                      logger.warning)
-    host.log(f"runtime patches checked against {reference}: {summary(verdict)}", logger.info)
+    host.log(f"runtime patches and the serving command checked against {reference}: "
+             f"{summary(verdict) or 'no patches'}; vLLM accepts the command", logger.info)
     return True
 
 
 @operation()
 def checked(settings: Settings):
     """
-    Check the patch plan against the pinned image before the unit is installed or restarted.
+    Check the patch plan and the serving command against the pinned image before the
+    unit is installed or restarted.
 
-    + settings: validated settings (``image``, ``patches``/the profile's patch plan)
+    + settings: validated settings (``image``, the patch plan, what serve.env renders)
 
     Fails this host, naming the patch, the file and the fix, when a required patch cannot
-    apply to the image's vLLM; the verdict is cached per image and plan on the host.
+    apply to the image's vLLM, or naming the setting and the fix when the image's vLLM
+    refuses the command; the verdict is cached per image, plan and command on the host.
     """
     patches = settings.patch_plan
-    if not patches:
-        host.noop("no runtime patches in the plan")
-        return
+    env = settings.serve_env()
     reference = local_image(settings)
-    key = plan_key(",".join(patches))
+    key = plan_key(",".join(patches), serve_args.build_serve_argv(env))
     cached = host.get_fact(CachedVerdict, reference=reference, key=key)
     if cached is not None and cached.get("ok"):
-        host.noop(f"runtime patches checked against {reference}: {summary(cached)}")
+        host.noop(f"runtime patches and the serving command checked against {reference}: "
+                  f"{summary(cached) or 'no patches'}")
         return
-    yield remote.callback(_check, reference, patches, key)
+    yield remote.callback(_check, reference, patches, env, key)

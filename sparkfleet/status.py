@@ -73,7 +73,7 @@ def _host_command(s: Settings) -> str:
         "echo '== models'",
         f"curl -s -m 5 -H @{AUTH_HEADER} http://127.0.0.1:{s.port}/v1/models 2>/dev/null; echo",
         "echo '== metrics'",
-        f"curl -s -m 5 http://127.0.0.1:{s.port}/metrics 2>/dev/null | grep -E {q('^(' + metric_names + ')')}",
+        f"curl -s -m 5 -H @{AUTH_HEADER} http://127.0.0.1:{s.port}/metrics 2>/dev/null | grep -E {q('^(' + metric_names + ')')}",
         "echo '== refs'",
         f"for f in {q(s.hf_home)}/hub/models--*/refs/*; do [ -f \"$f\" ] && echo \"$f $(cat \"$f\")\"; done 2>/dev/null",
         "true",

@@ -69,7 +69,11 @@ def settings(**overrides):
 def test_profile_renders_the_seeds_serve_settings_exactly(profile):
     env = settings(profile=profile).serve_env()
     argv, patches = EXPECTED[profile]
-    assert build_serve_argv(env) == argv
+    built = build_serve_argv(env)
+    # sparkfleet's own addition: with an API key every route needs it (runtime/key_guard.py).
+    at = built.index("--middleware")
+    assert built[at:at + 2] == ["--middleware", "key_guard.KeyGuard"]
+    assert built[:at] + built[at + 2:] == argv
     assert patches_for(env) == patches
     assert {k: env[k] for k in EXPECTED_ENV} == EXPECTED_ENV
     assert set(env) - set(EXPECTED_ENV) == {k for k in env if k.startswith("SF_")}

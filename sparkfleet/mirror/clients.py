@@ -12,7 +12,7 @@ from pyinfra.facts.systemd import SystemdEnabled, SystemdStatus
 
 from sparkfleet import remote
 from sparkfleet.config import Mirror
-from sparkfleet.hostpaths import HF_MIRROR_UNIT, REGISTRY_CONFIG, REGISTRY_UNIT, registry_ca_path
+from sparkfleet.hostpaths import FIREWALL_UNIT, HF_MIRROR_UNIT, REGISTRY_CONFIG, REGISTRY_UNIT, registry_ca_path
 
 
 def _probe(mirror: Mirror, service: str) -> tuple[str, str]:
@@ -37,7 +37,7 @@ def answers(mirror: Mirror, service: str) -> StringCommand:
 def _former_units() -> list[str]:
     """The mirror's services that run or are enabled here; docker-registry only when its
     configuration is ours (a registry the host runs for itself is not ours to stop)."""
-    units = [HF_MIRROR_UNIT]
+    units = [HF_MIRROR_UNIT, FIREWALL_UNIT]
     config = host.get_fact(FileContents, path=REGISTRY_CONFIG) or []
     if any("sparkfleet" in line for line in config):
         units.append(REGISTRY_UNIT)

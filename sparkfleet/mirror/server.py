@@ -26,7 +26,7 @@ from sparkfleet.hostpaths import (
     mirror_hf_cache,
     mirror_registry_storage,
 )
-from sparkfleet.mirror import hf, registry, tls
+from sparkfleet.mirror import firewall, hf, registry, tls
 from sparkfleet.mirror.names import upstream_registry_url
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
@@ -37,6 +37,7 @@ def served(settings: Settings, mirror: Mirror) -> list:
     Returns the operations it declared (for the report)."""
     installed = registry.installed(name="docker-registry and skopeo installed", apt_repo=settings.apt_repo,
                                    apt_key_url=settings.apt_key_url)
+    firewall.fleet_only(mirror)  # before either service first answers
     storage = files.directory(
         name="registry storage", path=mirror_registry_storage(settings.mirror_dir),
         user=REGISTRY_USER, group=REGISTRY_USER, mode="750",

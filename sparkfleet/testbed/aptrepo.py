@@ -21,11 +21,12 @@ from .state import ServiceState
 
 GNUPGHOME = paths.CACHE_DIR / "gnupg"
 #: Real Debian packages the hosts may install from this repository: the mirror's registry and
-#: skopeo (the image copy), the fleet endpoint's haproxy, the OOM guard's earlyoom, and the
-#: libraries they need that the host root lacks.
+#: skopeo (the image copy), the fleet endpoint's haproxy, the OOM guard's earlyoom, the
+#: mirror's nftables (its fleet-only rules), and the libraries they need that the host root lacks.
 ARCHIVE_PACKAGES = ("docker-registry", "skopeo", "libgpgme11", "golang-github-containers-common",
                     "golang-github-containers-image", "containernetworking-plugins",
-                    "haproxy", "earlyoom", "liblua5.3-0", "libopentracing-c-wrapper0", "libopentracing1")
+                    "haproxy", "earlyoom", "liblua5.3-0", "libopentracing-c-wrapper0", "libopentracing1",
+                    "nftables", "libnftables1", "libjansson4", "libedit2")
 ARCHIVE_DEBS = paths.CACHE_DIR / "debs-archive"
 KEY_UID = "sparkfleet testbed apt signing key <testbed@sparkfleet.invalid>"
 REPO_DIR = paths.STATE_DIR / "apt"

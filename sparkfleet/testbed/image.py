@@ -64,6 +64,9 @@ IMAGE_ENV = [
     "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
     "LANG=C.UTF-8",
     "PYTHONUNBUFFERED=1",
+    # Its vLLM is not importable (no torch): the serving command's check
+    # (runtime/vllm_cli.py) asks the engine's own command line instead.
+    f"SPARKFLEET_VLLM_CLI={ENGINE_PACKAGE}.flags",
 ]
 #: The default command is `vllm serve` (like the vllm-openai images) but as CMD, not
 #: ENTRYPOINT, so both `docker run IMAGE true` and the deploy's

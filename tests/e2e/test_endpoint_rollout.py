@@ -13,6 +13,7 @@ import re
 import pytest
 
 from sparkfleet.testbed import login, paths, traffic
+from tests.e2e.test_faults import TOO_LONG
 
 pytestmark = pytest.mark.e2e
 
@@ -81,24 +82,24 @@ def test_a_failed_rollout_is_rolled_back_on_the_first_host_and_stops(testbed, ru
     first, *others = testbed.names
     before = {n: started_at(testbed, n) for n in testbed.names}
     with watcher(testbed) as watch:
-        result = run_pyinfra("deploy.py", *DATA, "--data", "profile=dflash", "--data", "tool_call_parser=bogus",
+        result = run_pyinfra("deploy.py", *DATA, "--data", "profile=dflash", "--data", f"extra_serve_args={TOO_LONG}",
                              "--data", "ready_timeout_s=120")
     out = result.stdout + result.stderr
     assert result.returncode != 0
     # Named: the host, the step, the change, and the log tail.
     assert re.search(rf"\[{first}(?:\.local)?\].*rollout stopped at {first}(?:\.local)?, step READY", out), \
         out[-4000:]
-    assert "SF_TOOL_CALL_PARSER 'qwen3_xml' -> 'bogus'" in out
+    assert f"SF_EXTRA_ARGS '' -> {TOO_LONG!r}" in out
     assert "last lines of journalctl -u sparkfleet-serve.service" in out
     # The first host is rolled back and serving, back in rotation.
-    assert "SF_TOOL_CALL_PARSER=qwen3_xml" in serve_env(testbed, first)
+    assert "SF_EXTRA_ARGS=\n" in serve_env(testbed, first)
     assert started_at(testbed, first) != before[first]
     assert watch.ep.states().get(first) == "UP"
     for name in others:
         # Untouched: not restarted, its files put back to what it runs, never out of rotation.
         assert re.search(rf"\[{name}(?:\.local)?\].*not changed — the rollout stopped at {first}(?:\.local)? \(READY\)", out), out[-4000:]
         assert started_at(testbed, name) == before[name]
-        assert "SF_TOOL_CALL_PARSER=qwen3_xml" in serve_env(testbed, name)
+        assert "SF_EXTRA_ARGS=\n" in serve_env(testbed, name)
         assert all(s.get(name) == "UP" for _, s in watch.samples if s), name
     # Fixed data: the next run has nothing to roll (every host runs dflash), then back to defaults.
     again = run_pyinfra("deploy.py", *DATA, "--data", "profile=dflash")

@@ -9,13 +9,18 @@ after test_deploy.py, whose first test wants a fleet nothing was deployed to.)
 from __future__ import annotations
 
 import re
+import socket
 import time
 
 import pytest
 
 from tests.e2e.test_deploy import SERVE_ENV, changed_hosts, completion, unit
+from tests.e2e.test_image_patches import serving_state
 
 pytestmark = pytest.mark.e2e
+# Passes validation and the image's argument check, but the engine refuses it at start:
+# the model's config.json allows 262144 tokens.
+TOO_LONG = '["--max-model-len", "300000"]'
 
 
 def wait_until(predicate, timeout: float, what: str):
@@ -33,16 +38,34 @@ def test_the_fleet_serves_the_defaults(testbed, run_pyinfra):
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
 
 
+@pytest.mark.parametrize(("data", "key", "said"), [
+    ("tool_call_parser=bogus", "tool_call_parser", "invalid tool call parser: bogus"),
+    ('extra_serve_args=["--max-loras", "2", "stray"]', "extra_serve_args", "unrecognized arguments: stray"),
+])
+def test_a_value_the_images_vllm_refuses_fails_every_host_before_anything_changes(testbed, run_pyinfra, data, key,
+                                                                                   said):
+    before = {name: serving_state(testbed, name) for name in testbed.names}
+    result = run_pyinfra("deploy.py", "--data", data, "--data", "rollout=all")
+    out = result.stdout + result.stderr
+    assert result.returncode != 0
+    for name in testbed.names:
+        assert re.search(rf"\[{name}(?:\.local)?\] vLLM 0\.23\.0 in \S+ refuses the serving command: "
+                         rf"{re.escape(said)}.* key: {key} .*Fix: ", out), out[-4000:]
+        # The old server, its unit and serve.env are untouched: same container, same start.
+        assert serving_state(testbed, name) == before[name]
+        assert "Paris" in (completion(testbed, name) or "")
+
+
 def test_a_change_that_breaks_the_engine_is_rolled_back_on_every_host(testbed, run_pyinfra):
-    result = run_pyinfra("deploy.py", "--data", "tool_call_parser=bogus", "--data", "ready_timeout_s=120",
+    result = run_pyinfra("deploy.py", "--data", f"extra_serve_args={TOO_LONG}", "--data", "ready_timeout_s=120",
                          "--data", "rollout=all")
     out = result.stdout + result.stderr
     assert result.returncode != 0
     for name in testbed.names:
         # Named: the host, the change, the outcome; the old settings serve again.
         assert re.search(rf"\[{name}(?:\.local)?\].*rolled back: the last good settings serve again", out), out[-4000:]
-        assert "SF_TOOL_CALL_PARSER 'qwen3_xml' -> 'bogus'" in out
-        assert "SF_TOOL_CALL_PARSER=qwen3_xml" in testbed.exec(name, f"cat {SERVE_ENV}").stdout
+        assert f"SF_EXTRA_ARGS '' -> {TOO_LONG!r}" in out
+        assert "SF_EXTRA_ARGS=\n" in testbed.exec(name, f"cat {SERVE_ENV}").stdout
         assert "Paris" in (completion(testbed, name) or "")
         assert unit(testbed, name)["ActiveState"] == "active"
     # What is on disk is what serves: the next deploy has nothing to do.
@@ -53,7 +76,7 @@ def test_a_change_that_breaks_the_engine_is_rolled_back_on_every_host(testbed, r
 def test_a_host_with_nothing_good_before_is_left_stopped_not_crash_looping(testbed, run_pyinfra):
     fresh = testbed.names[2]
     testbed.exec(fresh, "rm -rf /var/lib/sparkfleet/last-good")  # as on a first deploy
-    result = run_pyinfra("deploy.py", "--data", "tool_call_parser=bogus", "--data", "ready_timeout_s=120",
+    result = run_pyinfra("deploy.py", "--data", f"extra_serve_args={TOO_LONG}", "--data", "ready_timeout_s=120",
                          "--data", "rollout=all")
     out = result.stdout + result.stderr
     assert result.returncode != 0
@@ -266,3 +289,27 @@ def test_a_revision_that_does_not_exist_is_one_line_with_its_fix(testbed, run_py
     # Nothing that serves was touched.
     assert {n: unit(testbed, n)["ExecMainStartTimestampMonotonic"] for n in testbed.names} == started
     assert all("Paris" in completion(testbed, n) for n in testbed.names)
+
+
+def test_every_route_of_the_engine_needs_the_key(testbed):
+    name = testbed.names[1]
+
+    def status(path: str, key: bool) -> str:
+        auth = "-H @/etc/sparkfleet/api-auth.header " if key else ""
+        return testbed.exec(name, f"curl -s -m 5 -o /dev/null -w '%{{http_code}}' {auth}"
+                                  f"http://127.0.0.1:8000{path}").stdout.strip()
+
+    # vLLM's own check guards /v1 only; runtime/key_guard.py (--middleware) the rest.
+    for path in ("/metrics", "/health", "/version", "/v1/models"):
+        assert (status(path, key=False), status(path, key=True)) == ("401", "200"), path
+
+
+def test_the_mirror_answers_fleet_hosts_only(testbed):
+    mirror, peer = testbed.names[0], testbed.names[1]
+    address = testbed.host(mirror).address
+    for port in (5000, 8090):  # the registry, the HF mirror
+        reached = testbed.exec(peer, f"timeout 5 bash -c '</dev/tcp/{address}/{port}' && echo open").stdout
+        assert reached.strip() == "open", (port, reached)
+        # The controller's side of the testbed is no fleet host: reset.
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((address, port), timeout=5).close()

@@ -14,6 +14,7 @@ import re
 
 import pytest
 
+from runtime import serve_args
 from sparkfleet.patchcheck import plan_key
 from sparkfleet.testbed import variants
 from tests.e2e.test_deploy import completion
@@ -38,8 +39,11 @@ def serving_state(testbed, name: str) -> dict[str, str]:
 
 
 def cached_verdict(testbed, name: str, image_id: str, patches: str) -> dict | None:
-    """The verdict cached on ``name`` for image ``image_id`` (sha256:...) and plan ``patches``."""
-    path = f"{VERDICTS}/{image_id.split(':')[1]}-{plan_key(patches)}.json"
+    """The verdict cached on ``name`` for image ``image_id`` (sha256:...), plan ``patches``
+    and the serving command of the host's serve.env."""
+    env = dict(line.split("=", 1) for line in testbed.exec(name, "cat /etc/sparkfleet/serve.env").stdout.splitlines()
+               if "=" in line and not line.startswith("#"))
+    path = f"{VERDICTS}/{image_id.split(':')[1]}-{plan_key(patches, serve_args.build_serve_argv(env))}.json"
     out = testbed.exec(name, f"cat {path} 2>/dev/null || true").stdout
     return json.loads(out) if out.strip() else None
 
@@ -69,7 +73,7 @@ def test_deploy_checks_the_patches_and_caches_the_verdict(testbed, run_pyinfra):
     again = run_pyinfra("deploy.py")
     out = again.stdout + again.stderr
     assert again.returncode == 0, out[-3000:]
-    assert re.search(r"runtime patches apply to the image\s+3\s+-\s+-\s+3", out), out[-3000:]
+    assert re.search(r"runtime patches and serve flags fit the image\s+3\s+-\s+-\s+3", out), out[-3000:]
 
 
 def test_missing_anchor_fails_before_the_unit_changes(testbed, run_pyinfra, broken_image):
@@ -87,7 +91,7 @@ def test_missing_anchor_fails_before_the_unit_changes(testbed, run_pyinfra, brok
         failed = cached_verdict(testbed, name, broken_image["id"], DENSE)
         assert failed is not None and failed["ok"] is False
         assert {p["name"]: p["verdict"] for p in failed["patches"]}["kv_unify"] == "cannot-apply"
-    assert "serving settings (serve.env)" not in out.split("runtime patches apply to the image", 1)[1]
+    assert "serving settings (serve.env)" not in out.split("runtime patches and serve flags fit the image", 1)[1]
 
 
 def test_dropping_the_patch_as_data_deploys_the_image(testbed, run_pyinfra, broken_image):

@@ -107,9 +107,18 @@ def image_own_fixes(root: Path) -> Path:
     return root
 
 
-def check(root: Path, patches: list[str] = ALL) -> tuple[int, dict, str]:
+def dense_env() -> dict[str, str]:
+    return {line.split("=", 1)[0]: line.split("=", 1)[1]
+            for line in (RUNTIME_DIR.parent / "tests/runtime/envs/dense.env").read_text().splitlines()
+            if line and not line.startswith("#")}
+
+
+def check(root: Path, patches: list[str] = ALL, **serve_env: str) -> tuple[int, dict, str]:
+    # The whole serve.env, as the deploy passes it; these trees' vLLM is not importable,
+    # so the command's check asks the simulated engine's command line (as the testbed image does).
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "SPARKFLEET_VLLM_ROOT": str(root),
-           "SF_PATCHES": ",".join(patches)}
+           **dense_env(), "SF_PATCHES": ",".join(patches), **serve_env,
+           "SPARKFLEET_VLLM_CLI": "sparkfleet.testbed.engine.flags"}
     proc = subprocess.run([sys.executable, str(RUNTIME_DIR / "serve.py"), "--check"],
                           env=env, capture_output=True, text=True, timeout=300, cwd="/")
     return proc.returncode, json.loads(proc.stdout), proc.stderr  # stdout: one JSON document
@@ -130,9 +139,7 @@ def serve(root: Path, patches: list[str], tmp_path: Path) -> subprocess.Complete
     (bindir / "vllm").write_text("#!/bin/sh\nexit 0\n")
     (bindir / "vllm").chmod(0o755)
     env = {"PATH": f"{bindir}:/usr/bin:/bin", "LANG": "C.UTF-8", "SPARKFLEET_VLLM_ROOT": str(root)}
-    env |= {line.split("=", 1)[0]: line.split("=", 1)[1]
-            for line in (RUNTIME_DIR.parent / "tests/runtime/envs/dense.env").read_text().splitlines()
-            if line and not line.startswith("#")}
+    env |= dense_env()
     env["SF_PATCHES"] = ",".join(patches)
     return subprocess.run([sys.executable, str(RUNTIME_DIR / "serve.py")], env=env,
                           capture_output=True, text=True, timeout=300)
@@ -230,3 +237,26 @@ def test_no_vllm_and_bad_plan(tmp_path: Path) -> None:
     assert doc["patches"][0]["verdict"] == "cannot-apply"
     rc, doc, _ = check(tmp_path, ["kv_unify", "nonsense"])
     assert rc == 2 and doc["ok"] is False and "nonsense" in doc["error"]
+
+
+@pytest.mark.parametrize(("serve_env", "var", "said"), [
+    ({"SF_EXTRA_ARGS": '["--max-loras", "2", "stray"]'}, "SF_EXTRA_ARGS", "unrecognized arguments: stray"),
+    ({"SF_EXTRA_ARGS": '["--no-such-flag"]'}, "SF_EXTRA_ARGS", "unrecognized arguments: --no-such-flag"),
+    ({"SF_EXTRA_ARGS": '["--max-loras", "two"]'}, "SF_EXTRA_ARGS", "argument --max-loras: invalid int value"),
+    ({"SF_TOOL_CALL_PARSER": "bogus"}, "SF_TOOL_CALL_PARSER", "invalid tool call parser: bogus"),
+    ({"SF_REASONING_PARSER": "bogus"}, "SF_REASONING_PARSER", "invalid reasoning parser: bogus"),
+    ({"SF_MIDDLEWARE": "no_such_module.Guard"}, "SF_MIDDLEWARE", "--middleware no_such_module.Guard does not import"),
+])
+def test_a_command_the_image_refuses_fails_the_check_naming_the_variable(vllm_tree, serve_env, var, said) -> None:
+    rc, doc, _ = check(vllm_tree(V23), ["fla_shmem"], **serve_env)
+    assert rc == 1 and doc["ok"] is False
+    assert doc["args"]["ok"] is False and doc["args"]["var"] == var, doc["args"]
+    assert said in doc["args"]["detail"], doc["args"]
+    assert {p["name"]: p["verdict"] for p in doc["patches"]} == {"fla_shmem": "would-apply"}
+
+
+def test_the_rendered_command_passes_and_is_recorded(vllm_tree) -> None:
+    rc, doc, _ = check(vllm_tree(V23), ["fla_shmem"])
+    assert rc == 0 and doc["args"]["ok"] is True
+    assert doc["args"]["argv"][-2:] == ["--middleware", "key_guard.KeyGuard"]
+    assert "--speculative-config" in doc["args"]["argv"]

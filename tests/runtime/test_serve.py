@@ -87,7 +87,7 @@ def test_profile_exec_exact_argv_and_env(profile: str, standin: Path, vllm_tree,
     assert Path(rec["argv"][0]).name == "vllm"
     assert rec["argv"][1:] == EXPECTED_ARGV[profile][1:]
     # Exactly what the container got, plus where the patched vLLM finds runtime/.
-    assert rec["env"] == env | {"SPARKFLEET_RUNTIME_DIR": str(RUNTIME_DIR)}
+    assert rec["env"] == env | {"SPARKFLEET_RUNTIME_DIR": str(RUNTIME_DIR), "PYTHONPATH": str(RUNTIME_DIR)}
 
     log = proc.stdout
     for name in EXPECTED_PATCHES[profile]:

@@ -45,13 +45,14 @@ COMMON = [
     "--no-enable-prefix-caching",
 ]
 INTEL = "Intel/Qwen3.5-122B-A10B-int4-AutoRound"
+GUARD = ["--middleware", "key_guard.KeyGuard"]  # api_key=auto: every route needs the key
 EXPECTED_ARGV = {
     "dense": ["vllm", "serve", "bleysg/Qwen3.5-122B-A10B-int4-fp8-hybrid", *COMMON,
-              "--speculative-config", DFLASH_SPEC],
-    "dflash": ["vllm", "serve", INTEL, *COMMON, "--speculative-config", DFLASH_SPEC],
-    "base": ["vllm", "serve", INTEL, *COMMON],
+              "--speculative-config", DFLASH_SPEC, *GUARD],
+    "dflash": ["vllm", "serve", INTEL, *COMMON, "--speculative-config", DFLASH_SPEC, *GUARD],
+    "base": ["vllm", "serve", INTEL, *COMMON, *GUARD],
     "mtp": ["vllm", "serve", INTEL, *COMMON,
-            "--speculative-config", '{"method":"qwen3_5_mtp","num_speculative_tokens":2}'],
+            "--speculative-config", '{"method":"qwen3_5_mtp","num_speculative_tokens":2}', *GUARD],
 }
 EXPECTED_PATCHES = {
     "dense": ["kv_unify", "inc_fp8_shared", "int8_lmhead", "fla_shmem"],

@@ -2,7 +2,10 @@
 
 Routes: ``/health``, ``/ping``, ``/version``, ``/metrics``, ``/v1/models``,
 ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming with
-``stream_options.include_usage``); ``--api-key`` / ``VLLM_API_KEY`` guard ``/v1/*``.
+``stream_options.include_usage``); ``--api-key`` / ``VLLM_API_KEY`` guard ``/v1/*``
+(and ``/v2``, ``/inference``, as vLLM's AuthenticationMiddleware does); every other route
+answers anyone. ``--middleware`` classes run in front of that, as ASGI middleware around
+the routes (``Engine.admitted``): one that answers itself (a 401) ends the request there.
 ``POST /_sim/crash`` makes the process exit 1 at once (a dead engine, for restart tests).
 
 Timing is the known truth the benches are checked against: each request's first token
@@ -13,6 +16,7 @@ parameters are accepted and ignored.
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -26,6 +30,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 from . import perf, text
 from .flags import VERSION
@@ -92,6 +97,7 @@ class Engine:
     max_num_seqs: int = 256
     access_log: bool = False
     snapshot: Path | None = None
+    middleware: list[type] = field(default_factory=list)  # --middleware classes, in flag order
     faults: Faults = field(default_factory=Faults)
     metrics: Metrics = field(init=False)
     slots: threading.BoundedSemaphore = field(init=False)
@@ -100,6 +106,38 @@ class Engine:
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.served_names[0], self.perf.k)
         self.slots = threading.BoundedSemaphore(self.max_num_seqs)
+
+        async def routes(scope: dict, receive: Any, send: Any) -> None:
+            scope["extensions"]["sparkfleet.sim"].append("routes")
+
+        app: Any = routes
+        for cls in self.middleware:  # Starlette: the middleware added last is the outermost
+            app = cls(app)
+        self._asgi = app
+
+    def admitted(self, scope: dict, body: bytes) -> tuple[bool, int, list[tuple[bytes, bytes]], bytes]:
+        """Run the ``--middleware`` chain for one request: (passed on to the routes, or
+        the status, headers and body the middleware answered with)."""
+        if not self.middleware:
+            return True, 0, [], b""
+        reached: list[str] = []
+        scope["extensions"] = {"sparkfleet.sim": reached}
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        asyncio.run(self._asgi(scope, receive, send))
+        if reached:
+            return True, 0, [], b""
+        start = next((m for m in sent if m["type"] == "http.response.start"), None)
+        if start is None:
+            return False, 500, [], b"middleware sent no response"
+        return (False, start["status"], list(start.get("headers") or []),
+                b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
 
     def planner(self, workload: str) -> perf.StepPlanner:
         with self.metrics.lock:
@@ -240,12 +278,33 @@ class _Handler(BaseHTTPRequestHandler):
         return scheme.lower() == "bearer" and any(
             hashlib.sha256(token.encode()).digest() == hashlib.sha256(k.encode()).digest() for k in keys)
 
+    def _scope(self, method: str, path: str) -> dict[str, Any]:
+        """The ASGI scope uvicorn would give this request."""
+        target, _, query = self.path.partition("?")
+        return {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+            "scheme": "http", "path": unquote(path), "raw_path": target.encode(), "root_path": "",
+            "query_string": query.encode(), "client": self.client_address[:2],
+            "server": self.server.server_address[:2],
+            "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()],
+        }
+
     def _route(self, method: str) -> None:
         path = self.path.split("?", 1)[0]
         body_bytes = b""
         if method == "POST":
             length = int(self.headers.get("Content-Length") or 0)
             body_bytes = self.rfile.read(length) if length else b""
+        passed, status, headers, answer = self.server.engine.admitted(self._scope(method, path), body_bytes)
+        if not passed:
+            self.send_response(status)
+            for name, value in headers:
+                self.send_header(name.decode("latin-1"), value.decode("latin-1"))
+            if not any(name.lower() == b"content-length" for name, _ in headers):
+                self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+            return None
         if path.startswith(("/v1", "/v2", "/inference", "/_sim")) and not self._authorized():
             return self._json(401, {"error": "Unauthorized"})
         routes: dict[tuple[str, str], Callable[..., None]] = {

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -138,6 +139,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     fe.add_argument("--enable-tokenizer-info-endpoint", default=False, **B)
     fe.add_argument("--enable-log-outputs", default=False, **B)
     fe.add_argument("--log-error-stack", default=False, **B)
+    # An import path per flag; vLLM mounts each in front of its own middlewares.
+    fe.add_argument("--middleware", type=str, action="append", default=[])
 
     mc = p.add_argument_group("ModelConfig")
     mc.add_argument("--model", type=str, default=None)
@@ -261,15 +264,55 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-log-requests", action=_BoolOpt, default=False)
 
 
+class FlexibleArgumentParser(argparse.ArgumentParser):
+    """vllm.utils.argparse_utils.FlexibleArgumentParser: argparse with vLLM's argv
+    rewrites (``normalize_argv``) before parsing."""
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        return super().parse_args(normalize_argv(list(sys.argv[1:] if args is None else args)), namespace)
+
+
+def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """vllm.entrypoints.openai.cli_args.make_arg_parser: every `vllm serve` flag on ``parser``."""
+    _add_serve_args(parser)
+    return parser
+
+
+def validate_parsed_serve_args(args: argparse.Namespace) -> None:
+    """vllm.entrypoints.openai.cli_args.validate_parsed_serve_args: checks before loading."""
+    if getattr(args, "subparser", "serve") != "serve":
+        return
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise TypeError("Error: --enable-auto-tool-choice requires --tool-call-parser")
+    if args.enable_log_outputs and not args.enable_log_requests:
+        raise TypeError("Error: --enable-log-outputs requires --enable-log-requests")
+
+
+class ToolParserManager:
+    """vllm.tool_parsers.ToolParserManager, as far as names go."""
+
+    @classmethod
+    def list_registered(cls) -> list[str]:
+        return sorted(TOOL_PARSERS)
+
+
+class ReasoningParserManager:
+    """vllm.reasoning.ReasoningParserManager, as far as names go."""
+
+    @classmethod
+    def list_registered(cls) -> list[str]:
+        return sorted(REASONING_PARSERS)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vllm", description="vLLM CLI")
+    """`vllm`'s parser as vllm/entrypoints/cli/main.py builds it, with the serve subcommand."""
+    parser = FlexibleArgumentParser(prog="vllm", description="vLLM CLI")
     parser.add_argument("-v", "--version", action="version", version=VERSION)
     subparsers = parser.add_subparsers(required=False, dest="subparser")
-    serve = subparsers.add_parser(
+    make_arg_parser(subparsers.add_parser(
         "serve", help="Launch a local OpenAI-compatible API server to serve LLM completions via HTTP.",
         usage="vllm serve [model_tag] [options]",
-    )
-    _add_serve_args(serve)
+    ))
     return parser
 
 

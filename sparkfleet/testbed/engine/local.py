@@ -26,12 +26,14 @@ class SimServer:
     def __init__(self, method: str | None = "dflash", k: int = 12, env: dict[str, str] | None = None,
                  levers: perf.Levers = perf.Levers(), faults: Faults | None = None, model: str = "qwen",  # noqa: B008
                  api_key: str | None = None, tool_call_parser: str | None = "qwen3_xml",
-                 reasoning_parser: str | None = "qwen3", max_model_len: int = 262144, port: int = 0) -> None:
+                 reasoning_parser: str | None = "qwen3", max_model_len: int = 262144, port: int = 0,
+                 middleware: tuple[type, ...] = ()) -> None:
         self.engine = Engine(
             served_names=[model], model=model, max_model_len=max_model_len,
             perf=perf.perf_model(method, k, levers, {"SIM_READY_DELAY_S": "0", **(env or {})}),
             api_keys=[api_key] if api_key else [], enable_auto_tools=bool(tool_call_parser),
             tool_parser=tool_call_parser, reasoning_parser=reasoning_parser, faults=faults or Faults(),
+            middleware=list(middleware),
         )
         self.httpd = _QuietServer(("127.0.0.1", port), self.engine)
         self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)

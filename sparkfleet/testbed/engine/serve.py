@@ -8,7 +8,9 @@ and exits 0 on SIGTERM.
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
+import inspect
 import os
 import signal
 import sys
@@ -24,13 +26,13 @@ from .cache import derived_max_model_len, read_config, resolve_model
 from .flags import (
     _SPEC_METHODS_WITHOUT_MODEL,
     MTP_METHODS,
-    REASONING_PARSERS,
-    TOOL_PARSERS,
     VERSION,
+    ReasoningParserManager,
+    ToolParserManager,
     build_parser,
-    normalize_argv,
     parse_speculative_config,
     serve_parser,
+    validate_parsed_serve_args,
 )
 from .logs import LOG_LOCK, StartupError, log
 
@@ -112,16 +114,37 @@ class _StatsLogger(threading.Thread):
                     f"Avg Draft acceptance rate: {100.0 * d[3] / max(1, d[4]):.1f}%")
 
 
+def _imported_middleware(path: str) -> type:
+    """One ``--middleware`` import path, as vLLM's build_app imports it (at startup, so a
+    bad path fails the start). A class is mounted like ``app.add_middleware``; vLLM also
+    takes an ``@app.middleware("http")`` function, which the simulator does not run."""
+    module_path, _, name = path.rpartition(".")
+    try:
+        imported = getattr(importlib.import_module(module_path), name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise StartupError(f"{type(exc).__name__}: {exc}") from None
+    if inspect.isclass(imported):
+        return imported
+    if inspect.iscoroutinefunction(imported):
+        raise StartupError(f"NotImplementedError: the simulator mounts ASGI classes only, not {path}")
+    raise StartupError(f"ValueError: Invalid middleware {path}. Must be a function or a class.")
+
+
 def build_engine(args: argparse.Namespace, env: dict[str, str]) -> Engine:
     """Everything vLLM checks before it binds: parsers, spec config, model, drafter."""
-    if args.enable_auto_tool_choice and not args.tool_call_parser:
-        raise StartupError("TypeError: Error: --enable-auto-tool-choice requires --tool-call-parser")
-    if args.tool_call_parser and args.tool_call_parser not in TOOL_PARSERS:
+    try:
+        validate_parsed_serve_args(args)
+    except TypeError as exc:
+        raise StartupError(f"TypeError: {exc}") from None
+    # vLLM's validate_api_server_args, on the same names the check asks for.
+    tools = ToolParserManager.list_registered()
+    if args.enable_auto_tool_choice and args.tool_call_parser not in tools:
         raise StartupError(f"KeyError: 'invalid tool call parser: {args.tool_call_parser} "
-                           f"(chose from {{ {','.join(sorted(TOOL_PARSERS))} }})'")
-    if args.reasoning_parser and args.reasoning_parser not in REASONING_PARSERS:
+                           f"(chose from {{ {','.join(tools)} }})'")
+    reasoning = ReasoningParserManager.list_registered()
+    if args.reasoning_parser and args.reasoning_parser not in reasoning:
         raise StartupError(f"KeyError: 'invalid reasoning parser: {args.reasoning_parser} "
-                           f"(chose from {{ {','.join(sorted(REASONING_PARSERS))} }})'")
+                           f"(chose from {{ {','.join(reasoning)} }})'")
     raw_spec = args.speculative_config
     if args.spec_method or args.spec_model or args.spec_tokens:
         raw_spec = dict(raw_spec or {})
@@ -153,13 +176,14 @@ def build_engine(args: argparse.Namespace, env: dict[str, str]) -> Engine:
             log("INFO", "speculative.py:640", f"Draft model {spec.model} found at {drafter}")
     model_perf = perf.perf_model(method_of(spec.method if spec else None), spec.num_speculative_tokens if spec else 0,
                                  levers_of(model, config, env), env)
+    middleware = [_imported_middleware(path) for path in args.middleware]
     served = args.served_model_name or [model]
     api_keys = [k for k in (args.api_key or [env.get("VLLM_API_KEY", "")]) if k]
     return Engine(
         served_names=served, model=model, snapshot=snapshot, max_model_len=max_len, perf=model_perf,
         api_keys=api_keys, enable_auto_tools=bool(args.enable_auto_tool_choice), tool_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser or None, max_num_seqs=args.max_num_seqs or 256,
-        access_log=not args.disable_uvicorn_access_log,
+        access_log=not args.disable_uvicorn_access_log, middleware=middleware,
     )
 
 
@@ -227,7 +251,7 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(normalize_argv(argv))  # exits 2 on an unknown flag
+    args = parser.parse_args(argv)  # exits 2 on an unknown flag, as vLLM's parser
     if args.subparser != "serve":
         parser.print_help()
         return 0

@@ -1,0 +1,105 @@
+"""Does the image's vLLM accept the serving command? Asked of vLLM itself, without a GPU.
+
+``serve.py --check`` runs this inside the pinned image, before the unit or serve.env
+change: the argv the wrapper will exec goes through vLLM's own ``vllm serve`` parser
+(``make_arg_parser`` on a ``FlexibleArgumentParser``, as vllm/entrypoints/cli/main.py
+builds it), vLLM's pre-load checks (``validate_parsed_serve_args``), the parser names it
+has registered (``ToolParserManager`` / ``ReasoningParserManager``, what its API server
+checks at start) and the import of every ``--middleware``. An unknown flag, a stray
+positional, a parser name it does not know: the answer names the serve.env variable
+that brought it, so the deploy can name the setting and the fix.
+
+A simulated image (sparkfleet's testbed) has no importable vLLM (no torch): it names
+the module that defines its engine's command line in ``SPARKFLEET_VLLM_CLI``, which
+offers the same five names, so the check and its engine share one definition.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import os
+import re
+from types import SimpleNamespace
+
+#: Set in a simulated image: the module that stands in for vLLM's command-line API.
+CLI_MODULE_ENV = "SPARKFLEET_VLLM_CLI"
+
+
+def image_cli():
+    """This image's vLLM command-line API: FlexibleArgumentParser, make_arg_parser,
+    validate_parsed_serve_args, ToolParserManager, ReasoningParserManager."""
+    name = os.environ.get(CLI_MODULE_ENV)
+    if name:
+        return importlib.import_module(name)
+    from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.reasoning import ReasoningParserManager
+    from vllm.tool_parsers import ToolParserManager
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return SimpleNamespace(
+        FlexibleArgumentParser=FlexibleArgumentParser, make_arg_parser=make_arg_parser,
+        validate_parsed_serve_args=validate_parsed_serve_args,
+        ToolParserManager=ToolParserManager, ReasoningParserManager=ReasoningParserManager,
+    )
+
+
+def _source(word: str, parts: list[tuple[str, list[str]]]) -> str | None:
+    """The serve.env variable whose words include ``word`` (a flag or a stray argument)."""
+    for var, words in reversed(parts):  # SF_EXTRA_ARGS, the likeliest, comes last
+        if any(w == word or w.startswith(word + "=") for w in words):
+            return var
+    return None
+
+
+def refused(message: str, parts: list[tuple[str, list[str]]]) -> str | None:
+    """The variable an argparse error is about: the first unrecognized word, or the flag
+    of ``argument --x: ...``."""
+    found = re.search(r"unrecognized arguments: (\S+)", message)
+    if found:
+        return _source(found.group(1), parts)
+    found = re.search(r"argument ([^\s:/]+)", message)
+    return _source(found.group(1), parts) if found else None
+
+
+def check(parts: list[tuple[str, list[str]]]) -> dict:
+    """{"ok": True} or {"ok": False, "var": the serve.env variable or None, "detail":
+    what vLLM said} for ``vllm serve`` with the words of ``parts`` (serve_args.argv_parts)."""
+    def no(var: str | None, detail: str) -> dict:
+        return {"ok": False, "var": var, "detail": detail}
+
+    try:
+        cli = image_cli()
+    except Exception as exc:  # noqa: BLE001 - whatever the image lacks, say it
+        return no(None, f"cannot import the image's vLLM command line: {type(exc).__name__}: {exc}")
+    top = cli.FlexibleArgumentParser(prog="vllm")
+    subparsers = top.add_subparsers(required=False, dest="subparser")
+    cli.make_arg_parser(subparsers.add_parser("serve", usage="vllm serve [model_tag] [options]"))
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
+            args = top.parse_args(["serve", *(w for _, words in parts for w in words)])
+    except SystemExit as exc:
+        lines = [line for line in said.getvalue().splitlines() if line.strip()]
+        message = next((line for line in reversed(lines) if "error:" in line), lines[-1] if lines else "")
+        message = message.split("error: ", 1)[-1] or f"the parser exited ({exc.code})"
+        return no(refused(message, parts), message)
+    try:
+        cli.validate_parsed_serve_args(args)
+    except Exception as exc:  # noqa: BLE001 - vLLM raises TypeError/ValueError here
+        return no(None, f"{type(exc).__name__}: {exc}")
+    tools = list(cli.ToolParserManager.list_registered())
+    if args.enable_auto_tool_choice and args.tool_call_parser not in tools:
+        return no("SF_TOOL_CALL_PARSER", f"invalid tool call parser: {args.tool_call_parser} "
+                                         f"(this vLLM knows {', '.join(tools)})")
+    reasoning = list(cli.ReasoningParserManager.list_registered())
+    if args.reasoning_parser and args.reasoning_parser not in reasoning:
+        return no("SF_REASONING_PARSER", f"invalid reasoning parser: {args.reasoning_parser} "
+                                         f"(this vLLM knows {', '.join(reasoning)})")
+    for path in getattr(args, "middleware", None) or []:
+        module, _, name = path.rpartition(".")
+        try:
+            getattr(importlib.import_module(module), name)
+        except Exception as exc:  # noqa: BLE001 - vLLM would fail its start the same way
+            return no(_source(path, parts), f"--middleware {path} does not import: {type(exc).__name__}: {exc}")
+    return {"ok": True}
