@@ -10,7 +10,8 @@ client (no retries: every failure counts) for the whole time, while it
 
 1. switches the profile dense -> dflash with a rolling deploy,
 2. kills spark-3's engine (``docker kill``: systemd starts it again after RestartSec),
-3. deploys settings the engine refuses (``tool_call_parser=bogus``): the rollout stops at
+3. deploys settings the engine refuses at start (a max model length beyond the model's,
+   which the command-line check cannot know): the rollout stops at
    its first host, rolls it back, and every host must still serve the old settings.
 
 It prints, per phase, requests sent, failed (with their status or error), p50/p99 latency,
@@ -142,13 +143,14 @@ def section_rollout(tb, ep: Endpoint, data: list[str], workers: int, max_tokens:
         phase.note += f", back after {back - killed_at:.1f} s" if back else ", not back within 120 s"
         kill = phase
 
-        phase = begin("rollout of settings the engine refuses (tool_call_parser=bogus)")
-        rc, out = deploy(data, "profile=dflash", "tool_call_parser=bogus", "ready_timeout_s=60")
+        phase = begin("rollout of settings the engine refuses at start (--max-model-len 300000)")
+        rc, out = deploy(data, "profile=dflash", 'extra_serve_args=["--max-model-len", "300000"]',
+                         "ready_timeout_s=60")
         time.sleep(3)
         end(phase)
         stopped = re.search(r"rollout stopped at (spark-\d)(?:\.local)?, step (READY|gate|back in rotation)", out)
         serving_old = all(
-            "SF_TOOL_CALL_PARSER=qwen3_xml" in tb.exec(n, "cat /etc/sparkfleet/serve.env").stdout
+            "SF_EXTRA_ARGS=\n" in tb.exec(n, "cat /etc/sparkfleet/serve.env").stdout
             and "SF_PROFILE=dflash" in tb.exec(n, "cat /etc/sparkfleet/serve.env").stdout for n in tb.names)
         states = ep.states()
         phase.note = (f"deploy exit {rc}; " + (f"stopped at {stopped.group(1)} ({stopped.group(2)})" if stopped
