@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import io
 import ipaddress
+import re
 
 from pyinfra import host, state
 from pyinfra.api import operation
+from pyinfra.facts.files import FileContents
 from pyinfra.facts.server import Which
 from pyinfra.operations import files, systemd
 
@@ -37,17 +39,26 @@ TABLE = "sparkfleet_mirror"
 def fleet_sources(mirror: Mirror) -> list[str]:
     """The addresses the fleet's reachable hosts reach ``mirror`` from, sorted."""
     users = [name for name, m in all_mirrors().items() if m and m.host == mirror.host and name != mirror.host]
-    found = set()
+    found, unreachable = set(), False
     for name in users:
         peer = state.inventory.get_host(name)
         if peer not in state.active_hosts:
-            continue  # an unreachable host is added when it is back
+            unreachable = True
+            continue
         source = peer.get_fact(RouteSource, address=str(mirror.address))
         try:
             found.add(str(ipaddress.ip_address(source)))
         except ValueError:
             pass
+    if unreachable:  # it keeps the address the rules give it: a host that is down changes nothing
+        found |= current_sources()
     return sorted(found, key=lambda a: (":" in a, a))
+
+
+def current_sources() -> set[str]:
+    """The fleet addresses the rules on this host allow now."""
+    text = "\n".join(host.get_fact(FileContents, path=FIREWALL_RULES) or [])
+    return {a.strip() for group in re.findall(r"elements = \{([^}]*)\}", text) for a in group.split(",") if a.strip()}
 
 
 def rules(sources: list[str], ports: list[int]) -> str:

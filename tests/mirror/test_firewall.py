@@ -18,3 +18,16 @@ def test_rules_let_in_loopback_and_the_fleet_only(tmp_path) -> None:
         path.write_text(rules(sources, [5000, 8090]))
         checked = subprocess.run(["nft", "-c", "-f", str(path)], capture_output=True, text=True)
         assert checked.returncode == 0, checked.stderr
+
+
+def test_the_addresses_the_rules_allow_are_read_back(monkeypatch) -> None:
+    """What keeps an unreachable host's address in the rules (a host that is down changes nothing)."""
+    from types import SimpleNamespace
+
+    from sparkfleet.mirror import firewall
+
+    text = rules(["10.0.0.12", "10.0.0.13", "fd00::12"], [5000, 8090])
+    monkeypatch.setattr(firewall, "host", SimpleNamespace(get_fact=lambda *a, **k: text.splitlines()))
+    assert firewall.current_sources() == {"10.0.0.12", "10.0.0.13", "fd00::12"}
+    monkeypatch.setattr(firewall, "host", SimpleNamespace(get_fact=lambda *a, **k: None))
+    assert firewall.current_sources() == set()
