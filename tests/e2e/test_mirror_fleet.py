@@ -94,6 +94,11 @@ def shown(tb, name: str) -> str:
     return login.inventory_name(name, tb.state.names)
 
 
+def local_name(tb) -> str:
+    """The name hosts run the image by (sparkfleet.mirror.names.local_image)."""
+    return f"localhost/sparkfleet/serve:{tb.image['digest'].replace(':', '-')}"
+
+
 def changed_hosts(output: str) -> set[str]:
     return {m.group(1) for m in CHANGED.finditer(output)}
 
@@ -165,7 +170,9 @@ def test_the_fleet_takes_each_artifact_from_upstream_once(fleet4, deploy_run):
             assert snapshot(tb, name, repo) == expected, (name, repo)
     for name in tb.names:
         unit = tb.exec(name, "cat /etc/systemd/system/sparkfleet-serve.service").stdout
-        assert "--pull never" in unit and local_ref in unit
+        # Run by the local name, the pulled image under it: the mirror's address is not in the unit.
+        assert "--pull never" in unit and local_name(tb) in unit and mirror.address not in unit
+        assert image_on(tb, name, local_name(tb))[0] == images[name][0]
         assert "Paris" in completion(tb, name)
 
     # The report: per host and for the fleet, measured.
@@ -298,14 +305,14 @@ def test_turning_the_mirror_off_goes_direct(fleet4, deploy_run):
     stats = hub(tb, "GET", "stats")
     size = repo_size(tb, DFLASH)
     assert stats["by_repo_client"][DFLASH] == {h.address: size for h in tb.hosts}, stats
-    upstream_ref = tb.data["image"]
     for name in tb.names:
         unit = tb.exec(name, "cat /etc/systemd/system/sparkfleet-serve.service").stdout
-        assert upstream_ref in unit
+        assert local_name(tb) in unit  # the same image by the same name: no restart for it
         assert "Paris" in completion(tb, name)
     # The image was already there: no blob came from the registry again. The former
     # mirror's services are stopped.
     assert tb.registry_stats(mark)["by_repo"].get(IMAGE_REPO, 0) < 0.01 * tb.image["blob_bytes"]
     state = tb.exec(tb.names[0], "systemctl is-active sparkfleet-hf-mirror docker-registry").stdout.split()
     assert state == ["inactive", "inactive"], state
-    assert re.search(r"\[spark-\d(?:\.local)?\] image pulled from upstream, weights [\d.]+ MiB from upstream", out), out[-3000:]
+    assert re.search(r"\[spark-\d(?:\.local)?\] weights [\d.]+ MiB from upstream", out), out[-3000:]
+    assert "image pulled from upstream" not in out  # the hosts have it under its local name
