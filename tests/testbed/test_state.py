@@ -9,6 +9,9 @@ import pytest
 from sparkfleet.testbed import login, paths, switches
 from sparkfleet.testbed.state import HostState, ServiceState, State, inventory_hosts, write_hosts_json
 
+#: The default instance's inventory (an instance N generates its own beside its hosts.json).
+TESTBED_INVENTORY = paths.REPO_ROOT / "inventory" / "testbed.py"
+
 
 def _state() -> State:
     st = State()
@@ -50,9 +53,11 @@ def test_missing_or_corrupt_state_is_none(tmp_path):
 def test_host_paths_follow_the_contract():
     h = _state().hosts["spark-1"]
     assert h.mnt == paths.HOSTS_DIR / "spark-1" / "root"
-    assert paths.host_address(1) == "10.213.0.11"
-    assert paths.host_address(3) == "10.213.0.13"
-    assert paths.netns_name("spark-2") == "sf-spark-2"
+    # Instance N (SPARKFLEET_TESTBED_INSTANCE) has its own subnet and names.
+    subnet, tag = f"10.{213 + paths.INSTANCE}.0", paths.INSTANCE or ""
+    assert paths.host_address(1) == f"{subnet}.11"
+    assert paths.host_address(3) == f"{subnet}.13"
+    assert paths.netns_name("spark-2") == f"sf{tag}-spark-2"
     assert len(paths.veth_name("spark-50")) <= 15  # IFNAMSIZ - 1
     with pytest.raises(ValueError):
         paths.host_index("web-1")
@@ -74,7 +79,8 @@ def test_hosts_json_shape(tmp_path):
 
 def test_inventory_reads_hosts_json(tmp_path, monkeypatch):
     """inventory/testbed.py turns hosts.json into pyinfra host tuples with the data."""
-    src = paths.INVENTORY.read_text()
+    monkeypatch.delenv("SPARKFLEET_TESTBED_INSTANCE", raising=False)  # the default instance's layout
+    src = TESTBED_INVENTORY.read_text()
     hosts_json = tmp_path / ".testbed" / "hosts.json"
     write_hosts_json(_state(), ssh_key=tmp_path / "k", path=hosts_json)
     inv = tmp_path / "inventory" / "testbed.py"
@@ -132,7 +138,7 @@ def test_root_command_through_sudo_reads_the_password_from_stdin(tmp_path, monke
 def test_inventory_without_hosts_json_says_what_to_do(tmp_path):
     inv = tmp_path / "inventory" / "testbed.py"
     inv.parent.mkdir()
-    src = paths.INVENTORY.read_text()
+    src = TESTBED_INVENTORY.read_text()
     with pytest.raises(SystemExit, match="sparkfleet testbed up"):
         exec(compile(src, str(inv), "exec"), {"__file__": str(inv)})
 
