@@ -79,9 +79,8 @@ def test_hosts_json_shape(tmp_path):
 
 def test_inventory_reads_hosts_json(tmp_path, monkeypatch):
     """inventory/testbed.py turns hosts.json into pyinfra host tuples with the data."""
-    monkeypatch.delenv("SPARKFLEET_TESTBED_INSTANCE", raising=False)  # the default instance's layout
     src = TESTBED_INVENTORY.read_text()
-    hosts_json = tmp_path / ".testbed" / "hosts.json"
+    hosts_json = tmp_path / ".testbed" / paths.HOSTS_JSON.relative_to(paths.DOT_TESTBED)  # this instance's
     write_hosts_json(_state(), ssh_key=tmp_path / "k", path=hosts_json)
     inv = tmp_path / "inventory" / "testbed.py"
     inv.parent.mkdir()
