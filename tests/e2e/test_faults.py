@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from sparkfleet.testbed.proc import wait_until
 from tests.e2e.test_deploy import SERVE_ENV, changed_hosts, completion, unit
 from tests.e2e.test_image_patches import serving_state
 
@@ -21,16 +22,6 @@ pytestmark = pytest.mark.e2e
 # Passes validation and the image's argument check, but the engine refuses it at start:
 # the model's config.json allows 262144 tokens.
 TOO_LONG = '["--max-model-len", "300000"]'
-
-
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(2)
-    raise AssertionError(f"not within {timeout} s: {what}")
 
 
 def test_the_fleet_serves_the_defaults(testbed, run_pyinfra):
@@ -98,7 +89,7 @@ def test_a_crash_loop_ends_and_one_deploy_converges_the_host(testbed, run_pyinfr
     testbed.exec(name, "systemctl stop sparkfleet-serve && systemd-run --unit=sf-test-squatter "
                        "python3 -m http.server 8000 && sleep 1 && systemctl start sparkfleet-serve", check=True)
     # Bounded: after StartLimitBurst starts systemd gives up and shows failed.
-    wait_until(lambda: unit(testbed, name)["ActiveState"] == "failed", 180, "the crash loop to end as failed")
+    wait_until(lambda: unit(testbed, name)["ActiveState"] == "failed", 180, 2, "the crash loop to end as failed")
     assert int(unit(testbed, name)["NRestarts"]) <= 5
     testbed.exec(name, "systemctl stop sf-test-squatter", check=True)
     # The deploy's own start is not blocked by that limit, and one run converges the host.
@@ -130,7 +121,7 @@ def test_docker_stopped_and_started_brings_the_server_back_without_a_deploy(test
     testbed.exec(name, "systemctl stop docker.socket docker", check=True, timeout=120)
     assert unit(testbed, name)["ActiveState"] in ("inactive", "failed")
     testbed.exec(name, "systemctl start docker", check=True, timeout=120)
-    assert "Paris" in wait_until(lambda: completion(testbed, name), 180, "the server to answer after docker start")
+    assert "Paris" in wait_until(lambda: completion(testbed, name), 180, 2, "the server to answer after docker start")
 
 
 def _biggest_blob(testbed, name: str) -> str:
