@@ -74,6 +74,22 @@ endpoint_metrics_port = 8405
 # answer until its last token: 4 h covers one filling the 262k context at 18 tok/s.
 endpoint_timeout_s = 14400
 
+# --- Pairs: two Sparks cabled by their ConnectX-7 serve one model (tensor parallel) ----------
+# A pair is an inventory group named pair_<name>; its hosts' order there is their rank, and
+# rank 0 (the head) serves HTTP. vLLM's own multi-node mode, no Ray: tensor_parallel_size
+# is the pair's size. Every member of a pair must serve the same profile, model and image.
+# The link's addresses: member r of a pair gets host r+1 of this subnet (each pair is its own
+# cable, so pairs may share it); an address plan of NVIDIA's two-Spark playbook.
+pair_subnet = "192.168.100.0/24"
+# ConnectX-7 supports jumbo frames; NVIDIA's playbook sets 9000 on both ends.
+pair_mtu = 9000
+# The CX7 netdev to address; "auto": the port ibdev2netdev shows Up (its enp... name).
+pair_interface = "auto"
+# NCCL_IB_HCA, the RoCE devices NCCL uses; "auto": those of the cabled port.
+pair_hcas = "auto"
+# The head's rendezvous port (torch.distributed's customary one), on the link only.
+pair_master_port = 29500
+
 # --- Serving settings: the reference recipe's validated stack ----------------------------
 served_model_name = "qwen"
 # Where the API listens. 127.0.0.1 keeps it on the host; 0.0.0.0 serves the network.

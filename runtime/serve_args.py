@@ -48,9 +48,9 @@ class Var:
     render: str  # text | number | switch | json | json-list | names | fixed
     example: str
     need: str = REQUIRED
-    argv: str = "value"  # positional | value | value-if-set | switch | json | args | plan | log | env
+    argv: str = "value"  # positional | value | value-if-set | switch | flag | json | args | plan | log | env
     flag: str = ""  # for value-if-set, the words before the value
-    check: str = "word"  # word | int | port | fraction (for value / value-if-set)
+    check: str = "word"  # word | int | rank | port | fraction (for value / value-if-set)
     fixed: str = ""
     note: str = ""
 
@@ -62,6 +62,7 @@ class Var:
             "value": f"`{self.flag}`",
             "value-if-set": f"`{self.flag} X` (none when empty)",
             "switch": f"`{self.flag}` / `--no-{self.flag[2:]}`",
+            "flag": f"`{self.flag}` when `1`",
             "json": f"`{self.flag} JSON` (none when empty)",
             "args": "appended verbatim",
             "plan": "the patches applied before vLLM starts, in order",
@@ -97,6 +98,18 @@ SERVE_ENV = (
         flag="--enable-chunked-prefill"),
     Var("SF_PREFIX_CACHING", "prefix_caching", "switch", "`0`/`1`", argv="switch",
         flag="--enable-prefix-caching"),
+    # A pair member (config.Pair): vLLM's multi-node mode without Ray, one node per Spark.
+    # Absent on a host that serves alone, so its serve.env and its command stay as they were.
+    Var("SF_TENSOR_PARALLEL_SIZE", "pair.size", "text", "`2`", IF_SET, "value-if-set", "--tensor-parallel-size",
+        check="int", note="a pair member only, as the next five"),
+    Var("SF_NNODES", "pair.size", "text", "`2`", IF_SET, "value-if-set", "--nnodes", check="int"),
+    Var("SF_NODE_RANK", "pair.rank", "text", "`0` (the head) / `1`", IF_SET, "value-if-set", "--node-rank",
+        check="rank"),
+    Var("SF_MASTER_ADDR", "pair.master_addr", "text", "`192.168.100.1`", IF_SET, "value-if-set", "--master-addr",
+        note="the head's address on the ConnectX-7 link"),
+    Var("SF_MASTER_PORT", "pair.port", "text", "`29500`", IF_SET, "value-if-set", "--master-port", check="port"),
+    Var("SF_HEADLESS", "pair.headless", "switch", "`0` (the head) / `1`", IF_SET, "flag", "--headless",
+        note="ranks above 0 serve no HTTP"),
     Var("SF_SPECULATIVE_CONFIG", "speculative_config", "json", "JSON object with a `method`", PRESENT, "json",
         "--speculative-config"),
     Var("SF_MIDDLEWARE", "serve_middleware", "text", "`key_guard.KeyGuard`", OPTIONAL, "value-if-set",
@@ -112,6 +125,17 @@ SERVE_ENV = (
         note="the memory profiler otherwise over-reserves for CUDA graphs on GB10"),
     Var("HF_ENDPOINT", "hf_endpoint", "text", "`http://10.0.0.1:8090`", IF_SET, "env",
         note="written only when `hf_endpoint` is set"),
+    # A pair member: where NCCL, Gloo and vLLM talk (the link); `vllm_env` overrides them.
+    Var("VLLM_HOST_IP", "pair.address", "text", "`192.168.100.2`", IF_SET, "env",
+        note="this member's address on the link (a pair member only, as the next six)"),
+    Var("NCCL_SOCKET_IFNAME", "pair.interface", "text", "`enp1s0f1np1`", IF_SET, "env"),
+    Var("GLOO_SOCKET_IFNAME", "pair.interface", "text", "`enp1s0f1np1`", IF_SET, "env"),
+    Var("TP_SOCKET_IFNAME", "pair.interface", "text", "`enp1s0f1np1`", IF_SET, "env"),
+    Var("NCCL_IB_HCA", "pair.hcas", "text", "`rocep1s0f1,roceP2p1s0f1`", IF_SET, "env",
+        note="the RoCE devices of the cabled port"),
+    Var("NCCL_IB_DISABLE", "pair.ib_disable", "text", "`0`", IF_SET, "env", note="NCCL over RoCE, not sockets"),
+    Var("NCCL_IGNORE_CPU_AFFINITY", "pair.ignore_cpu_affinity", "text", "`1`", IF_SET, "env",
+        note="as the community recipes for Spark pairs set it"),
 )
 VARS = {var.name: var for var in SERVE_ENV}
 REQUIRED_VARS = tuple(v.name for v in SERVE_ENV if v.need == REQUIRED)
@@ -136,7 +160,7 @@ def render_env(setting: Callable[[str], Any]) -> dict[str, str]:
             env[var.name] = var.fixed
             continue
         value = setting(var.setting)
-        if var.need == IF_SET and not value:
+        if var.need == IF_SET and value in (None, ""):
             continue
         env[var.name] = _RENDER[var.render](value)
     return env
@@ -259,6 +283,8 @@ def patches_for(env: Mapping[str, str]) -> list[str]:
 def _value(env: Mapping[str, str], var: Var) -> str:
     if var.check == "int":
         return _int(env, var.name)
+    if var.check == "rank":
+        return _int(env, var.name, 0)
     if var.check == "port":
         return _int(env, var.name, 1, 65535)
     if var.check == "fraction":
@@ -283,11 +309,13 @@ def argv_parts(env: Mapping[str, str]) -> list[tuple[str, list[str]]]:
         elif var.argv == "value":
             words = [var.flag, _value(env, var)]
         elif var.argv == "value-if-set":
-            value = _value(env, var)
+            value = _value(env, var) if _get(env, var.name) else ""
             if value and not (var.name == "SF_REVISION" and model_is_path(model)):
                 words = [*var.flag.split(), value]
         elif var.argv == "switch":
             words = [var.flag if _flag01(env, var.name) else f"--no-{var.flag[2:]}"]
+        elif var.argv == "flag":
+            words = [var.flag] if var.name in env and _flag01(env, var.name) else []
         elif var.argv == "json":
             spec = speculative_config(env)
             if spec is not None:

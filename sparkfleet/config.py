@@ -76,6 +76,9 @@ _FIXES: dict[str, str] = {
     "fleet_mirror": "use 'auto' (the first host of group `mirror`, else of the inventory), a host of the inventory, or none",
     "mirror_olah": "use a pip requirement like olah==0.5.4",
     "fleet_endpoint": "use 'auto' (the first host of group `endpoint`, else none), a host of the inventory, or none",
+    "pair_subnet": "use an IPv4 network for the pairs' links, e.g. 192.168.100.0/24",
+    "pair_interface": "use 'auto' (the ConnectX-7 port ibdev2netdev shows Up) or a netdev such as enp1s0f1np1",
+    "pair_hcas": "use 'auto' (the RoCE devices of the cabled port) or a comma list such as rocep1s0f1,roceP2p1s0f1",
 }
 
 
@@ -115,6 +118,12 @@ class Settings(BaseModel):
     endpoint_port: int = Field(ge=1, le=65535)
     endpoint_metrics_port: int = Field(ge=1, le=65535)
     endpoint_timeout_s: int = Field(ge=60, le=86400)
+    # Pairs: an inventory group pair_* serves one model over the ConnectX-7 link (sparkfleet/link.py)
+    pair_subnet: str
+    pair_mtu: int = Field(ge=1280, le=9216)
+    pair_interface: str
+    pair_hcas: str
+    pair_master_port: int = Field(ge=1, le=65535)
     # Serving settings (the reference recipe's validated stack)
     served_model_name: str
     bind_address: str
@@ -220,6 +229,24 @@ class Settings(BaseModel):
             pass
         if not _HOSTNAME.match(value):
             raise ValueError("must be a host name, an IPv4 or an IPv6 address")
+        return value
+
+    @field_validator("pair_subnet")
+    @classmethod
+    def _subnet(cls, value: str) -> str:
+        try:
+            net = ipaddress.IPv4Network(value, strict=False)
+        except ValueError:
+            raise ValueError("not an IPv4 network like 192.168.100.0/24") from None
+        if net.num_addresses < 4:
+            raise ValueError("too small for a pair: use a /30 or larger")
+        return str(net)
+
+    @field_validator("pair_interface", "pair_hcas")
+    @classmethod
+    def _netdev_names(cls, value: str) -> str:
+        if not re.match(r"^[A-Za-z0-9_.:-]+(?:,[A-Za-z0-9_.:-]+)*$", value):
+            raise ValueError("must be 'auto' or device names (comma-separated)")
         return value
 
     @field_validator("mirror_olah")
@@ -452,10 +479,16 @@ class Settings(BaseModel):
     def serve_revision(self) -> str:
         return "" if self.local_model_dir else self.revision(self.model_repo)
 
-    def serve_env(self) -> dict[str, str]:
+    def serve_env(self, member: "PairMember | None" = None) -> dict[str, str]:
         """The non-secret environment of the serving container: runtime/serve_args.py's
-        SERVE_ENV rendered from these settings (docs/architecture.md), then ``vllm_env``."""
-        env = serve_args.render_env(lambda name: getattr(self, name))
+        SERVE_ENV rendered from these settings (docs/architecture.md) and, for a pair
+        member, from its place in the pair (``pair.*``); then ``vllm_env``."""
+        def setting(name: str) -> Any:
+            if name.startswith("pair."):
+                return getattr(member, name[5:]) if member is not None else None
+            return getattr(self, name)
+
+        env = serve_args.render_env(setting)
         env.update(self.vllm_env)
         return env
 
@@ -523,7 +556,8 @@ def validate_fleet(hosts: Iterable[Any]) -> dict[str, Settings]:
         except ConfigError as exc:
             problems.extend(str(exc).split("\n  ")[1:])
     if not problems:
-        problems = _mirror_problems(hosts, settings) + chosen_endpoint(hosts, settings)[1]
+        problems = (_mirror_problems(hosts, settings) + chosen_endpoint(hosts, settings)[1]
+                    + fleet_pairs(hosts, settings)[1])
     if problems:
         raise ConfigError(
             "\n  ".join(["invalid configuration, nothing was changed on any host:", *problems])
@@ -539,6 +573,7 @@ def validate_fleet(hosts: Iterable[Any]) -> dict[str, Settings]:
 
 
 _FLEET_CACHE: dict[int, dict[str, Settings]] = {}
+_PAIR_CACHE: dict[int, dict[str, "Pair"]] = {}
 _MIRROR_CACHE: dict[int, dict[str, "Mirror | None"]] = {}
 _SUDO_CHECKED: set[tuple[int, str]] = set()
 
@@ -559,6 +594,7 @@ def fleet_settings() -> Settings:
         unreachable = {h.name for h in state.inventory
                        if state.is_host_in_limit(h) and h not in state.activated_hosts}
         _MIRROR_CACHE[key] = fleet_mirrors(state.inventory, fleet, unreachable)
+        _PAIR_CACHE[key] = fleet_pairs(state.inventory, fleet)[0]
         _FLEET_CACHE[key] = fleet
     return _FLEET_CACHE[key][host.name]
 
@@ -578,6 +614,21 @@ def all_mirrors() -> dict[str, "Mirror | None"]:
 
     fleet_settings()
     return _MIRROR_CACHE[id(state)]
+
+
+def all_pairs() -> dict[str, "Pair"]:
+    """Every pair member's Pair by inventory name (hosts outside a pair are absent)."""
+    from pyinfra import state
+
+    fleet_settings()
+    return _PAIR_CACHE[id(state)]
+
+
+def host_pair(name: str | None = None) -> "Pair | None":
+    """The pair the current host (or the host ``name``) belongs to, None if it serves alone."""
+    from pyinfra import host
+
+    return all_pairs().get(name or host.name)
 
 
 def host_mirror() -> "Mirror | None":
@@ -721,6 +772,149 @@ def chosen_endpoint(hosts: list[Any], settings: dict[str, Settings]) -> tuple[st
                         + ", ".join(f"{n}: {e or 'none'}" for n, e in chosen.items())
                         + "). Fix: give every host the same fleet_endpoint")
     return (next(iter(chosen.values()), None) if not problems else None), problems
+
+
+# --- pairs (inventory groups pair_*) ------------------------------------------------------------
+
+#: An inventory group whose name starts so is a pair: its hosts serve one model together.
+PAIR_GROUP_PREFIX = "pair_"
+#: What every member of a pair must agree on, besides the serving command itself.
+_PAIR_AGREED = ("profile", "model_repo", "image", "serving", "pair_subnet", "pair_master_port", "pair_mtu")
+
+
+@dataclass(frozen=True)
+class Pair:
+    """Hosts cabled by their ConnectX-7 that serve one model with vLLM's multi-node tensor
+    parallelism, as the current host sees it. Rank 0 (the head) serves HTTP; the others
+    run headless."""
+
+    group: str  # the inventory group, e.g. pair_a
+    members: tuple[str, ...]  # inventory names, in rank order
+    rank: int  # the current host's
+    addresses: tuple[str, ...]  # each member's address on the link, in rank order
+    prefix_len: int
+    port: int  # the head's rendezvous port (--master-port)
+
+    @property
+    def head(self) -> str:
+        return self.members[0]
+
+    @property
+    def is_head(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    @property
+    def address(self) -> str:
+        return self.addresses[self.rank]
+
+    @property
+    def master_addr(self) -> str:
+        return self.addresses[0]
+
+    @property
+    def peer_addresses(self) -> tuple[str, ...]:
+        return tuple(a for r, a in enumerate(self.addresses) if r != self.rank)
+
+
+@dataclass(frozen=True)
+class PairMember:
+    """One member's part of its pair's engine: the ``pair.*`` values of serve.env."""
+
+    pair: Pair
+    interface: str  # the CX7 netdev NCCL, Gloo and vLLM use (link.resolved)
+    hcas: str  # NCCL_IB_HCA: the RoCE devices of the cabled port
+    ib_disable: str = "0"
+    ignore_cpu_affinity: str = "1"
+
+    @property
+    def size(self) -> int:
+        return self.pair.size
+
+    @property
+    def rank(self) -> int:
+        return self.pair.rank
+
+    @property
+    def master_addr(self) -> str:
+        return self.pair.master_addr
+
+    @property
+    def port(self) -> int:
+        return self.pair.port
+
+    @property
+    def headless(self) -> bool:
+        return not self.pair.is_head
+
+    @property
+    def address(self) -> str:
+        return self.pair.address
+
+
+def _group_members(hosts: Any, group: str) -> list[str]:
+    """The group's hosts in the order the inventory lists them there (their ranks)."""
+    get_group = getattr(hosts, "get_group", None)
+    if get_group is not None:
+        try:
+            return [h.name for h in get_group(group)]
+        except Exception:  # noqa: BLE001 - not a pyinfra Inventory: inventory order
+            pass
+    return [h.name for h in hosts if group in (getattr(h, "groups", None) or ())]
+
+
+def _pair_value(s: Settings, key: str) -> Any:
+    return getattr(s, key) if key != "model_repo" else f"{s.model_repo}@{s.revision(s.model_repo)}"
+
+
+def fleet_pairs(hosts: Iterable[Any], settings: dict[str, Settings]) -> tuple[dict[str, Pair], list[str]]:
+    """Each pair member's Pair, from the inventory's pair_* groups, and what is wrong with
+    them: a host in two pairs, a pair of one, members that would not run one engine."""
+    listed = list(hosts)
+    groups = sorted({g for h in listed for g in (getattr(h, "groups", None) or ())
+                     if str(g).startswith(PAIR_GROUP_PREFIX)})
+    pairs: dict[str, Pair] = {}
+    problems: list[str] = []
+    seen: dict[str, str] = {}
+    for group in groups:
+        members = [n for n in _group_members(hosts, group) if n in settings]
+        for name in members:
+            if name in seen:
+                problems.append(f"{name}: is in two pairs, {seen[name]} and {group}. Fix: a Spark has one "
+                                "ConnectX-7 cable to one peer: list it in one pair_* group")
+            seen.setdefault(name, group)
+        if len(members) < 2:
+            problems.append(f"{group}: a pair needs two hosts, the inventory lists {', '.join(members) or 'none'}. "
+                            f"Fix: add its peer to {group}, or rename the group (pair_* groups are pairs)")
+            continue
+        head = settings[members[0]]
+        for name in members[1:]:
+            s = settings[name]
+            for key in _PAIR_AGREED:
+                if _pair_value(s, key) != _pair_value(head, key):
+                    shown = "model@revision" if key == "model_repo" else key
+                    problems.append(
+                        f"{group}: {members[0]} and {name} differ in `{shown}` ({_pair_value(head, key)!r} vs "
+                        f"{_pair_value(s, key)!r}); a pair runs one engine. Fix: give both hosts the same {shown} "
+                        f"(set it in group_data/{group}.py)")
+            differ = sorted(k for k in head.serve_env().keys() | s.serve_env().keys()
+                            if head.serve_env().get(k) != s.serve_env().get(k) and k != "SF_PROFILE")
+            if differ and not any(f"{members[0]} and {name} differ" in p for p in problems):
+                problems.append(f"{group}: {members[0]} and {name} would start different engines ({', '.join(differ)} "
+                                f"differ). Fix: give both hosts the same serving settings (group_data/{group}.py)")
+        net = ipaddress.IPv4Network(head.pair_subnet)
+        if len(members) > net.num_addresses - 2:
+            problems.append(f"{group}: pair_subnet {net} has no address for each of its {len(members)} hosts. "
+                            f"Fix: {_FIXES['pair_subnet']}")
+            continue
+        addresses = tuple(str(net.network_address + 1 + r) for r in range(len(members)))
+        for rank, name in enumerate(members):
+            if name not in pairs:
+                pairs[name] = Pair(group, tuple(members), rank, addresses, net.prefixlen, head.pair_master_port)
+    return pairs, problems
 
 
 def project_defaults() -> dict[str, Any]:

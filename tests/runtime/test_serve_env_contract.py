@@ -24,7 +24,7 @@ from support.runtime_env import (
 )
 
 from runtime import serve_args as sa
-from sparkfleet.config import Settings, validate_host_data
+from sparkfleet.config import Pair, PairMember, Settings, validate_host_data
 
 REGENERATE = "run `python tests/support/runtime_env.py` and review the diff"
 
@@ -49,7 +49,11 @@ def test_every_variable_names_a_setting_and_a_known_rendering() -> None:
         if var.render == "fixed":
             assert not var.setting and var.fixed, var
             continue
-        assert var.setting in fields or isinstance(getattr(Settings, var.setting, None), property), var
+        if var.setting.startswith("pair."):  # a pair member's place in its pair
+            assert isinstance(getattr(PairMember, var.setting[5:], None), property) or \
+                var.setting[5:] in PairMember.__dataclass_fields__, var
+        else:
+            assert var.setting in fields or isinstance(getattr(Settings, var.setting, None), property), var
         assert var.render in sa._RENDER, var
         assert var.maps  # an unknown argv kind raises KeyError here
     assert len(sa.VARS) == len(sa.SERVE_ENV), "a variable is listed twice"
@@ -64,6 +68,31 @@ def test_serve_env_is_the_table_plus_vllm_env() -> None:
     env = s.serve_env()
     assert env["HF_ENDPOINT"] == "http://10.0.0.1:8090"
     assert list(env)[-2:] == ["HF_ENDPOINT", "VLLM_LOGGING_LEVEL"]
+
+
+def test_a_pair_member_runs_vllms_multi_node_mode() -> None:
+    """Rank 0 serves HTTP, rank 1 runs headless; both rendezvous at the head's link address,
+    NCCL/Gloo on the link; vllm_env overrides what the pair derives."""
+    defaults = {k: v for k, v in runpy.run_path(str(REPO / "group_data/all.py")).items() if not k.startswith("__")}
+    s = validate_host_data("spark-2", {**defaults, "vllm_env": {"NCCL_IB_HCA": "rocep1s0f1"}})
+    addresses = ("192.168.100.1", "192.168.100.2")
+    head = PairMember(Pair("pair_a", ("spark-1", "spark-2"), 0, addresses, 24, 29500), "enp1s0f1np1", "a,b")
+    worker = PairMember(Pair("pair_a", ("spark-1", "spark-2"), 1, addresses, 24, 29500), "enp1s0f1np1", "a,b")
+    multi = ["--tensor-parallel-size", "2", "--nnodes", "2"]
+    head_argv, worker_argv = sa.build_serve_argv(s.serve_env(head)), sa.build_serve_argv(s.serve_env(worker))
+    assert " ".join([*multi, "--node-rank", "0", "--master-addr", "192.168.100.1", "--master-port", "29500"]) \
+        in " ".join(head_argv)
+    assert "--headless" not in head_argv
+    assert " ".join(["--node-rank", "1", "--master-addr", "192.168.100.1", "--master-port", "29500",
+                     "--headless"]) in " ".join(worker_argv)
+    env = s.serve_env(worker)
+    assert env["VLLM_HOST_IP"] == "192.168.100.2"
+    assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == env["TP_SOCKET_IFNAME"] == "enp1s0f1np1"
+    assert env["NCCL_IB_HCA"] == "rocep1s0f1"  # vllm_env wins
+    # A host that serves alone keeps the serve.env and command it had.
+    alone = validate_host_data("spark-3", defaults).serve_env()
+    assert not any(k.startswith(("NCCL_", "VLLM_HOST")) or k in ("SF_NODE_RANK", "SF_HEADLESS") for k in alone)
+    assert "--nnodes" not in sa.build_serve_argv(alone)
 
 
 def test_flags_come_from_the_table(monkeypatch) -> None:
