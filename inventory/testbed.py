@@ -13,7 +13,7 @@ put in each host's data, so `--data key=value` still overrides them.
 from pathlib import Path
 
 from sparkfleet.testbed import paths as _paths
-from sparkfleet.testbed.state import inventory_hosts
+from sparkfleet.testbed.state import inventory_hosts, inventory_pairs
 
 _HOSTS_FILE = Path(__file__).resolve().parent.parent / ".testbed" / _paths.HOSTS_JSON.relative_to(_paths.DOT_TESTBED)
 
@@ -23,3 +23,5 @@ if not _HOSTS_FILE.is_file():
     )
 
 sparks = (inventory_hosts(_HOSTS_FILE), {})
+# A fleet up with --pairs: pair_1, pair_2, ... (the cabled hosts, head first).
+globals().update(inventory_pairs(_HOSTS_FILE))

@@ -42,7 +42,7 @@ from pyinfra.facts.files import Sha256File
 from pyinfra.operations import systemd
 
 from sparkfleet import remote, secrets
-from sparkfleet.config import Settings, all_settings, chosen_endpoint
+from sparkfleet.config import Settings, all_pairs, all_settings, chosen_endpoint
 from sparkfleet.facts import RouteSource, SshServerAddress
 from sparkfleet.hostpaths import ARCHIVE_APT_KEYRING, ARCHIVE_APT_SOURCES
 
@@ -130,19 +130,23 @@ def render(settings: Settings, members: list[Target], key: str | None) -> str:
 
 
 def _targets(settings: Settings) -> list[Target]:
-    """Every serving host of the inventory, at the address it has on its route to this host.
+    """Every serving host of the inventory (of a pair, its head), at the address it has on
+    its route to this host.
 
     A host that cannot be asked (unreachable now) keeps the address it has in the current
     configuration: an unreachable host does not change the membership.
     """
     state = host.state
     every = all_settings()
+    pairs = all_pairs()
     own = host.get_fact(SshServerAddress, _sudo=False)
     current = host.get_fact(OurConfig) or {}
     targets = []
     for member in state.inventory:
         ms = every.get(member.name)
         if ms is None or not ms.serving:
+            continue
+        if member.name in pairs and not pairs[member.name].is_head:  # its pair is one member: the head
             continue
         server = server_name(member.name)
         address = None

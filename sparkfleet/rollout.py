@@ -36,7 +36,7 @@ from sparkfleet.bench.onhost.checks import tool_call_round_trip
 from sparkfleet.bench.onhost.client import BenchError, Client
 from sparkfleet.bench.onhost.metrics import acceptance, parse_spec_counters
 from sparkfleet.bench.onhost.workloads import SMOKE_EXPECT, SMOKE_MAX_TOKENS, SMOKE_PROMPT
-from sparkfleet.config import Settings
+from sparkfleet.config import PairMember, Settings
 from sparkfleet.hostpaths import LAST_GOOD_DIR, REVISION_FILE, STARTED_FILE, UNIT
 
 # How long a host put back in rotation may take to pass the endpoint's checks (rise 2 at 1 s).
@@ -56,12 +56,19 @@ class Rollout:
     stopped: str | None = None  # "host (step)" that stopped it
     planning: int = 0  # hosts that planned their turn
     announced: bool = False
+    #: A pair rolls as one, in its head's turn: head -> its headless members that roll,
+    #: each with an event set once it is ready to be restarted.
+    workers: dict[str, dict[str, gevent.event.Event]] = field(default_factory=dict)
+    restarted: set[str] = field(default_factory=set)  # heads whose pair was restarted
 
-    def register(self, name: str) -> int:
-        if name not in self.ended:
-            self.names.append(name)
-            self.ended[name] = gevent.event.Event()
-        return self.names.index(name) // self.batch + 1
+    def register(self, name: str, member: PairMember | None = None) -> int:
+        slot = member.pair.head if member is not None else name
+        if member is not None and member.headless:
+            self.workers.setdefault(slot, {}).setdefault(name, gevent.event.Event())
+        if slot not in self.ended:
+            self.names.append(slot)
+            self.ended[slot] = gevent.event.Event()
+        return self.names.index(slot) // self.batch + 1
 
     def batches(self, state) -> list[list[str]]:
         order = {h.name: i for i, h in enumerate(state.inventory)}
@@ -87,13 +94,14 @@ def rollout_of(state, settings: Settings) -> Rollout:
     return _ROLLOUTS.setdefault(id(state), Rollout(batch=settings.rollout_batch))
 
 
-def planned(settings: Settings) -> None:
+def planned(settings: Settings, member: PairMember | None = None) -> None:
     """Register the current host for a rolling restart. While planning (pyinfra plans every
     host at once, in no fixed order), wait until every host has planned this far or ended,
-    then say once which hosts roll in which batch (what --dry shows)."""
+    then say once which hosts roll in which batch (what --dry shows). A pair member rolls
+    in its head's turn."""
     state = current_host.state
     ro = rollout_of(state, settings)
-    ro.register(current_host.name)
+    ro.register(current_host.name, member)
     if state.is_executing:  # the generator runs again to execute: planned already
         return
     ro.planning += 1
@@ -108,19 +116,58 @@ def planned(settings: Settings) -> None:
              else "restart, gate (no fleet endpoint)")
     for number, names in enumerate(batches, 1):
         for name in names:
-            logger.info(f"{state.inventory.get_host(name).print_prefix}rolls in batch {number} of {len(batches)} "
-                        f"(rollout_batch={settings.rollout_batch}): {steps}")
+            with_pair = "".join(f" with {w}" for w in ro.workers.get(name, {}))
+            logger.info(f"{state.inventory.get_host(name).print_prefix}rolls in batch {number} of {len(batches)}"
+                        f"{with_pair} (rollout_batch={settings.rollout_batch}): {steps}")
 
 
 # --- one host's turn (controller side, in the host's greenlet) -------------------------------
 
 
-def rolled(state, host, settings: Settings, revision: str) -> bool:
-    """Wait for this host's turn, then drain, restart, gate and put it back."""
+def _worker_rolled(state, host, ro: Rollout, member: PairMember, revision: str) -> bool:
+    """A headless pair member's turn is its head's: it is restarted (and, if need be, rolled
+    back) with the head, which drains, waits for READY and gates the pair."""
+    head = member.pair.head
+    remote.run(host, f"echo {revision} > {REVISION_FILE}")
+    ro.workers[head][host.name].set()
+    head_host = state.inventory.get_host(head)
+    while not ro.ended[head].wait(timeout=2):
+        if head_host in state.failed_hosts:  # failed before its turn
+            break
+    if head not in ro.restarted:
+        kept = _keep_running_settings(host)
+        raise OperationError(f"rollout: not changed — {head}, the head of {member.pair.group}, did not roll "
+                             f"({ro.stopped or 'it failed first'}); this host serves what it ran ({kept}). "
+                             "Fix the data and deploy again: the rollout resumes here.")
+    if ro.stopped and ro.stopped.startswith(f"{head} "):
+        raise OperationError(f"rollout: rolled with its head {head}, which stopped at {ro.stopped}: see {head}")
+    host.log(f"rolled with its head {head}", logger.info)
+    return True
+
+
+def _pair_workers(state, ro: Rollout, host) -> tuple:
+    """The headless members rolling with this head, once each is ready to restart."""
+    workers = []
+    for name, ready in ro.workers.get(host.name, {}).items():
+        worker = state.inventory.get_host(name)
+        while not ready.wait(timeout=2):
+            if worker in state.failed_hosts:
+                break
+        if worker not in state.failed_hosts:
+            workers.append(worker)
+    return tuple(workers)
+
+
+def rolled(state, host, settings: Settings, revision: str, member: PairMember | None = None) -> bool:
+    """Wait for this host's turn, then drain, restart, gate and put it back. A pair rolls
+    as one: its head drains, restarts every member, waits for READY and gates."""
     from sparkfleet import service  # service imports this module
 
     ro = rollout_of(state, settings)
+    if member is not None and member.headless:
+        return _worker_rolled(state, host, ro, member, revision)
     ro.wait_turn(state, host.name)
+    peers = _pair_workers(state, ro, host) if member is not None else ()
     step = "drain"
     try:
         if ro.stopped:
@@ -135,13 +182,17 @@ def rolled(state, host, settings: Settings, revision: str) -> bool:
             host.log(f"drained from the fleet endpoint in {time.monotonic() - out_since:.0f} s"
                      + (f" ({left} request(s) still in flight after drain_timeout_s)" if left else ""), logger.info)
         step = "restart"
+        ro.restarted.add(host.name)
+        for peer in peers:  # the pair's members rejoin the head's new engine
+            remote.run(peer, f"systemctl reset-failed {UNIT} 2>/dev/null; systemctl restart --no-block {UNIT}")
         done = remote.run(host, f"echo {revision} > {REVISION_FILE} && systemctl reset-failed {UNIT} 2>/dev/null; "
                                 f"systemctl restart {UNIT}", timeout=300)
         if not done.ok:
             raise OperationError(f"rollout: systemctl restart {UNIT} failed: {' '.join(done.stderr)}")
         step = "READY"
         try:
-            service._wait_ready(state, host, *service.ready_for(settings, host), restarting=True)  # rolls back
+            service._wait_ready(state, host, *service.ready_for(settings, host), restarting=True,  # rolls back
+                                peers=peers)
         except OperationError as exc:
             rolled_back = "rolled back: the last good settings serve again" in str(exc)
             _after_rollback(ep, host, settings, rolled_back)
@@ -152,7 +203,7 @@ def rolled(state, host, settings: Settings, revision: str) -> bool:
             journal = service._journal_tail(host)
             change = service._change_from_last_good(host)
             host.log(f"gate failed ({problem}): rolling back to the last good settings ({change})", logger.warning)
-            restored = remote.run(host, service._restore_last_good(), timeout=300)
+            restored = service.restore_last_good(host, peers)
             again = (service._await_ready(host, *service.ready_for(settings, host)) if restored.ok
                      else "could not restore: " + " ".join(restored.stderr))
             _after_rollback(ep, host, settings, again is None)

@@ -28,7 +28,7 @@ from pyinfra.operations import files, server, systemd
 
 from sparkfleet import container_runtime, remote, rollout, secrets
 from sparkfleet.bench.onhost.workloads import SMOKE_PROMPT as READY_PROMPT  # READY asks what smoke asks
-from sparkfleet.config import Settings
+from sparkfleet.config import PairMember, Settings
 from sparkfleet.facts import PortHolders, ServedAnswer, ServedModels, StartedRevision, UnitState
 from sparkfleet.hostpaths import (
     AUTH_HEADER,
@@ -167,8 +167,9 @@ def compile_cache_matches(hf_home: str, signature: str):
 
 
 def _wait_ready(state, host, address: str, port: int, model: str, timeout_s: int, hint: str,  # state, host: pyinfra's
-                restarting: bool) -> bool:
-    """Wait for READY; when a (re)start of ours does not get there, roll back."""
+                restarting: bool, peers: tuple = ()) -> bool:
+    """Wait for READY; when a (re)start of ours does not get there, roll back (with
+    ``peers``: the pair's other members, which run one engine with this host)."""
     failure = _await_ready(host, address, port, model, timeout_s, hint)
     if failure is None:
         return True
@@ -178,7 +179,8 @@ def _wait_ready(state, host, address: str, port: int, model: str, timeout_s: int
                              f"    last lines of journalctl -u {UNIT}:\n{journal}")
     last_good = remote.run(host, f"cat {LAST_GOOD_DIR}/serving.rev").stdout
     if not last_good or last_good == remote.run(host, f"cat {REVISION_FILE}").stdout:
-        remote.run(host, f"systemctl stop {UNIT}")
+        for target in (*peers, host):
+            remote.run(target, f"systemctl stop {UNIT}")
         raise OperationError(
             f"{failure}; nothing else got READY on this host before, so {UNIT} is stopped "
             f"(not left crash-looping) — fix the settings and deploy again\n"
@@ -186,7 +188,7 @@ def _wait_ready(state, host, address: str, port: int, model: str, timeout_s: int
         )
     change = _change_from_last_good(host)
     host.log(f"{failure}: rolling back to the last good settings ({change})", logger.warning)
-    restored = remote.run(host, _restore_last_good(), timeout=300)
+    restored = restore_last_good(host, peers)
     again = (_await_ready(host, address, port, model, timeout_s, hint) if restored.ok
              else "could not restore: " + " ".join(restored.stderr))
     outcome = (
@@ -253,6 +255,14 @@ def _snapshot_last_good(cache: str) -> str:
     ])
 
 
+def restore_last_good(host, peers: tuple = ()):
+    """Put the last good settings back on ``host`` and its pair's ``peers``, restarting
+    each: a pair's members must run the same settings to join."""
+    for peer in peers:
+        remote.run(peer, _restore_last_good(), timeout=300)
+    return remote.run(host, _restore_last_good(), timeout=300)
+
+
 def _restore_last_good() -> str:
     """Shell: put the last good settings back and restart on them."""
     lg = LAST_GOOD_DIR
@@ -272,14 +282,25 @@ def _restore_last_good() -> str:
     ])
 
 
-def ready_for(settings: Settings, target_host) -> tuple:
+def ready_address(settings: Settings, member: PairMember | None) -> str:
+    """Where the host itself asks for READY: its own API, or for a headless pair member
+    its head's, over the link (it serves no HTTP; it is READY when its pair answers)."""
+    if member is not None and member.headless:
+        return member.master_addr
+    return local_address(settings.bind_address)
+
+
+def ready_for(settings: Settings, target_host, member: PairMember | None = None) -> tuple:
     """The READY wait's arguments for ``settings`` on ``target_host``: (address, port,
     model, timeout_s, hint), for ``_wait_ready`` / ``_await_ready`` outside ``running``."""
-    return (local_address(settings.bind_address), settings.port, settings.served_model_name,
-            settings.ready_timeout_s, _endpoint_hint(settings, target_host))
+    return (ready_address(settings, member), settings.port, settings.served_model_name,
+            settings.ready_timeout_s, _endpoint_hint(settings, target_host, member))
 
 
-def _endpoint_hint(settings: Settings, target_host=None) -> str:
+def _endpoint_hint(settings: Settings, target_host=None, member: PairMember | None = None) -> str:
+    if member is not None and member.headless:
+        return (f"rank {member.rank} of {member.pair.group} (headless): {member.pair.head} serves the pair "
+                f"at port {settings.port}")
     mode = settings.api_key.get_secret_value()
     key = (
         f"API key in {settings.api_key_file}" if mode == "auto"
@@ -335,7 +356,7 @@ def revision(env_text: str, unit_text: str, compile_signature: str) -> str:
 
 
 @operation()
-def serving(revision: str, restart: bool, rolling: Settings | None = None):
+def serving(revision: str, restart: bool, rolling: Settings | None = None, member: PairMember | None = None):
     """
     The service runs the settings on disk: (re)started unless it already runs exactly them.
 
@@ -343,6 +364,7 @@ def serving(revision: str, restart: bool, rolling: Settings | None = None):
     + restart: an input the hash does not cover changed (a rebuilt checkpoint)
     + rolling: this serving host's settings when its restart rolls (rollout.py): it waits
       for its batch, is drained, restarted, gated and put back
+    + member: the host's place in its pair, if any: a pair rolls as one
 
     One decision from the unit's own record of what it started with, so a host in any
     state (crash loop, failed, stopped, restarting on its own) converges in one run.
@@ -352,8 +374,8 @@ def serving(revision: str, restart: bool, rolling: Settings | None = None):
         host.noop(f"{UNIT} runs these settings")
         return
     if rolling is not None:
-        rollout.planned(rolling)
-        yield remote.callback(rollout.rolled, rolling, revision)
+        rollout.planned(rolling, member)
+        yield remote.callback(rollout.rolled, rolling, revision, member)
         return
     yield StringCommand("echo", revision, ">", REVISION_FILE)
     # A crash loop's start limit must not block the deploy's own start.
@@ -403,7 +425,7 @@ def host_files(settings: Settings) -> tuple:
 
 
 @deploy("Serving")
-def running(settings: Settings, also_restart_for: tuple = ()) -> None:
+def running(settings: Settings, also_restart_for: tuple = (), member: PairMember | None = None) -> None:
     """Unit and environment in place; the service runs exactly them; READY.
 
     Whether to (re)start is decided once, from what the running service started with
@@ -411,8 +433,11 @@ def running(settings: Settings, also_restart_for: tuple = ()) -> None:
     which files this run changed, so a host left in any state (crash loop, failed,
     stopped, restarting on its own) converges. A start that does not get READY is
     rolled back to the last settings that did.
+
+    A pair member (``member``) runs its rank of the pair's engine; a headless one is READY
+    when its head answers, and its restart rolls in its head's turn (rollout.py).
     """
-    env_text = _render("serve.env.j2", env=settings.serve_env())
+    env_text = _render("serve.env.j2", env=settings.serve_env(member))
     unit_text = _render(
         "sparkfleet-serve.service.j2",
         hf_home=settings.hf_home,
@@ -425,6 +450,7 @@ def running(settings: Settings, also_restart_for: tuple = ()) -> None:
         started_file=STARTED_FILE,
         image=local_image(settings),
         gpu_flag=container_runtime.unit_gpu_flag(settings),  # --gpus all, or CDI's --device
+        pair=member is not None,
     )
     env = files.put(name="serving settings (serve.env)", src=io.StringIO(env_text), dest=SERVE_ENV, mode="644")
     unit = files.put(name=f"systemd unit {UNIT}", src=io.StringIO(unit_text), dest=UNIT_PATH, mode="644")
@@ -442,20 +468,22 @@ def running(settings: Settings, also_restart_for: tuple = ()) -> None:
     wanted = revision(env_text, unit_text, settings.compile_signature)
     # A host that serves now restarts in its turn of the rollout, which waits for READY
     # and gates it itself (rollout.py); rollout=all restarts every host at once.
+    address = ready_address(settings, member)
     rolling = rollout.applies(settings, host.get_fact(UnitState, unit=UNIT),
-                              host.get_fact(ServedModels, address=local_address(settings.bind_address),
-                                            port=settings.port))
+                              host.get_fact(ServedModels, address=address, port=settings.port))
     started = serving(
         name=f"{UNIT} runs the settings on disk",
         revision=wanted,
         restart=any(op.will_change for op in feeds),
         rolling=settings if rolling else None,
+        member=member,
     )
     ready(
-        name="READY: the served model answers",
-        address=local_address(settings.bind_address), port=settings.port, model=settings.served_model_name,
+        name="READY: the served model answers" if address == local_address(settings.bind_address)
+        else f"READY: the pair answers at its head {member.pair.head}",
+        address=address, port=settings.port, model=settings.served_model_name,
         timeout_s=settings.ready_timeout_s, restarting=started.will_change and not rolling,
-        hint=_endpoint_hint(settings),
+        hint=_endpoint_hint(settings, member=member),
     )
     last_good_kept(name="these settings kept as the last good ones", revision=wanted, hf_home=settings.hf_home)
 

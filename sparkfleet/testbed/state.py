@@ -181,13 +181,22 @@ def inventory_hosts(hosts_json: Path) -> list[tuple[str, dict]]:
     return entries
 
 
+def inventory_pairs(hosts_json: Path) -> dict[str, list[str]]:
+    """The testbed's cabled pairs as the inventory groups a deploy reads (config.Pair):
+    ``pair_1`` = the first pair's hosts by inventory name, in rank order."""
+    doc = json.loads(hosts_json.read_text())
+    names = {h["name"]: h.get("inventory_name", h["name"]) for h in doc["hosts"]}
+    return {f"pair_{i}": [names[m] for m in pair["members"]] for i, pair in enumerate(doc.get("pairs", []), 1)}
+
+
 #: The inventory of a second fleet (SPARKFLEET_TESTBED_INSTANCE=N), read from the
 #: hosts.json beside it. Run pyinfra from the repository root so group_data/ is found.
 _INSTANCE_INVENTORY = '''"""pyinfra inventory of testbed instance {instance} (written by `sparkfleet testbed up`)."""
 
 from pathlib import Path
 
-from sparkfleet.testbed.state import inventory_hosts
+from sparkfleet.testbed.state import inventory_hosts, inventory_pairs
 
 sparks = (inventory_hosts(Path(__file__).resolve().parent / "hosts.json"), {{}})
+globals().update(inventory_pairs(Path(__file__).resolve().parent / "hosts.json"))  # pair_1, pair_2, ...
 '''
