@@ -30,7 +30,7 @@ from pyinfra.api import FactBase, operation
 
 from runtime import serve_args
 from sparkfleet import remote
-from sparkfleet.config import Settings
+from sparkfleet.config import PairMember, Settings
 from sparkfleet.hostpaths import RUNTIME_DIR
 from sparkfleet.mirror import local_image
 
@@ -175,19 +175,20 @@ def _check(state, host, reference: str, patches: list[str], env: dict[str, str],
 
 
 @operation()
-def checked(settings: Settings):
+def checked(settings: Settings, member: PairMember | None = None):
     """
     Check the patch plan and the serving command against the pinned image before the
     unit is installed or restarted.
 
     + settings: validated settings (``image``, the patch plan, what serve.env renders)
+    + member: the host's place in its pair, whose multi-node flags the command carries
 
     Fails this host, naming the patch, the file and the fix, when a required patch cannot
     apply to the image's vLLM, or naming the setting and the fix when the image's vLLM
     refuses the command; the verdict is cached per image, plan and command on the host.
     """
     patches = settings.patch_plan
-    env = settings.serve_env()
+    env = settings.serve_env(member)
     reference = local_image(settings)
     key = plan_key(",".join(patches), serve_args.build_serve_argv(env))
     cached = host.get_fact(CachedVerdict, reference=reference, key=key)

@@ -84,10 +84,11 @@ def testbed():
             fleet.down()
 
 
-def run_pyinfra(*args: str, timeout: float = 1200, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_pyinfra(*args: str, timeout: float = 1200, env: dict[str, str] | None = None,
+                inventory: str = INVENTORY) -> subprocess.CompletedProcess:
     """`pyinfra -y inventory/testbed.py ARGS...` from the repo root; output captured
     (text), never raises on a non-zero exit: tests assert on returncode/stdout."""
-    cmd = ["pyinfra", "-y", INVENTORY, *args]
+    cmd = ["pyinfra", "-y", inventory, *args]
     try:
         return subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)
