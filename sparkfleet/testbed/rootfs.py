@@ -31,15 +31,19 @@ SUITE = "bookworm"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 
 #: Bump when the build steps below change in a way the package lists do not show.
-HOST_RECIPE_VERSION = 3
+HOST_RECIPE_VERSION = 5
 IMAGE_RECIPE_VERSION = 1
 
 HOST_INCLUDE = [
     "systemd", "systemd-sysv", "openssh-server", "dbus", "python3", "sudo", "curl",
-    "ca-certificates", "iproute2", "apt-utils", "procps", "gpg", "kmod", "less",
+    "ca-certificates", "iproute2", "apt-utils", "procps", "gpg", "kmod", "less", "iputils-ping",
 ]
 #: Installed in a second, chrooted apt step: debootstrap's resolver cannot place them.
-HOST_SECOND_STEP = ["docker.io"]
+#: netplan.io: DGX OS configures its networks with netplan (the ConnectX-7 link too); its
+#: default renderer, systemd-networkd, is part of bookworm's systemd. `netplan apply` runs
+#: udevadm (package udev, as on DGX OS); systemd-udevd itself does not start in the
+#: container (/sys is read-only), so networkd does not wait for it either.
+HOST_SECOND_STEP = ["docker.io", "netplan.io", "udev"]
 #: The Debian suite the hosts' Docker comes from. bookworm's docker.io is 20.10, far older
 #: than DGX OS's 28-29; "forky" (Debian testing) gives docker.io 28.5.2 with docker-cli,
 #: containerd 2.1 and runc 1.3 (it brings libc6 2.43 and base-files from forky along, which
@@ -59,6 +63,15 @@ IMAGE_TRIM = [
 ]
 
 DEB_CACHE = paths.CACHE_DIR / "debs"
+
+UDEVADM_SHIM = """#!/bin/sh
+# sparkfleet testbed: no udevd in this container and /sys is read-only, so there is
+# nothing to trigger (see sparkfleet/testbed/rootfs.py); the rest is the real udevadm.
+if [ "$1" = trigger ] && ! [ -w /sys ]; then
+    exit 0
+fi
+exec /usr/bin/udevadm "$@"
+"""
 
 
 def debian_mirror(apt_dir: Path = Path("/etc/apt")) -> str:
@@ -203,7 +216,9 @@ def _chroot_apt(root: Path, mirror: str, packages: list[str], extra_suite: str |
 def _host_second_step(recipe: dict[str, Any], root: Path) -> None:
     newer = recipe.get("docker_from")
     if newer:
-        _chroot_apt(root, recipe["mirror"], [f"{p}/{newer}" for p in recipe["docker_packages"]], extra_suite=newer)
+        rest = [p for p in recipe["second_step"] if p != "docker.io"]
+        _chroot_apt(root, recipe["mirror"], [f"{p}/{newer}" for p in recipe["docker_packages"]] + rest,
+                    extra_suite=newer)
     else:
         _chroot_apt(root, recipe["mirror"], recipe["second_step"])
 
@@ -226,12 +241,25 @@ def _host_finish(root: Path) -> None:
     (root / "var/lib/dbus/machine-id").unlink(missing_ok=True)
     # Units that only make sense on real hardware or need the network slow the boot
     # down or mark the system degraded inside a container.
+    # systemd-networkd-wait-online: the management interface is up before the host boots
+    # (network.py configures it from outside), so the network is online from the start;
+    # bookworm's netplan (0.106) enables the wait for its networkd links and, with every
+    # one of them `optional` (link.py's), the wait held each boot for 2 minutes, then failed.
     wants = root / "etc/systemd/system"
     for unit in ("apt-daily.timer", "apt-daily-upgrade.timer", "e2scrub_all.timer",
-                 "e2scrub_reap.service", "fstrim.timer", "systemd-timesyncd.service"):
+                 "e2scrub_reap.service", "fstrim.timer", "systemd-timesyncd.service",
+                 "systemd-networkd-wait-online.service"):
         link = wants / unit
         if not link.exists():
             link.symlink_to("/dev/null")
+    # `netplan apply` ends with `udevadm trigger` so that udevd re-applies .link files. In
+    # the container /sys is read-only and no udevd runs (its unit needs /sys writable; on
+    # DGX OS it runs), so the trigger could only fail writing uevent files: skip that verb
+    # there; every other udevadm call is the real one.
+    shim = root / "usr/local/sbin/udevadm"
+    shim.parent.mkdir(parents=True, exist_ok=True)
+    shim.write_text(UDEVADM_SHIM)
+    shim.chmod(0o755)
 
 
 def _image_finish(recipe: dict[str, Any], root: Path) -> None:
