@@ -496,3 +496,51 @@ class NewKills(FactBase["dict"]):
     def process(self, output):
         total = int(output[0].split()[1]) if output and output[0].startswith("total ") else 0
         return {"lines": [line.strip() for line in output[1:] if line.strip()], "total": total}
+
+
+# --- the ConnectX-7 link (pair members) ------------------------------------------------
+# The netdevs' MTU, state and addresses are pyinfra's ``hardware.NetworkDevices``.
+
+
+class RoceNetdevs(FactBase["list[dict[str, object]]"]):
+    """The RoCE devices as ``ibdev2netdev`` maps them, in its order:
+    ``[{"hca": "rocep1s0f1", "netdev": "enp1s0f1np1", "up": True}, ...]`` ([] without it)."""
+
+    @staticmethod
+    def default():
+        return []
+
+    def requires_command(self) -> str:
+        return "ibdev2netdev"
+
+    def command(self) -> str:
+        return "ibdev2netdev"
+
+    def process(self, output):
+        # mlx5's tool: "rocep1s0f1 port 1 ==> enp1s0f1np1 (Up)"
+        found = []
+        for line in output:
+            parts = line.split()
+            if len(parts) == 6 and parts[1] == "port" and parts[3] == "==>":
+                found.append({"hca": parts[0], "netdev": parts[4], "up": parts[5] == "(Up)"})
+        return found
+
+
+class Answers(FactBase[bool]):
+    """Whether ``address`` answers one ping of ``size`` payload bytes sent out of
+    ``interface`` (``dont_fragment``: as one unfragmented packet, proving the path's MTU)."""
+
+    @staticmethod
+    def default():
+        return False
+
+    def requires_command(self, interface: str, address: str, size: int = 56, dont_fragment: bool = False) -> str:
+        return "ping"
+
+    def command(self, interface: str, address: str, size: int = 56, dont_fragment: bool = False) -> str:
+        q = shlex.quote
+        df = " -M do" if dont_fragment else ""
+        return f"ping -c 1 -W 2{df} -s {int(size)} -I {q(interface)} {q(address)} >/dev/null 2>&1 && echo yes || echo no"
+
+    def process(self, output):
+        return bool(output) and output[-1].strip() == "yes"

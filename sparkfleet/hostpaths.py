@@ -31,6 +31,10 @@ NVIDIA_DEV_CHAR_RULE = "/etc/udev/rules.d/71-nvidia-dev-char.rules"  # NVIDIA's 
 ARCHIVE_APT_KEYRING = "/usr/share/keyrings/sparkfleet-archive.asc"
 ARCHIVE_APT_SOURCES = "/etc/apt/sources.list.d/sparkfleet-archive.list"
 
+# --- the ConnectX-7 link (pair members) ------------------------------------------------
+NETPLAN_CX7 = "/etc/netplan/40-cx7.yaml"  # the name NVIDIA's two-Spark playbook uses
+RDMA_DEVICES = "/dev/infiniband"  # the RoCE devices NCCL opens (and the container gets)
+
 # --- the OOM guard (every serving host) ------------------------------------------------
 EARLYOOM_DEFAULTS = "/etc/default/earlyoom"
 EARLYOOM_DROPIN = "/etc/systemd/system/earlyoom.service.d/sparkfleet.conf"

@@ -13,8 +13,8 @@ from pyinfra.api import operation
 from pyinfra.facts.files import File, Sha256File
 from pyinfra.facts.server import Arch
 
-from sparkfleet import hybrid, image, mirror, remote, secrets, service, weights
-from sparkfleet.config import Settings
+from sparkfleet import hybrid, image, link, mirror, remote, secrets, service, weights
+from sparkfleet.config import Settings, host_pair
 from sparkfleet.facts import FreeSpace, Gpu, Memory, docker_info
 from sparkfleet.hostpaths import SECRETS_ENV
 
@@ -135,6 +135,10 @@ def inspect(settings: Settings) -> Findings:
     port = service.port_problem(settings)
     if port:
         found.problems.append(port)
+
+    pair = host_pair()
+    if pair:  # the ConnectX-7 cable, its netdevs and RoCE devices
+        found.problems += link.problems(settings, pair)
 
     memory = host.get_fact(Memory)
     if memory_share and memory:

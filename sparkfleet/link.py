@@ -1,0 +1,239 @@
+"""The ConnectX-7 link of a pair member: addressed with netplan, checked end to end.
+
+Two Sparks of a pair are cabled QSFP to QSFP. A Spark's GB10 reaches each ConnectX-7
+port over two PCIe links, so each port shows two netdevs whose names differ only in
+the PCIe domain (``enp1s0f1np1`` and its twin ``enP2p1s0f1np1``), each with its RoCE
+device (``rocep1s0f1``, ``roceP2p1s0f1``). As NVIDIA's two-Spark playbook does, the
+``enp…`` netdev of the cabled port gets the pair's address and both twins get the MTU,
+in ``/etc/netplan/40-cx7.yaml`` (0600: netplan warns about wider modes); ``netplan
+apply`` runs only when that file changed. ``ibdev2netdev`` says which port has the
+cable (its netdevs are ``Up``); NCCL gets the RoCE devices of the Up netdevs
+(``NCCL_IB_HCA``), NCCL/GLOO the interface (``NCCL_SOCKET_IFNAME``...).
+
+:func:`problems` is the preflight's part (cable, names, RoCE devices, ``/dev/infiniband``);
+:func:`checked` proves the link after both members applied it: address, MTU, carrier,
+and every peer answering a ping, also as one unfragmented packet of the full MTU.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from dataclasses import dataclass
+
+import gevent
+from pyinfra import host
+from pyinfra.api import deploy, operation
+from pyinfra.api.exceptions import OperationError
+from pyinfra.facts.files import Directory
+from pyinfra.facts.hardware import NetworkDevices
+from pyinfra.operations import files, server
+
+from sparkfleet import remote
+from sparkfleet.config import Pair, Settings
+from sparkfleet.facts import Answers, RoceNetdevs
+from sparkfleet.hostpaths import NETPLAN_CX7, RDMA_DEVICES
+
+AUTO = "auto"
+#: IPv4 (20) and ICMP (8) headers: the largest ping payload one packet of the MTU carries.
+PING_HEADERS = 28
+#: How long the check waits for networkd to bring the applied address up (~1 s measured).
+SETTLE_S = 10
+#: The live link differs from the netplan file (which the deploy keeps right).
+APPLY_FIX = (f"{NETPLAN_CX7} has it; run `sudo netplan apply` on this host, and if it stays so, "
+             "read `journalctl -u systemd-networkd`")
+
+
+@dataclass(frozen=True)
+class Link:
+    """This member's end of the link: the netdev to address (``interface``, "" when no
+    cabled port is up: :func:`problems` says so), its port's netdevs (``interface`` first),
+    the RoCE devices for ``NCCL_IB_HCA`` (``hcas``, a comma list), and the addresses."""
+
+    interface: str
+    netdevs: tuple[str, ...]
+    hcas: str
+    address: str
+    prefix_len: int
+    mtu: int
+    peers: tuple[tuple[str, str], ...]  # (inventory name, address) of every other member
+
+
+def twin(netdev: str) -> str:
+    """The other netdev of the same port: ``enp1s0f1np1`` <-> ``enP2p1s0f1np1``."""
+    if netdev.startswith("enP2p"):
+        return "enp" + netdev[len("enP2p"):]
+    if netdev.startswith("enp"):
+        return "enP2p" + netdev[len("enp"):]
+    return ""
+
+
+def pick(roce: list[dict], interface: str, hcas: str) -> tuple[str, tuple[str, ...], str]:
+    """(interface, its port's netdevs, NCCL_IB_HCA) from ``ibdev2netdev``'s devices and the
+    ``pair_interface`` / ``pair_hcas`` settings ("auto": the cabled port, per ibdev2netdev)."""
+    up = [d for d in roce if d["up"]]
+    if interface == AUTO:
+        # The playbook's names: the enp… netdev of the port, not its enP2p… twin.
+        interface = next((d["netdev"] for d in up if d["netdev"].startswith("enp")), "")
+    if hcas == AUTO:
+        hcas = ",".join(d["hca"] for d in up)
+    known = {d["netdev"] for d in roce}
+    netdevs = tuple(n for n in (interface, twin(interface)) if n and (n == interface or n in known))
+    return interface, netdevs, hcas
+
+
+def resolved(settings: Settings, pair: Pair) -> Link:
+    """This host's end of ``pair``'s link, from its ``ibdev2netdev`` (read while planning)."""
+    interface, netdevs, hcas = pick(host.get_fact(RoceNetdevs), settings.pair_interface, settings.pair_hcas)
+    peers = tuple((name, address) for rank, (name, address) in enumerate(zip(pair.members, pair.addresses))
+                  if rank != pair.rank)
+    return Link(interface=interface, netdevs=netdevs, hcas=hcas, address=pair.address,
+                prefix_len=pair.prefix_len, mtu=settings.pair_mtu, peers=peers)
+
+
+def netplan(link: Link, group: str) -> str:
+    """/etc/netplan/40-cx7.yaml for ``link``: the address on the interface, the MTU on
+    both netdevs of the port."""
+    lines = [
+        f"# Rendered by sparkfleet (link.py): the ConnectX-7 link of {group}.",
+        "network:",
+        "  version: 2",
+        "  ethernets:",
+    ]
+    for netdev in link.netdevs:
+        lines += [f"    {netdev}:", "      dhcp4: false"]
+        if netdev == link.interface:
+            lines.append(f"      addresses: [{link.address}/{link.prefix_len}]")
+        # optional: a peer that is off must not hold this host's boot (wait-online).
+        lines += [f"      mtu: {link.mtu}", "      optional: true"]
+    return "\n".join(lines) + "\n"
+
+
+# --- preflight --------------------------------------------------------------------
+
+
+def cable_fix(pair: Pair) -> str:
+    peers = " and ".join(m for rank, m in enumerate(pair.members) if rank != pair.rank)
+    return (f"check the QSFP cable between this host and {peers} (reseat both ends); "
+            "if the port stays Down, reboot both")
+
+
+def judged(roce: list[dict], devices: dict, rdma_devices: bool, interface: str, hcas: str,
+           pair: Pair) -> list[str]:
+    """What is wrong with this host's side of the link, each with its fix (pure: facts in)."""
+    found = []
+    if not roce:
+        found.append("ibdev2netdev lists no RoCE device (the ConnectX-7's RDMA driver is not loaded, or the "
+                     "tool is missing): load it with `modprobe mlx5_ib` or reboot; DGX OS ships both")
+    if not rdma_devices:
+        found.append(f"{RDMA_DEVICES} is missing (NCCL's RoCE transport and the serving container need it): "
+                     "load the ConnectX-7's RDMA driver (`modprobe mlx5_ib`) or reboot")
+    if not roce:
+        return found
+    states = ", ".join(f"{d['netdev']} {'Up' if d['up'] else 'Down'}" for d in roce)
+    name, _, hca_list = pick(roce, interface, hcas)
+    if interface == AUTO and not name:
+        found.append(f"no ConnectX-7 port is up (ibdev2netdev: {states}): {cable_fix(pair)}")
+        return found
+    if interface != AUTO:
+        if name not in devices:
+            choices = ", ".join(d["netdev"] for d in roce if d["netdev"].startswith("enp"))
+            found.append(f"pair_interface {name} is not a network device here (the ConnectX-7's are {choices}): "
+                         "set pair_interface to the cabled one, or to auto")
+            return found
+        if not any(d["netdev"] == name for d in roce):
+            found.append(f"pair_interface {name} has no RoCE device (ibdev2netdev: {states}): "
+                         "name a ConnectX-7 netdev, or set pair_interface=auto")
+        elif not any(d["netdev"] == name and d["up"] for d in roce):
+            found.append(f"pair_interface {name} is Down (ibdev2netdev: {states}): {cable_fix(pair)}, "
+                         "or set pair_interface to the port that is Up (or auto)")
+    listed = {d["hca"] for d in roce}
+    unknown = [h for h in hca_list.split(",") if h and h not in listed]
+    if hcas != AUTO and unknown:
+        found.append(f"pair_hcas names {', '.join(unknown)}, which ibdev2netdev does not list "
+                     f"({', '.join(sorted(listed))}): fix pair_hcas, or set it to auto")
+    if not hca_list:
+        found.append(f"no RoCE device is up for NCCL_IB_HCA (ibdev2netdev: {states}): {cable_fix(pair)}")
+    return found
+
+
+def problems(settings: Settings, pair: Pair) -> list[str]:
+    """The preflight's findings about this pair member's link (empty when it can be set up)."""
+    return judged(host.get_fact(RoceNetdevs), host.get_fact(NetworkDevices), bool(host.get_fact(Directory,
+                  path=RDMA_DEVICES)), settings.pair_interface, settings.pair_hcas, pair)
+
+
+# --- configured, checked ------------------------------------------------------------
+
+
+@deploy("ConnectX-7 link")
+def configured(settings: Settings, pair: Pair) -> None:
+    """The pair's address and MTU on this host's cabled port, by netplan; applied only
+    when the file changed."""
+    link = resolved(settings, pair)
+    plan = files.put(
+        name=f"{NETPLAN_CX7}: the pair's address and MTU on the cabled port",
+        src=io.StringIO(netplan(link, pair.group)), dest=NETPLAN_CX7, mode="600", user="root", group="root",
+    )
+    server.shell(name="netplan apply", commands=["netplan apply"], _if=plan.did_change)
+
+
+def link_problem(target, link: Link) -> str | None:
+    """What is wrong with the link as ``target`` has it now (one line with its fix), or None."""
+    devices = target.get_fact(NetworkDevices)
+    device = devices.get(link.interface)
+    if device is None:
+        return f"{link.interface} is gone (expected the pair's link): check the ConnectX-7 and its driver, reboot"
+    ipv4 = device.get("ipv4") or {}
+    have = [f"{a['address']}/{a.get('mask_bits')}" for a in (ipv4, *ipv4.get("additional_ips", [])) if a]
+    want = f"{link.address}/{link.prefix_len}"
+    if want not in have:
+        return (f"{link.interface} has {', '.join(have) or 'no IPv4 address'}, expected {want}: {APPLY_FIX}")
+    if device.get("state") != "UP":
+        peers = " and ".join(name for name, _ in link.peers)
+        return (f"{link.interface} is {device.get('state')}, expected UP: check the QSFP cable to {peers} "
+                "(reseat both ends), reboot if it stays down")
+    for netdev in link.netdevs:
+        mtu = devices.get(netdev, {}).get("mtu")
+        if mtu != link.mtu:
+            return f"{netdev} has MTU {mtu}, expected {link.mtu} (pair_mtu): {APPLY_FIX}"
+    size = link.mtu - PING_HEADERS
+    for name, address in link.peers:
+        if not target.get_fact(Answers, interface=link.interface, address=address):
+            return (f"{name} ({address}) does not answer ping on {link.interface}: check that its own link step "
+                    "passed, the QSFP cable, and that both members have the same pair_subnet")
+        if not target.get_fact(Answers, interface=link.interface, address=address, size=size, dont_fragment=True):
+            return (f"{name} ({address}) answers on {link.interface} but not {size}-byte unfragmented pings: "
+                    f"the path's MTU is below {link.mtu}; set MTU {link.mtu} on both ends (pair_mtu)")
+    return None
+
+
+def _verified(state, host, link: Link) -> bool:  # state, host: pyinfra's callback arguments
+    """Wait (bounded) for networkd to bring the applied link up; fail with its problem."""
+    deadline = time.monotonic() + SETTLE_S
+    while (problem := link_problem(host, link)) and time.monotonic() < deadline:
+        gevent.sleep(1)
+    if problem:
+        raise OperationError(problem)
+    return True
+
+
+@operation(is_idempotent=False)
+def checked(settings: Settings, pair: Pair):
+    """
+    Fail this host, naming the interface, what was expected and the fix, unless its end of
+    the link has the pair's address, MTU and carrier and every peer answers over it (also
+    with one unfragmented packet of the full MTU).
+
+    + settings: validated settings (``pair_interface``, ``pair_hcas``, ``pair_mtu``)
+    + pair: this host's pair (``config.host_pair()``)
+
+    Runs after :func:`configured` on every member (pyinfra runs an operation on all hosts
+    before the next); a link that already answers runs nothing.
+    """
+    link = resolved(settings, pair)
+    if link_problem(host, link) is None:
+        peers = ", ".join(f"{name} ({address})" for name, address in link.peers)
+        host.noop(f"{link.interface} {link.address}/{link.prefix_len} MTU {link.mtu}, answering: {peers}")
+        return
+    yield remote.callback(_verified, link)

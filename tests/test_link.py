@@ -1,0 +1,110 @@
+"""The ConnectX-7 link: ibdev2netdev as the fact reads it, the interface and RoCE devices
+it picks, the netplan file, and the preflight's messages (the e2e suite runs them for real)."""
+
+from __future__ import annotations
+
+import yaml
+
+from sparkfleet import link
+from sparkfleet.config import Pair
+from sparkfleet.facts import Answers, RoceNetdevs
+
+# A Spark cabled on its second QSFP port, as mlx5's ibdev2netdev prints it.
+IBDEV2NETDEV = [
+    "rocep1s0f0 port 1 ==> enp1s0f0np0 (Down)",
+    "rocep1s0f1 port 1 ==> enp1s0f1np1 (Up)",
+    "roceP2p1s0f0 port 1 ==> enP2p1s0f0np0 (Down)",
+    "roceP2p1s0f1 port 1 ==> enP2p1s0f1np1 (Up)",
+]
+ROCE = RoceNetdevs().process(IBDEV2NETDEV)
+NETDEVS = {d["netdev"]: {"state": "UP" if d["up"] else "DOWN", "mtu": 1500} for d in ROCE}
+PAIR = Pair(group="pair_a", members=("spark-1", "spark-2"), rank=1, addresses=("192.168.100.1", "192.168.100.2"),
+            prefix_len=24, port=29500)
+
+
+def test_ibdev2netdev_is_read_device_by_device():
+    assert ROCE[1] == {"hca": "rocep1s0f1", "netdev": "enp1s0f1np1", "up": True}
+    assert [d["up"] for d in ROCE] == [False, True, False, True]
+    # Anything else it may print (a warning, an empty line) is not a device.
+    assert RoceNetdevs().process(["", "mlx5: warning", "rocep1s0f0 port 1 ==> enp1s0f0np0 (Down)"]) == [ROCE[0]]
+    assert RoceNetdevs().default() == []
+
+
+def test_auto_picks_the_cabled_ports_enp_netdev_and_its_up_roce_devices():
+    assert link.pick(ROCE, "auto", "auto") == ("enp1s0f1np1", ("enp1s0f1np1", "enP2p1s0f1np1"),
+                                               "rocep1s0f1,roceP2p1s0f1")
+    # Both ports cabled: the first port's interface, every Up device for NCCL.
+    both = RoceNetdevs().process([line.replace("(Down)", "(Up)") for line in IBDEV2NETDEV])
+    interface, netdevs, hcas = link.pick(both, "auto", "auto")
+    assert (interface, netdevs) == ("enp1s0f0np0", ("enp1s0f0np0", "enP2p1s0f0np0"))
+    assert hcas == "rocep1s0f0,rocep1s0f1,roceP2p1s0f0,roceP2p1s0f1"
+    # Nothing cabled: no interface (the preflight says why).
+    none = RoceNetdevs().process([line.replace("(Up)", "(Down)") for line in IBDEV2NETDEV])
+    assert link.pick(none, "auto", "auto") == ("", (), "")
+
+
+def test_settings_override_what_auto_finds():
+    assert link.pick(ROCE, "enP2p1s0f1np1", "rocep1s0f1") == ("enP2p1s0f1np1", ("enP2p1s0f1np1", "enp1s0f1np1"),
+                                                             "rocep1s0f1")
+    assert link.twin("enp1s0f1np1") == "enP2p1s0f1np1" and link.twin("enP2p1s0f0np0") == "enp1s0f0np0"
+    assert link.twin("enP7s7") == ""
+
+
+def _link(**changes) -> link.Link:
+    base = dict(interface="enp1s0f1np1", netdevs=("enp1s0f1np1", "enP2p1s0f1np1"), hcas="rocep1s0f1,roceP2p1s0f1",
+                address="192.168.100.2", prefix_len=24, mtu=9000, peers=(("spark-1", "192.168.100.1"),))
+    return link.Link(**{**base, **changes})
+
+
+def test_the_netplan_file_addresses_the_interface_and_gives_both_netdevs_the_mtu():
+    text = link.netplan(_link(), "pair_a")
+    assert text.startswith("# Rendered by sparkfleet (link.py): the ConnectX-7 link of pair_a.\n")
+    assert yaml.safe_load(text) == {"network": {"version": 2, "ethernets": {
+        "enp1s0f1np1": {"dhcp4": False, "addresses": ["192.168.100.2/24"], "mtu": 9000, "optional": True},
+        "enP2p1s0f1np1": {"dhcp4": False, "mtu": 9000, "optional": True},
+    }}}
+    assert "mtu: 1500" in link.netplan(_link(mtu=1500), "pair_a")
+
+
+def test_ping_fact_sends_one_bounded_ping_out_of_the_interface():
+    command = Answers().command("enp1s0f1np1", "192.168.100.1", size=8972, dont_fragment=True)
+    assert "ping -c 1 -W 2 -M do -s 8972 -I enp1s0f1np1 192.168.100.1" in command
+    assert "-M do" not in Answers().command("enp1s0f1np1", "192.168.100.1")
+    assert Answers().process(["yes"]) and not Answers().process(["no"]) and not Answers().process([])
+
+
+def judged(roce=ROCE, devices=None, rdma=True, interface="auto", hcas="auto") -> list[str]:
+    return link.judged(roce, NETDEVS if devices is None else devices, rdma, interface, hcas, PAIR)
+
+
+def test_a_cabled_host_has_no_problems():
+    assert judged() == []
+    assert judged(interface="enp1s0f1np1", hcas="rocep1s0f1,roceP2p1s0f1") == []
+
+
+def test_no_port_up_names_the_cable_and_the_peer():
+    none = RoceNetdevs().process([line.replace("(Up)", "(Down)") for line in IBDEV2NETDEV])
+    [problem] = judged(roce=none)
+    assert problem.startswith("no ConnectX-7 port is up (ibdev2netdev: enp1s0f0np0 Down, enp1s0f1np1 Down")
+    assert "check the QSFP cable between this host and spark-1 (reseat both ends)" in problem
+    assert "reboot" in problem
+
+
+def test_a_named_interface_must_exist_have_a_roce_device_and_be_up():
+    [absent] = judged(interface="enp9s0")
+    assert absent == ("pair_interface enp9s0 is not a network device here (the ConnectX-7's are enp1s0f0np0, "
+                      "enp1s0f1np1): set pair_interface to the cabled one, or to auto")
+    [no_roce] = judged(devices={**NETDEVS, "enP7s7": {"state": "UP"}}, interface="enP7s7")
+    assert no_roce.startswith("pair_interface enP7s7 has no RoCE device (ibdev2netdev: ")
+    [down] = judged(interface="enp1s0f0np0")
+    assert down.startswith("pair_interface enp1s0f0np0 is Down") and "QSFP cable" in down
+
+
+def test_roce_devices_and_dev_infiniband_are_required():
+    [hca] = judged(hcas="rocep1s0f1,mlx5_7")
+    assert hca.startswith("pair_hcas names mlx5_7, which ibdev2netdev does not list (")
+    assert hca.endswith("fix pair_hcas, or set it to auto")
+    [dev] = judged(rdma=False)
+    assert dev.startswith("/dev/infiniband is missing") and "modprobe mlx5_ib" in dev
+    no_tool = judged(roce=[], rdma=False)
+    assert len(no_tool) == 2 and no_tool[0].startswith("ibdev2netdev lists no RoCE device")
