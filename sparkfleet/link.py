@@ -77,9 +77,10 @@ def pick(roce: list[dict], interface: str, hcas: str) -> tuple[str, tuple[str, .
         interface = next((d["netdev"] for d in up if d["netdev"].startswith("enp")), "")
     if hcas == AUTO:
         hcas = ",".join(d["hca"] for d in up)
-    known = {d["netdev"] for d in roce}
-    netdevs = tuple(n for n in (interface, twin(interface)) if n and (n == interface or n in known))
-    return interface, netdevs, hcas
+    if not interface:
+        return "", (), hcas
+    other = twin(interface)
+    return interface, (interface, other) if any(d["netdev"] == other for d in roce) else (interface,), hcas
 
 
 def resolved(settings: Settings, pair: Pair) -> Link:
@@ -112,7 +113,7 @@ def netplan(link: Link, group: str) -> str:
 # --- preflight --------------------------------------------------------------------
 
 
-def cable_fix(pair: Pair) -> str:
+def _cable_fix(pair: Pair) -> str:
     peers = " and ".join(m for rank, m in enumerate(pair.members) if rank != pair.rank)
     return (f"check the QSFP cable between this host and {peers} (reseat both ends); "
             "if the port stays Down, reboot both")
@@ -133,7 +134,7 @@ def judged(roce: list[dict], devices: dict, rdma_devices: bool, interface: str, 
     states = ", ".join(f"{d['netdev']} {'Up' if d['up'] else 'Down'}" for d in roce)
     name, _, hca_list = pick(roce, interface, hcas)
     if interface == AUTO and not name:
-        found.append(f"no ConnectX-7 port is up (ibdev2netdev: {states}): {cable_fix(pair)}")
+        found.append(f"no ConnectX-7 port is up (ibdev2netdev: {states}): {_cable_fix(pair)}")
         return found
     if interface != AUTO:
         if name not in devices:
@@ -145,7 +146,7 @@ def judged(roce: list[dict], devices: dict, rdma_devices: bool, interface: str, 
             found.append(f"pair_interface {name} has no RoCE device (ibdev2netdev: {states}): "
                          "name a ConnectX-7 netdev, or set pair_interface=auto")
         elif not any(d["netdev"] == name and d["up"] for d in roce):
-            found.append(f"pair_interface {name} is Down (ibdev2netdev: {states}): {cable_fix(pair)}, "
+            found.append(f"pair_interface {name} is Down (ibdev2netdev: {states}): {_cable_fix(pair)}, "
                          "or set pair_interface to the port that is Up (or auto)")
     listed = {d["hca"] for d in roce}
     unknown = [h for h in hca_list.split(",") if h and h not in listed]
@@ -153,7 +154,7 @@ def judged(roce: list[dict], devices: dict, rdma_devices: bool, interface: str, 
         found.append(f"pair_hcas names {', '.join(unknown)}, which ibdev2netdev does not list "
                      f"({', '.join(sorted(listed))}): fix pair_hcas, or set it to auto")
     if not hca_list:
-        found.append(f"no RoCE device is up for NCCL_IB_HCA (ibdev2netdev: {states}): {cable_fix(pair)}")
+        found.append(f"no RoCE device is up for NCCL_IB_HCA (ibdev2netdev: {states}): {_cable_fix(pair)}")
     return found
 
 
@@ -204,7 +205,8 @@ def link_problem(target, link: Link) -> str | None:
                     "passed, the QSFP cable, and that both members have the same pair_subnet")
         if not target.get_fact(Answers, interface=link.interface, address=address, size=size, dont_fragment=True):
             return (f"{name} ({address}) answers on {link.interface} but not {size}-byte unfragmented pings: "
-                    f"the path's MTU is below {link.mtu}; set MTU {link.mtu} on both ends (pair_mtu)")
+                    f"the path's MTU is below {link.mtu} (pair_mtu); give both ends MTU {link.mtu} (its own check "
+                    "names its side) and any switch between them")
     return None
 
 

@@ -84,7 +84,7 @@ def test_netplan_addresses_the_link_and_the_peer_answers_over_it(tb, deploy_run)
     sh(tb, WORKER, f"ip link set {IFACE} mtu 1500 && ip link set {TWIN} mtu 1500")
     result, out = deploy(deploy_run)
     assert result.returncode == 0, out[-4000:]
-    assert "netplan apply" in out
+    assert re.search(r"\| netplan apply \n(?:\s+\[spark-\d(?:\.local)?\] Success\n){2}", out), out[-4000:]
     for host in (HEAD, WORKER):
         assert sh(tb, host, "stat -c '%a %U' /etc/netplan/40-cx7.yaml").strip() == "600 root"
         text = sh(tb, host, "cat /etc/netplan/40-cx7.yaml")
@@ -147,3 +147,13 @@ def test_a_pulled_cable_stops_the_preflight_naming_the_cable_and_the_peer(tb, de
     result, out = deploy(deploy_run)
     assert result.returncode == 0, out[-4000:]
     assert {m.group(1) for m in CHANGED.finditer(out)} == set(), out[-4000:]
+
+
+def test_a_wrong_pair_interface_stops_the_preflight_naming_the_setting(tb, deploy_run):
+    result, out = deploy(deploy_run, "--data", "pair_interface=enp9s0")
+    assert result.returncode != 0, out[-4000:]
+    for host in (HEAD, WORKER):
+        assert re.search(rf"\[{host}(?:\.local)?\]\s+- pair_interface enp9s0 is not a network device here \(the "
+                         r"ConnectX-7's are enp1s0f0np0, enp1s0f1np1\): set pair_interface to the cabled one, "
+                         "or to auto", out), out[-4000:]
+    assert sh(tb, HEAD, "grep -c enp1s0f1np1 /etc/netplan/40-cx7.yaml").strip() == "1"  # nothing was changed
