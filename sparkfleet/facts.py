@@ -2,9 +2,10 @@
 
 Where pyinfra has a fact the steps use it directly (``server.Arch``, ``server.Which``,
 ``hardware.Cpus``, ``files.File``, ``files.FileContents``, ``systemd.SystemdStatus``,
-``systemd.SystemdEnabled``, ``docker.DockerSystemInfo``, ``docker.DockerImage``). Each
-fact here answers one question, cheaply; a program it needs that is missing makes it
-its default (``requires_command``), not an error.
+``systemd.SystemdEnabled``, ``docker.DockerSystemInfo``, ``docker.DockerImage``,
+``hardware.NetworkDevices``, ``files.Directory``). Each fact here answers one question,
+cheaply; a program it needs that is missing makes it its default (``requires_command``),
+not an error.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """The ConnectX-7 link of a pair member: addressed with netplan, checked end to end.
 
-Two Sparks of a pair are cabled QSFP to QSFP. A Spark's GB10 reaches each ConnectX-7
-port over two PCIe links, so each port shows two netdevs whose names differ only in
-the PCIe domain (``enp1s0f1np1`` and its twin ``enP2p1s0f1np1``), each with its RoCE
-device (``rocep1s0f1``, ``roceP2p1s0f1``). As NVIDIA's two-Spark playbook does, the
-``enp…`` netdev of the cabled port gets the pair's address and both twins get the MTU,
-in ``/etc/netplan/40-cx7.yaml`` (0600: netplan warns about wider modes); ``netplan
-apply`` runs only when that file changed. ``ibdev2netdev`` says which port has the
-cable (its netdevs are ``Up``); NCCL gets the RoCE devices of the Up netdevs
+Two Sparks of a pair are cabled QSFP to QSFP. Each ConnectX-7 port of a Spark shows two
+netdevs whose names differ only in the PCIe domain (``enp1s0f1np1`` and its twin
+``enP2p1s0f1np1``), each with its RoCE device (``rocep1s0f1``, ``roceP2p1s0f1``).
+``ibdev2netdev`` says which port has the cable (its netdevs are ``Up``). As NVIDIA's
+two-Spark playbook does, that port's ``enp…`` netdev gets the pair's address and both
+twins get the MTU, in ``/etc/netplan/40-cx7.yaml`` (0600: netplan warns about wider
+modes; no renderer, as in the playbook's: the host's own renders it); ``netplan apply``
+runs only when that file changed. NCCL gets the RoCE devices of the Up netdevs
 (``NCCL_IB_HCA``), NCCL/GLOO the interface (``NCCL_SOCKET_IFNAME``...).
 
 :func:`problems` is the preflight's part (cable, names, RoCE devices, ``/dev/infiniband``);
