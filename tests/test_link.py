@@ -3,6 +3,8 @@ it picks, the netplan file, and the preflight's messages (the e2e suite runs the
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import yaml
 
 from sparkfleet import link
@@ -108,3 +110,25 @@ def test_roce_devices_and_dev_infiniband_are_required():
     assert dev.startswith("/dev/infiniband is missing") and "modprobe mlx5_ib" in dev
     no_tool = judged(roce=[], rdma=False)
     assert len(no_tool) == 2 and no_tool[0].startswith("ibdev2netdev lists no RoCE device")
+
+
+class Host:
+    """Just enough of a pyinfra host: the facts link.resolved reads."""
+
+    def __init__(self, roce):
+        self.roce = roce
+
+    def get_fact(self, fact, **_):
+        assert fact is RoceNetdevs
+        return self.roce
+
+
+def test_resolved_is_this_members_end_of_the_pair(monkeypatch):
+    settings = SimpleNamespace(pair_interface="auto", pair_hcas="auto", pair_mtu=9000)
+    monkeypatch.setattr(link, "host", Host(ROCE))
+    end = link.resolved(settings, PAIR)
+    assert (end.interface, end.hcas) == ("enp1s0f1np1", "rocep1s0f1,roceP2p1s0f1")  # what serve.env is given
+    assert (end.address, end.prefix_len, end.mtu) == ("192.168.100.2", 24, 9000)
+    assert end.peers == (("spark-1", "192.168.100.1"),)
+    settings.pair_hcas = "rocep1s0f1"
+    assert link.resolved(settings, PAIR).hcas == "rocep1s0f1"
