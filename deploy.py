@@ -2,9 +2,10 @@
 
     pyinfra inventory/sparks.py deploy.py [--data profile=dense]
 
-preflight -> NVIDIA container runtime -> mirror (one host serves the image and the
-weights to the others) -> serving image -> cached weights -> hybrid build -> systemd unit
-for the profile -> READY (-> post-deploy checks, with --data checks=...).
+preflight -> NVIDIA container runtime -> the ConnectX-7 link of a pair -> mirror (one host
+serves the image and the weights to the others) -> serving image -> cached weights ->
+hybrid build -> systemd unit for the profile (a pair: one rank each) -> READY (-> post-deploy
+checks, with --data checks=...).
 Every host's data is validated first: a bad value stops the run before any host changes.
 """
 
@@ -13,6 +14,7 @@ from sparkfleet import (
     endpoint,
     hybrid,
     image,
+    link,
     mirror,
     oomguard,
     patchcheck,
@@ -21,9 +23,10 @@ from sparkfleet import (
     weights,
 )
 from sparkfleet.bench.deploy import run_checks
-from sparkfleet.config import fleet_settings
+from sparkfleet.config import fleet_settings, host_pair
 
 settings = fleet_settings()
+pair = host_pair()  # a pair_* group: this host is one rank of its pair's engine
 
 if not settings.serving:
     service.stopped()
@@ -31,6 +34,7 @@ else:
     findings = preflight.inspect(settings)  # every step says what it still needs
     preflight.passed(name="preflight: GB10, aarch64, driver, docker, disk, memory", findings=findings)
     if not findings.problems:  # a failing host stops at preflight; the others go on
+        member = link.joined(settings, pair) if pair else None  # a pair's ConnectX-7 link: netplan, peers answer
         container_runtime.configured(settings)
         oomguard.configured(settings)  # earlyoom: the engine, not the host, when memory runs out
         host_files = service.host_files(settings)  # runtime/ copy and 0600 secrets
@@ -39,8 +43,8 @@ else:
         cached = weights.fetched(settings)
         mirror.track(settings, mirror_ops, pulled, cached, weights.repo_dirs(settings))
         build = hybrid.checkpoint(settings)
-        patchcheck.checked(name="runtime patches and serve flags fit the image", settings=settings)
-        service.running(settings, also_restart_for=(*host_files, build))
-        endpoint.served(settings)  # fleet_endpoint: HAProxy over every serving host
-        if settings.checks:
+        patchcheck.checked(name="runtime patches and serve flags fit the image", settings=settings, member=member)
+        service.running(settings, also_restart_for=(*host_files, build), member=member)
+        endpoint.served(settings)  # fleet_endpoint: HAProxy over every serving host (a pair's head)
+        if settings.checks:  # a pair is checked at its head
             run_checks(settings.checks)

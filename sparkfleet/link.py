@@ -30,7 +30,7 @@ from pyinfra.facts.hardware import NetworkDevices
 from pyinfra.operations import files, server
 
 from sparkfleet import remote
-from sparkfleet.config import Pair, Settings
+from sparkfleet.config import Pair, PairMember, Settings
 from sparkfleet.facts import Answers, RoceNetdevs
 from sparkfleet.hostpaths import NETPLAN_CX7, RDMA_DEVICES
 
@@ -239,3 +239,13 @@ def checked(settings: Settings, pair: Pair):
         host.noop(f"{link.interface} {link.address}/{link.prefix_len} MTU {link.mtu}, answering: {peers}")
         return
     yield remote.callback(_verified, link)
+
+
+@deploy("ConnectX-7 link")
+def joined(settings: Settings, pair: Pair) -> PairMember:
+    """The link configured and proven; returns this member's part of its pair's engine
+    (the interface and RoCE devices its NCCL, Gloo and vLLM use)."""
+    configured(settings, pair)
+    checked(name="ConnectX-7 link: address, MTU, every peer answers", settings=settings, pair=pair)
+    link = resolved(settings, pair)
+    return PairMember(pair, interface=link.interface, hcas=link.hcas)

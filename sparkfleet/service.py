@@ -36,6 +36,7 @@ from sparkfleet.hostpaths import (
     CONTAINER,
     HF_ENV,
     LAST_GOOD_DIR,
+    RDMA_DEVICES,
     REVISION_FILE,
     RUNTIME_DIR,
     SECRETS_ENV,
@@ -450,7 +451,7 @@ def running(settings: Settings, also_restart_for: tuple = (), member: PairMember
         started_file=STARTED_FILE,
         image=local_image(settings),
         gpu_flag=container_runtime.unit_gpu_flag(settings),  # --gpus all, or CDI's --device
-        pair=member is not None,
+        rdma_devices=RDMA_DEVICES if member is not None else None,  # a pair member: NCCL's RoCE
     )
     env = files.put(name="serving settings (serve.env)", src=io.StringIO(env_text), dest=SERVE_ENV, mode="644")
     unit = files.put(name=f"systemd unit {UNIT}", src=io.StringIO(unit_text), dest=UNIT_PATH, mode="644")
@@ -479,8 +480,7 @@ def running(settings: Settings, also_restart_for: tuple = (), member: PairMember
         member=member,
     )
     ready(
-        name="READY: the served model answers" if address == local_address(settings.bind_address)
-        else f"READY: the pair answers at its head {member.pair.head}",
+        name="READY: the served model answers",  # a headless pair member: at its head
         address=address, port=settings.port, model=settings.served_model_name,
         timeout_s=settings.ready_timeout_s, restarting=started.will_change and not rolling,
         hint=_endpoint_hint(settings, member=member),

@@ -29,14 +29,14 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from pyinfra import state
+from pyinfra import host, state
 from pyinfra.api import StringCommand, deploy
 from pyinfra.api.exceptions import OperationError
 from pyinfra.api.state import BaseStateCallback
 from pyinfra.operations import files, python
 
 from sparkfleet import remote as host_commands  # "remote" names the result path below
-from sparkfleet.config import fleet_settings
+from sparkfleet.config import all_pairs, fleet_settings
 
 from .onhost.schema import ProgramSettings, failed_result, now_iso
 from .results import result_path, run_dir, write_json
@@ -183,7 +183,9 @@ class _Collector:
         self.dir = run_dir(results_dir, run_id)
         self.run_id = run_id
         self.names = names
-        self.expected = [h.name for h in pyinfra_state.inventory if pyinfra_state.is_host_in_limit(h)]
+        pairs = all_pairs()  # a pair answers at its head: its headless members run no checks
+        self.expected = [h.name for h in pyinfra_state.inventory if pyinfra_state.is_host_in_limit(h)
+                         and (h.name not in pairs or pairs[h.name].is_head)]
         # Hosts already failed at plan time failed to connect.
         self.reasons: dict[str, str] = {
             h.name: "unreachable: pyinfra could not connect to the host" for h in pyinfra_state.failed_hosts
@@ -303,7 +305,8 @@ def run_checks(names: Sequence[str] | str | None = None) -> None:
     """
     settings = bench_settings(fleet_settings())
     wanted = parse_check_names(settings.checks if names is None else names)
-    if not wanted:
+    pair = all_pairs().get(host.name)
+    if not wanted or (pair is not None and not pair.is_head):  # a pair is checked at its head
         return
     if "agent" in wanted and not settings.agent_state_db:
         raise ValueError(

@@ -1,0 +1,177 @@
+"""Two Sparks as one: four simulated hosts cabled as two pairs, each serving one model with
+vLLM's multi-node tensor parallelism over its ConnectX-7 link, behind the fleet endpoint.
+
+spark-1 + spark-2 are pair_1 (spark-1 the head), spark-3 + spark-4 pair_2. The tests run in
+file order on one booted fleet: a mismatched pair is refused before anything changes; the
+deploy brings both heads READY with the checks run on the heads and the endpoint over two
+members; a converged re-run changes nothing; a worker's engine killed brings its pair back
+without a deploy; a rolling change moves each pair as one while the other serves.
+
+The fleet replaces the session's (same testbed instance), so this module sorts after every
+module on the session's fleet.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from sparkfleet.hostpaths import CONTAINER
+from sparkfleet.testbed import paths, traffic
+
+pytestmark = pytest.mark.e2e
+
+PAIRS = {"spark-1": ("spark-2",), "spark-3": ("spark-4",)}  # head: its workers
+HEADS, WORKERS = tuple(PAIRS), ("spark-2", "spark-4")
+LINK = {"spark-1": "192.168.100.1", "spark-2": "192.168.100.2", "spark-3": "192.168.100.1",
+        "spark-4": "192.168.100.2"}
+SERVE_ENV = "/etc/sparkfleet/serve.env"
+
+
+@pytest.fixture(scope="module")
+def pairs4():
+    from tests.e2e.conftest import _environment_problem
+
+    problem = _environment_problem()
+    if problem:
+        pytest.fail(problem, pytrace=False)
+    from sparkfleet.testbed import fleet
+
+    tb = fleet.up(4, n_pairs=2)
+    try:
+        yield tb
+    finally:
+        if os.environ.get("SPARKFLEET_KEEP_TESTBED") != "1":
+            fleet.down()
+
+
+def data(tb) -> tuple[str, ...]:
+    return ("--data", f"fleet_endpoint={tb.inventory_name('spark-1')}")
+
+
+def started_at(tb, name: str) -> str:
+    return tb.exec(name, "systemctl show sparkfleet-serve -p ExecMainStartTimestampMonotonic --value").stdout.strip()
+
+
+def restarts(tb, name: str) -> int:
+    return int(tb.exec(name, "systemctl show sparkfleet-serve -p NRestarts --value").stdout.strip() or 0)
+
+
+def env_of(tb, name: str) -> dict[str, str]:
+    text = tb.exec(name, f"cat {SERVE_ENV}").stdout
+    return dict(line.split("=", 1) for line in text.splitlines() if "=" in line and not line.startswith("#"))
+
+
+def watcher(tb) -> traffic.Watch:
+    return traffic.Watch(traffic.Endpoint(tb, "spark-1", paths.REPO_ROOT / ".sparkfleet" / "api-key"))
+
+
+def answers(tb, head: str) -> bool:
+    """The pair answers a real request at its head (from the controller)."""
+    ep = traffic.Endpoint(tb, head, paths.REPO_ROOT / ".sparkfleet" / "api-key")
+    try:
+        r = ep.http.post(f"http://{tb.host(head).address}:8000/v1/completions", headers=ep.auth,
+                         json={"model": "qwen", "prompt": "The capital of France is", "max_tokens": 4}, timeout=10)
+        return r.status_code == 200
+    except Exception:  # noqa: BLE001 - not up (yet)
+        return False
+
+
+def out_of(result) -> str:
+    return (result.stdout + result.stderr)[-6000:]
+
+
+def test_a_pair_whose_members_differ_is_refused_naming_both(pairs4, deploy_run, tmp_path):
+    inventory = tmp_path / "mismatched.py"
+    inventory.write_text(
+        "from pathlib import Path\n"
+        "from sparkfleet.testbed.state import inventory_hosts, inventory_pairs\n"
+        f"_json = Path({str(pairs4.hosts_json)!r})\n"
+        f"sparks = ([(n, {{**d, 'profile': 'dflash'}} if n == {pairs4.inventory_name('spark-4')!r} else d)\n"
+        "           for n, d in inventory_hosts(_json)], {})\n"
+        "globals().update(inventory_pairs(_json))\n")
+    proc = deploy_run("deploy.py", inventory=str(inventory))
+    out = out_of(proc)
+    assert proc.returncode != 0
+    s3, s4 = pairs4.inventory_name("spark-3"), pairs4.inventory_name("spark-4")
+    assert f"pair_2: {s3} and {s4} differ in `profile` ('dense' vs 'dflash')" in out, out
+    assert "nothing was changed on any host" in out
+    for name in pairs4.names:  # nothing was touched: no unit anywhere
+        assert pairs4.exec(name, f"test -e {SERVE_ENV}").returncode != 0
+
+
+def test_two_pairs_serve_at_their_heads_behind_one_endpoint(pairs4, deploy_run):
+    proc = deploy_run("deploy.py", *data(pairs4), "--data", "checks=smoke,tools")
+    out = out_of(proc)
+    assert proc.returncode == 0, out
+    for head, workers in PAIRS.items():
+        env = env_of(pairs4, head)
+        assert (env["SF_NODE_RANK"], env["SF_HEADLESS"], env["SF_NNODES"]) == ("0", "0", "2")
+        for worker in workers:
+            wenv = env_of(pairs4, worker)
+            assert (wenv["SF_NODE_RANK"], wenv["SF_HEADLESS"]) == ("1", "1")
+            assert wenv["SF_MASTER_ADDR"] == LINK[head] and wenv["VLLM_HOST_IP"] == LINK[worker]
+            assert wenv["NCCL_SOCKET_IFNAME"] == "enp1s0f1np1" and wenv["NCCL_IB_HCA"] == "rocep1s0f1,roceP2p1s0f1"
+            # The worker joined its head over the link, from its own link address.
+            logs = pairs4.exec(head, f"docker logs {CONTAINER} 2>&1").stdout
+            assert f"node_rank 1 joined from {LINK[worker]}" in logs, logs[-2000:]
+            assert f"rank 1 of pair_{HEADS.index(head) + 1} (headless)" in proc.stdout + proc.stderr, out
+        assert answers(pairs4, head)
+    # The checks ran on the heads only, and the endpoint routes to the two heads.
+    results = sorted(Path(paths.REPO_ROOT, "results").glob("*/*.json"), key=lambda p: p.stat().st_mtime)
+    latest = {p.stem for p in results if p.parent == results[-1].parent}
+    assert latest >= {pairs4.inventory_name(h) for h in HEADS}
+    assert not latest & {pairs4.inventory_name(w) for w in WORKERS}, latest
+    ep = watcher(pairs4).ep
+    assert sorted(ep.states()) == sorted(HEADS), ep.states()
+    reply = ep.client().completions.create(model="qwen", prompt="The capital of France is", max_tokens=4)
+    assert reply.choices[0].text
+
+
+def test_a_converged_rerun_changes_nothing(pairs4, deploy_run):
+    before = {n: started_at(pairs4, n) for n in pairs4.names}
+    proc = deploy_run("deploy.py", *data(pairs4))
+    assert proc.returncode == 0, out_of(proc)
+    assert {n: started_at(pairs4, n) for n in pairs4.names} == before
+    assert "netplan apply" not in proc.stdout and "rolls in batch" not in proc.stdout
+
+
+def test_a_killed_worker_engine_brings_its_pair_back_without_a_deploy(pairs4):
+    head, worker = "spark-1", "spark-2"
+    before = {n: restarts(pairs4, n) for n in (head, worker)}
+    assert pairs4.exec(worker, f"docker kill {CONTAINER}").returncode == 0
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        if all(restarts(pairs4, n) > before[n] for n in (head, worker)) and answers(pairs4, head):
+            break
+        time.sleep(2)
+    # No half left behind: the head's engine failed with its worker (NCCL) and both restarted.
+    assert restarts(pairs4, head) > before[head], pairs4.exec(head, "journalctl -u sparkfleet-serve -n 30").stdout
+    assert restarts(pairs4, worker) > before[worker]
+    assert answers(pairs4, head), pairs4.exec(head, f"docker logs {CONTAINER} 2>&1 | tail -20").stdout
+
+
+def test_a_rolling_change_moves_each_pair_as_one(pairs4, deploy_run):
+    before = {n: started_at(pairs4, n) for n in pairs4.names}
+    with watcher(pairs4) as watch:
+        proc = deploy_run("deploy.py", *data(pairs4), "--data", "max_num_seqs=4")
+    out = out_of(proc)
+    assert proc.returncode == 0, out
+    for head, workers in PAIRS.items():
+        assert re.search(rf"\[{re.escape(pairs4.inventory_name(head))}\] rolls in batch \d of 2 with "
+                         rf"{re.escape(pairs4.inventory_name(workers[0]))}", proc.stdout + proc.stderr), out
+        assert f"[{pairs4.inventory_name(workers[0])}] rolled with its head" in proc.stdout + proc.stderr, out
+        for name in (head, *workers):
+            assert started_at(pairs4, name) != before[name], name
+            assert env_of(pairs4, name)["SF_MAX_NUM_SEQS"] == "4"
+    # One pair out of rotation at a time: the other head served throughout.
+    full = [s for _, s in watch.samples if len(s) == 2]
+    assert full and all("UP" in s.values() for s in full), [s for s in full if "UP" not in s.values()]
+    for head in HEADS:
+        assert any(s[head] != "UP" for s in full), f"{head} never left the rotation"
+    # Back to the defaults for whatever runs next.
+    assert deploy_run("deploy.py", *data(pairs4)).returncode == 0
