@@ -891,18 +891,19 @@ def fleet_pairs(hosts: Iterable[Any], settings: dict[str, Settings]) -> tuple[di
                             f"Fix: add its peer to {group}, or rename the group (pair_* groups are pairs)")
             continue
         head = settings[members[0]]
+        head_env = head.serve_env()
         for name in members[1:]:
             s = settings[name]
-            for key in _PAIR_AGREED:
-                if _pair_value(s, key) != _pair_value(head, key):
-                    shown = "model@revision" if key == "model_repo" else key
-                    problems.append(
-                        f"{group}: {members[0]} and {name} differ in `{shown}` ({_pair_value(head, key)!r} vs "
-                        f"{_pair_value(s, key)!r}); a pair runs one engine. Fix: give both hosts the same {shown} "
-                        f"(set it in group_data/{group}.py)")
-            differ = sorted(k for k in head.serve_env().keys() | s.serve_env().keys()
-                            if head.serve_env().get(k) != s.serve_env().get(k) and k != "SF_PROFILE")
-            if differ and not any(f"{members[0]} and {name} differ" in p for p in problems):
+            differ_in = [key for key in _PAIR_AGREED if _pair_value(s, key) != _pair_value(head, key)]
+            for key in differ_in:
+                shown = "model@revision" if key == "model_repo" else key
+                problems.append(
+                    f"{group}: {members[0]} and {name} differ in `{shown}` ({_pair_value(head, key)!r} vs "
+                    f"{_pair_value(s, key)!r}); a pair runs one engine. Fix: give both hosts the same {shown} "
+                    f"(set it in group_data/{group}.py)")
+            env = s.serve_env()
+            differ = sorted(k for k in head_env.keys() | env.keys() if head_env.get(k) != env.get(k))
+            if differ and not differ_in:
                 problems.append(f"{group}: {members[0]} and {name} would start different engines ({', '.join(differ)} "
                                 f"differ). Fix: give both hosts the same serving settings (group_data/{group}.py)")
         net = ipaddress.IPv4Network(head.pair_subnet)
