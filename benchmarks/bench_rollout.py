@@ -220,7 +220,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=30, help="length of each throughput measurement")
     args = parser.parse_args()
     tb = fleet_for(args.reuse)
-    ep = Endpoint(tb, ROUTER, REPO / ".sparkfleet" / "api-key")
+    ep = Endpoint(tb, ROUTER, tb.api_key_file)
     rc, summary = 0, None
     if args.section in ("rollout", "all"):
         rc, summary = section_rollout(tb, ep, args.data, args.workers, args.max_tokens)

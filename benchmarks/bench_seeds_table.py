@@ -108,7 +108,7 @@ def concurrency(host_address: str, streams: int, prompt: str, tokens: int = 200)
     from sparkfleet.bench.onhost.client import Client
     from sparkfleet.bench.onhost.timing import record_rates
 
-    key = (REPO / ".sparkfleet" / "api-key").read_text().strip()
+    key = (REPO / paths.API_KEY_FILE).read_text().strip()
     client = Client(f"http://{host_address}:8000", "qwen", key, 120)
     rates: list[float] = []
 

@@ -30,6 +30,23 @@ _lock_fd: int | None = None
 
 
 @contextlib.contextmanager
+def cache_locked() -> Iterator[None]:
+    """Serialise `up` and `down` of every instance on this machine: they build into, and
+    unmount below, the one shared cache (a few seconds each once it is built)."""
+    paths.CACHE_LOCK_FILE.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(paths.CACHE_LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log("another instance is building or removing its fleet; waiting for it")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
 def locked() -> Iterator[None]:
     """Serialise testbed operations across processes (flock), re-entrant in-process."""
     global _lock_depth, _lock_fd
@@ -77,7 +94,7 @@ def up(n_hosts: int, host_switches: dict[str, dict[str, Any]] | None = None, *,
     unknown = set(host_switches) - set(host_names)
     if unknown:
         raise TestbedError(f"switches for hosts that are not in the fleet: {', '.join(sorted(unknown))}")
-    with locked():
+    with locked(), cache_locked():
         t0 = time.monotonic()
         timings: dict[str, float] = {}
 
@@ -200,6 +217,8 @@ def _up(state: State, names: list[str], host_switches: dict[str, dict[str, Any]]
         "apt_repo": paths.APT_URL,
         "apt_key_url": paths.APT_KEY_URL,
         "image_registry_url": f"http://{paths.REGISTRY}",
+        "api_key_file": paths.API_KEY_FILE,
+        "mirror_tls_dir": paths.MIRROR_TLS_DIR,
     }
 
 
@@ -207,7 +226,7 @@ def down() -> None:
     """Remove the fleet: containers, processes, mounts, cgroups, netns, links, state.
     The cache stays."""
     _check_env()
-    with locked():
+    with locked(), cache_locked():
         t0 = time.monotonic()
         cleanup.teardown()
         left = {k: v for k, v in cleanup.leftovers().items() if v}
@@ -307,6 +326,15 @@ class Testbed:
     @property
     def run_id(self) -> str:
         return self.state.run_id
+
+    @property
+    def api_key_file(self) -> Path:
+        """The fleet's API key on the controller (made by its first deploy)."""
+        return paths.REPO_ROOT / self.data.get("api_key_file", paths.API_KEY_FILE)
+
+    @property
+    def mirror_tls_dir(self) -> Path:
+        return paths.REPO_ROOT / self.data.get("mirror_tls_dir", paths.MIRROR_TLS_DIR)
 
     def inventory_name(self, name: str) -> str:
         """What the inventory (and pyinfra's output) calls host *name*."""

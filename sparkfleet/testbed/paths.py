@@ -33,6 +33,12 @@ if INSTANCE:
 else:
     HOSTS_JSON = DOT_TESTBED / "hosts.json"
     INVENTORY = REPO_ROOT / "inventory" / "testbed.py"
+#: The fleet's API key and mirror TLS files on the controller (the fleet's api_key_file and
+#: mirror_tls_dir, relative to the checkout): a second instance's own, so two fleets of one
+#: checkout never share, replace or remove each other's.
+_CONTROLLER_FILES = ".sparkfleet" + (f"/instance-{INSTANCE}" if INSTANCE else "")
+API_KEY_FILE = f"{_CONTROLLER_FILES}/api-key"
+MIRROR_TLS_DIR = f"{_CONTROLLER_FILES}/mirror-tls"
 #: A dgx login's sudo password (0600) and the ssh_config of alias names (login.py).
 SUDO_PASSWORD_FILE = HOSTS_JSON.with_name("sudo-password")
 SSH_CONFIG = HOSTS_JSON.with_name("ssh_config")
@@ -46,6 +52,8 @@ HOSTS_DIR = STATE_DIR / "hosts"
 LOG_DIR = STATE_DIR / "logs"
 #: Outside STATE_DIR on purpose: it must survive the wipe of STATE_DIR it guards.
 LOCK_FILE = Path(f"/run/sparkfleet-testbed{_SUFFIX}.lock")
+#: One for every instance: `up` builds into and `down` unmounts below the shared CACHE_DIR.
+CACHE_LOCK_FILE = Path("/run/sparkfleet-testbed-cache.lock")
 
 # --- network ------------------------------------------------------------------------
 BRIDGE = f"sfbr{INSTANCE}"

@@ -67,7 +67,7 @@ def test_from_scratch_to_ready_on_every_host(testbed, run_pyinfra):
 
 
 def test_secrets_stay_private(testbed, run_pyinfra):
-    key = (testbed.data.get("api_key_file") and None) or open(".sparkfleet/api-key").read().strip()
+    key = testbed.api_key_file.read_text().strip()
     for name in testbed.names:
         mode = testbed.exec(name, "stat -c %a /etc/sparkfleet/secrets.env").stdout.strip()
         assert mode == "600"

@@ -45,7 +45,7 @@ def session() -> requests.Session:
 
 class Endpoint(traffic.Endpoint):
     def __init__(self, testbed):
-        super().__init__(testbed, ROUTER, REPO_ROOT / ".sparkfleet" / "api-key")
+        super().__init__(testbed, ROUTER, testbed.api_key_file)
 
     def counter(self, name: str, member: str) -> float:
         return self.counters(name).get(member, 0.0)
@@ -113,7 +113,7 @@ def ep(testbed):
 def test_deploy_prints_the_endpoint_and_the_key_stays_private(testbed, ep):
     out = ep.deploy_output
     assert f"fleet endpoint {ep.url}/v1 serves `qwen` over 3 member(s)" in out, out[-3000:]
-    assert f'curl -H "Authorization: Bearer $(cat .sparkfleet/api-key)" {ep.url}/v1/models' in out
+    assert f'curl -H "Authorization: Bearer $(cat {testbed.data["api_key_file"]})" {ep.url}/v1/models' in out
     assert f'openai.OpenAI(base_url="{ep.url}/v1"' in out
     assert ep.key not in out
     # Members at the addresses they have on the router's network, not inventory names.

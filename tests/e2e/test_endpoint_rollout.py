@@ -24,7 +24,7 @@ REPO_ROOT = paths.REPO_ROOT
 
 
 def watcher(testbed) -> traffic.Watch:
-    return traffic.Watch(traffic.Endpoint(testbed, ROUTER, REPO_ROOT / ".sparkfleet" / "api-key"))
+    return traffic.Watch(traffic.Endpoint(testbed, ROUTER, testbed.api_key_file))
 
 
 def started_at(testbed, name: str) -> str:

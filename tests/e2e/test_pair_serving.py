@@ -13,15 +13,15 @@ module on the session's fleet.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
-from pathlib import Path
 
 import pytest
 
 from sparkfleet.hostpaths import CONTAINER
-from sparkfleet.testbed import paths, traffic
+from sparkfleet.testbed import traffic
 
 pytestmark = pytest.mark.e2e
 
@@ -67,12 +67,12 @@ def env_of(tb, name: str) -> dict[str, str]:
 
 
 def watcher(tb) -> traffic.Watch:
-    return traffic.Watch(traffic.Endpoint(tb, "spark-1", paths.REPO_ROOT / ".sparkfleet" / "api-key"))
+    return traffic.Watch(traffic.Endpoint(tb, "spark-1", tb.api_key_file))
 
 
 def answers(tb, head: str) -> bool:
     """The pair answers a real request at its head (from the controller)."""
-    ep = traffic.Endpoint(tb, head, paths.REPO_ROOT / ".sparkfleet" / "api-key")
+    ep = traffic.Endpoint(tb, head, tb.api_key_file)
     try:
         r = ep.http.post(f"http://{tb.host(head).address}:8000/v1/completions", headers=ep.auth,
                          json={"model": "qwen", "prompt": "The capital of France is", "max_tokens": 4}, timeout=10)
@@ -104,8 +104,9 @@ def test_a_pair_whose_members_differ_is_refused_naming_both(pairs4, deploy_run, 
         assert pairs4.exec(name, f"test -e {SERVE_ENV}").returncode != 0
 
 
-def test_two_pairs_serve_at_their_heads_behind_one_endpoint(pairs4, deploy_run):
-    proc = deploy_run("deploy.py", *data(pairs4), "--data", "checks=smoke,tools")
+def test_two_pairs_serve_at_their_heads_behind_one_endpoint(pairs4, deploy_run, tmp_path):
+    proc = deploy_run("deploy.py", *data(pairs4), "--data", "checks=smoke,tools", "--data", f"results_dir={tmp_path}",
+                      "--data", "run_id=pairs")
     out = out_of(proc)
     assert proc.returncode == 0, out
     for head, workers in PAIRS.items():
@@ -122,10 +123,8 @@ def test_two_pairs_serve_at_their_heads_behind_one_endpoint(pairs4, deploy_run):
             assert f"rank 1 of pair_{HEADS.index(head) + 1} (headless)" in proc.stdout + proc.stderr, out
         assert answers(pairs4, head)
     # The checks ran on the heads only, and the endpoint routes to the two heads.
-    results = sorted(Path(paths.REPO_ROOT, "results").glob("*/*.json"), key=lambda p: p.stat().st_mtime)
-    latest = {p.stem for p in results if p.parent == results[-1].parent}
-    assert latest >= {pairs4.inventory_name(h) for h in HEADS}
-    assert not latest & {pairs4.inventory_name(w) for w in WORKERS}, latest
+    results = {p.stem: json.loads(p.read_text()) for p in (tmp_path / "pairs").glob("spark-*.json")}
+    assert {n: r["status"] for n, r in results.items()} == {pairs4.inventory_name(h): "ok" for h in HEADS}, results
     ep = watcher(pairs4).ep
     assert sorted(ep.states()) == sorted(HEADS), ep.states()
     reply = ep.client().completions.create(model="qwen", prompt="The capital of France is", max_tokens=4)
