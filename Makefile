@@ -42,8 +42,9 @@ status:
 lint: deps
 	$(PYTHON) -m ruff check .
 
+# Two shards side by side, each on its own fleet (instances N and N+1): tests/shards.py.
 test: deps lint
-	$(PYTHON) -m pytest -ra tests
+	$(PYTHON) tests/shards.py
 
 # No fleet, no network: passes with the network unplugged, e.g.
 #   unshare -n sh -c 'ip link set lo up && make test-unit'   (loopback stays: tests run local servers)
