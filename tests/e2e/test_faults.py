@@ -169,7 +169,6 @@ def test_a_bit_flip_is_found_with_verify_weights(testbed, run_pyinfra):
 
 
 def test_a_checkout_without_the_fleet_key_stops_instead_of_rekeying(testbed, run_pyinfra):
-    from pathlib import Path
 
     key_file = testbed.api_key_file
     key = key_file.read_text()
@@ -205,7 +204,6 @@ def trusted_registries(testbed, name: str) -> set[str]:
 
 
 def test_a_checkout_without_the_mirror_certificate_adopts_the_mirrors(testbed, run_pyinfra):
-    from pathlib import Path
 
     tls_dir = testbed.mirror_tls_dir
     before = {p.name: p.read_bytes() for p in tls_dir.iterdir()}
