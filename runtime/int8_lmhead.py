@@ -4,8 +4,9 @@ The 248320 x 3072 lm-head is the largest dense weight read every decode step
 (1.5 GB in bf16).  Stored as int8 with one scale per vocab row it is half the
 bytes; since decode is bandwidth-bound, the logits cost about half the time.
 
-    q, scales = quantize_rows(weight)          # once
-    logits = int8_logits(hidden, q, scales)    # [B, V] bf16, B = 1 .. 64+
+    q, scales = quantize_rows(weight)          # once, row-major [V, K]
+    tiles = pack_tiles(q)                      # once, the layout the kernels read
+    logits = int8_logits(hidden, tiles, scales)  # [B, V] bf16, B = 1 .. 64+
 
     head = Int8LMHead.for_weight(weight)       # cached, quantizes on first use
     logits = head(hidden)
@@ -17,30 +18,36 @@ Design notes (why, not what):
   against each other (the very comparison argmax makes), and rows with tiny
   norms (unused / padded vocab entries) give max|row|/127 below fp16's normal
   range, where precision collapses.  fp32 has neither problem.
-* One launch covers the whole batch (B <= 64 per program row): the grid
-  tiles the vocab (rows of W); each program streams its [BLOCK_V, K] int8
-  slab once.  Decode is bandwidth-bound, so what matters is the work per
-  weight byte between DRAM and the multiply:
-  - B >= 2: tensor cores, fp32 accumulation, computed as out = x W^T with the
-    batch as the M side (one to four 16-row mma.sync tiles) and the weight as
-    the B operand.  Triton then loads the int8 tile from shared memory
-    straight into operand registers and decodes it there; bf16 weights never
-    go back to shared memory (the old W-as-A kernel wrote them back: 6 B of
-    shared traffic per weight byte instead of 2, 226 us instead of ~185 on
-    the H200).  M = 16 also means mma.sync on every target, no wgmma/TMA:
-    the H200 runs what a GB10 (sm_121) runs.
+* The int8 weight is stored as 128 x 128 tiles ([V/128, K/128, 128, 128],
+  zero padded), so each K step of a program reads one contiguous 16 KB block
+  instead of 128 row pieces 3 KB apart: on the H200 that alone took the
+  B <= 16 kernel from 1.10x to 1.08x of the read-only floor and B = 32 from
+  1.23x to 1.20x.  Every path reads the same tiles (one copy of the weight).
+* One launch covers the whole batch; the grid tiles the vocab (rows of W) and
+  each program streams its rows once.  Decode is bandwidth-bound, so what
+  matters is the work per weight byte between DRAM and the multiply:
   - B = 1: CUDA cores, one fp32 FMA per weight byte, no padding to 16 rows.
-  - Batch tiles of 32 and 64 rows: the activations go to fp16 first (one
+  - B <= 16: tensor cores, computed as out = x W^T with the batch as the M
+    side of an m16n8k16 mma.sync and the weight as the B operand: Triton
+    loads the int8 tile from shared memory straight into operand registers
+    and decodes it there; bf16 weights never go back to shared memory.
+  - B = 17 .. 64: the weight as the A operand (out^T = W x^T), as a batched
+    (rank-3) dot over four 32-row slices, one per warp.  Rank-3 dots stay on
+    mma.sync (no wgmma on Hopper), each warp decodes only its own rows, and
+    the decoded weights sit in registers as whole A fragments; with x as A,
+    ptxas re-assembled x's fragments with ~2.7 register moves per mma (Triton
+    orders k for the int8 operand).  H200: B = 64 316 -> 299 us, B = 32
+    204 -> 201 us (both with the tiled layout).
+  - Batch tiles of 32 and 64 rows cast the activations to fp16 first (one
     small kernel, ~3 us) so the weight decodes to fp16 in 5 instructions
     per 4 bytes instead of bf16's 8 (fp16's 10-bit mantissa holds 1024 + u
-    exactly; bf16's 7 bits need the two-part trick).  There the decode and
-    the operand shuffles, not DRAM, set the time (Nsight Compute at B = 32:
-    DRAM 72%, issue slots 58%, tensor pipe 38%): 211 -> 204 us at B = 32,
-    327 -> 310 us at B = 64 on the H200.  Each row is scaled by a power of
-    two into fp16's range first (max|row| in [2^14, 2^15)), so the cast is
-    exact for every bf16 value down to 2^-28 of the row's max and cannot
-    overflow; the epilogue multiplies the power of two back out, exactly.
-    At B <= 16 the extra launch costs more than the cheaper decode saves.
+    exactly; bf16's 7 bits need the two-part trick).  Each row is scaled by
+    a power of two into fp16's range first (max|row| in [2^14, 2^15)), so
+    the cast is exact for every bf16 value down to 2^-28 of the row's max
+    and cannot overflow; the epilogue multiplies the power of two back out,
+    exactly.  At B <= 16 the extra launch costs more than it saves.
+  All of it is mma.sync (or CUDA cores): the H200 runs what a GB10 (sm_121)
+  runs.
 * The per-row scale is applied once to the fp32 accumulator (exact for a
   per-row scale), then cast to bf16.
 * The bf16 weight is never freed or modified: the DFlash drafter shares the
@@ -59,7 +66,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["quantize_rows", "int8_logits", "Int8LMHead", "pick_config", "KernelConfig", "compile_ptx"]
+__all__ = ["quantize_rows", "pack_tiles", "int8_logits", "Int8LMHead", "pick_config", "KernelConfig",
+           "compile_ptx"]
 
 INSTALL_HINT = (
     "int8_lmhead needs torch and triton: `pip install torch==2.13.0 && pip install triton` "
@@ -113,35 +121,68 @@ def dequantize_rows(q: "torch.Tensor", scales: "torch.Tensor") -> "torch.Tensor"
     return q.float() * scales.float()[:, None]
 
 
+# Weight tile side (rows and columns): the stored layout of the int8 weight.
+TILE = 128
+
+
+def pack_tiles(q: "torch.Tensor") -> "torch.Tensor":
+    """Row-major int8 [V, K] -> [ceil(V/128), ceil(K/128), 128, 128] tiles, zero padded.
+
+    The kernels read this layout: a program's K step is one contiguous block.
+    Works in chunks of tile rows so the temporaries stay small."""
+    torch, _, _ = _imports()
+    if q.dtype != torch.int8 or q.dim() != 2:
+        raise ValueError(f"expected a row-major int8 [V, K] tensor, got {q.dtype} {tuple(q.shape)}")
+    v, k = q.shape
+    vt, kt = -(-v // TILE), -(-k // TILE)
+    tiles = torch.zeros((vt, kt, TILE, TILE), dtype=torch.int8, device=q.device)
+    step = 64  # tile rows per chunk (24 MB of a 3072-wide head)
+    for t0 in range(0, vt, step):
+        t1 = min(vt, t0 + step)
+        rows = q[t0 * TILE:t1 * TILE]
+        block = torch.zeros(((t1 - t0) * TILE, kt * TILE), dtype=torch.int8, device=q.device)
+        block[:rows.shape[0], :k] = rows
+        tiles[t0:t1] = block.view(t1 - t0, TILE, kt, TILE).permute(0, 2, 1, 3)
+    return tiles
+
+
 # --------------------------------------------------------------------------- kernel
 
 
 class KernelConfig:
     """Tile sizes and launch parameters of one path.
 
-    gemv=True is the CUDA-core path (B = 1); otherwise the tensor-core path
-    with sub = 1, 2 or 4 batch tiles of 16 rows per program (from B at launch).
+    gemv=True is the CUDA-core path (B = 1); wa=True the weight-as-A path (one
+    32-row slice of the BLOCK_V rows per warp, batch tile of 16..64 columns);
+    otherwise x-as-A with 16-row batch tiles.  f16: activations cast to fp16
+    first.  BLOCK_V must divide 128 (a program's rows lie in one tile row).
     """
 
-    __slots__ = ("block_v", "block_k", "num_warps", "num_stages", "fast_cvt", "gemv", "f16")
+    __slots__ = ("block_v", "block_k", "num_warps", "num_stages", "fast_cvt", "gemv", "wa", "f16")
 
     def __init__(self, block_v: int, block_k: int, num_warps: int, num_stages: int,
-                 fast_cvt: bool = True, gemv: bool = False, f16: bool = False) -> None:
+                 fast_cvt: bool = True, gemv: bool = False, f16: bool = False, wa: bool = False) -> None:
+        if TILE % block_v or (block_k % TILE and TILE % block_k):
+            raise ValueError(f"block_v must divide {TILE} and block_k divide or be a multiple of it "
+                             f"(got V{block_v}_K{block_k})")
+        if wa and (gemv or block_v % num_warps or block_v // num_warps < 16):
+            raise ValueError(f"a wa config needs block_v / num_warps >= 16 rows per warp (got V{block_v}_w{num_warps})")
         self.block_v, self.block_k, self.num_warps, self.num_stages = block_v, block_k, num_warps, num_stages
-        self.fast_cvt, self.gemv, self.f16 = fast_cvt, gemv, f16 and not gemv
+        self.fast_cvt, self.gemv, self.wa, self.f16 = fast_cvt, gemv, wa, f16 and not gemv
 
     def __repr__(self) -> str:
         return (f"V{self.block_v}_K{self.block_k}_w{self.num_warps}_s{self.num_stages}"
-                + ("_gemv" if self.gemv else "") + ("_f16" if self.f16 else "") + ("" if self.fast_cvt else "_cvt"))
+                + ("_gemv" if self.gemv else "") + ("_wa" if self.wa else "") + ("_f16" if self.f16 else "")
+                + ("" if self.fast_cvt else "_cvt"))
 
     @classmethod
     def parse(cls, s: str) -> "KernelConfig":
-        """'V128_K256_w4_s2[_gemv][_f16][_cvt]' (the repr) -> config; used by SF_INT8_LMHEAD_CONFIG."""
+        """'V128_K128_w4_s3[_gemv|_wa][_f16][_cvt]' (the repr) -> config; used by SF_INT8_LMHEAD_CONFIG."""
         items = s.strip().split("_")
-        flags = {"gemv", "cvt", "f16"}
+        flags = {"gemv", "wa", "cvt", "f16"}
         parts = {p[0]: int(p[1:]) for p in items if p not in flags}
         return cls(parts["V"], parts["K"], parts["w"], parts["s"], fast_cvt="cvt" not in items, gemv="gemv" in items,
-                   f16="f16" in items)
+                   f16="f16" in items, wa="wa" in items)
 
 
 # Tuned on an H200 at [248320, 3072] (benchmarks/int8_lmhead_bench.py), keyed by
@@ -150,21 +191,22 @@ class KernelConfig:
 # stay fast.
 _TUNED: dict[int, KernelConfig] = {
     1: KernelConfig(32, 256, 4, 3, gemv=True),
-    16: KernelConfig(128, 256, 4, 2),
-    32: KernelConfig(128, 128, 4, 3, f16=True),
-    64: KernelConfig(128, 128, 4, 3, f16=True),
+    16: KernelConfig(128, 128, 4, 3),
+    32: KernelConfig(128, 128, 4, 3, wa=True, f16=True),
+    64: KernelConfig(128, 128, 4, 3, wa=True, f16=True),
 }
 # For parts with less shared memory per block than the H200 (GB10 / sm_121
 # has ~100 KB): tried once when a tuned tile does not fit.
 _SMALL = KernelConfig(64, 128, 4, 2)
-_INTERPRET = {1: KernelConfig(32, 64, 4, 1, gemv=True), 0: KernelConfig(64, 64, 4, 1)}
+_INTERPRET = {1: KernelConfig(32, 64, 4, 1, gemv=True), 16: KernelConfig(64, 64, 4, 1),
+              32: KernelConfig(64, 64, 4, 1, wa=True, f16=True), 64: KernelConfig(64, 64, 4, 1, wa=True, f16=True)}
 
-_kernels: "tuple[Any, Any, Any] | None" = None
+_kernels: "tuple[Any, Any, Any, Any] | None" = None
 _kernel_lock = threading.Lock()
 
 
-def _get_kernels() -> "tuple[Any, Any, Any]":
-    """(tensor-core kernel, CUDA-core kernel, fp16 row cast), built once."""
+def _get_kernels() -> "tuple[Any, Any, Any, Any]":
+    """(x-as-A tensor-core kernel, weight-as-A kernel, CUDA-core kernel, fp16 row cast), built once."""
     global _kernels
     if _kernels is not None:
         return _kernels
@@ -204,7 +246,7 @@ _DECODE_F32 = (
 )
 
 
-def _build_kernels() -> "tuple[Any, Any, Any]":
+def _build_kernels() -> "tuple[Any, Any, Any, Any]":
     _, triton, tl = _imports()
     # Triton kernels read module globals only as constexpr; set here so the
     # module itself imports without triton.
@@ -212,133 +254,149 @@ def _build_kernels() -> "tuple[Any, Any, Any]":
     globals()["_DECODE_F16_ASM"] = tl.constexpr(_DECODE_F16)
     globals()["_DECODE_F32_ASM"] = tl.constexpr(_DECODE_F32)
 
+    # Addressing shared by the three kernels (T = TILE): column c of a K step
+    # sits at (c // T) * T*T + c % T from its tile row's start, row r at r % T * T.
+    # A K step of BLOCK_K >= T advances BLOCK_K / T whole tiles; a smaller one
+    # moves within the tile and jumps to the next at its end.
+
     @triton.jit
     def _int8_lmhead_mma(
-        x_ptr, w_ptr, s_ptr, xs_ptr, out_ptr, B, V, K, stride_xb, stride_wv, stride_ob,
-        SUB: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-        EVEN_K: tl.constexpr, EVEN_V: tl.constexpr, DOT_F32: tl.constexpr, FAST_CVT: tl.constexpr,
-        F16: tl.constexpr,
+        x_ptr, w_ptr, s_ptr, xs_ptr, out_ptr, B, V, K, KP, stride_xb, stride_ob,
+        BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+        FAST_CVT: tl.constexpr, F16: tl.constexpr, T: tl.constexpr,
     ):
-        # out^T = W x^T computed as out = x W^T with the batch as the M side
-        # (16 rows per mma) and the weight as the B operand: Triton then loads
-        # the int8 tile from shared memory straight into the mma operand
-        # registers (8-byte shared loads), decodes it there, and never writes
-        # bf16 weights back to shared memory.  M = 16 also keeps every target
-        # on mma.sync (no wgmma): the same code path on Hopper and on sm_12x.
+        # out = x W^T for 16 batch rows: the batch as the M side of the mma,
+        # the weight as the B operand (Triton loads the int8 tile from shared
+        # memory straight into operand registers and decodes it there).
         pid_v = tl.program_id(0)
-        b0 = tl.program_id(1) * (16 * SUB)
-        offs_b = tl.arange(0, 16)
+        b0 = tl.program_id(1) * 16
+        offs_b = b0 + tl.arange(0, 16)
         offs_k = tl.arange(0, BLOCK_K)
         offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
         v_mask = offs_v < V
-        # int64 row offsets: V*K overflows int32 past ~700k x 3072.
-        w_ptrs = w_ptr + offs_v.to(tl.int64)[:, None] * stride_wv + offs_k[None, :]
-        x_ptrs = x_ptr + (b0 + offs_b).to(tl.int64)[:, None] * stride_xb + offs_k[None, :]
-        m0 = (b0 + offs_b)[:, None] < B
-        m1 = (b0 + 16 + offs_b)[:, None] < B
-        m2 = (b0 + 32 + offs_b)[:, None] < B
-        m3 = (b0 + 48 + offs_b)[:, None] < B
-        acc0 = tl.zeros((16, BLOCK_V), dtype=tl.float32)
-        acc1 = acc0
-        acc2 = acc0
-        acc3 = acc0
+        # int64 tile-row offsets: V*K overflows int32 past ~700k x 3072.
+        w_ptrs = (w_ptr + ((pid_v * BLOCK_V) // T).to(tl.int64) * KP * T
+                  + (((pid_v * BLOCK_V) % T + tl.arange(0, BLOCK_V)) * T)[:, None]
+                  + ((offs_k // T) * T * T + offs_k % T)[None, :])
+        x_ptrs = x_ptr + offs_b.to(tl.int64)[:, None] * stride_xb + offs_k[None, :]
+        b_mask = offs_b[:, None] < B
+        acc = tl.zeros((16, BLOCK_V), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k_ok = (k0 + offs_k) < K
-            if EVEN_K:
-                if EVEN_V:
-                    w = tl.load(w_ptrs)
-                else:
-                    w = tl.load(w_ptrs, mask=v_mask[:, None], other=0)
+            if EVEN_K:  # row masks only: constant along K, so the x loads stay vectorized
+                w = tl.load(w_ptrs)
+                x = tl.load(x_ptrs, mask=b_mask, other=0.0)
             else:
-                w = tl.load(w_ptrs, mask=v_mask[:, None] & k_ok[None, :], other=0)
+                k_ok = (k0 + offs_k) < K
+                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0)
+                x = tl.load(x_ptrs, mask=b_mask & k_ok[None, :], other=0.0)
             if DOT_F32:
                 # Triton's CPU interpreter multiplies bf16 as raw uint16 and
                 # casts int8 -> bf16 by bit pattern (seen in 3.6 and 3.9), so
                 # under TRITON_INTERPRET the same tiles are multiplied in fp32.
-                wt = tl.trans(w.to(tl.float32))
-            elif FAST_CVT and F16:
-                wt = tl.trans(tl.inline_asm_elementwise(_DECODE_F16_ASM, "=r,=r,r", [w], dtype=tl.float16,  # noqa: F821
-                                                        is_pure=True, pack=4))
-            elif FAST_CVT:
-                wt = tl.trans(tl.inline_asm_elementwise(_DECODE_BF16_ASM, "=r,=r,r", [w], dtype=tl.bfloat16,  # noqa: F821
-                                                        is_pure=True, pack=4))
+                acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
             else:
-                # int8 values are exact in bf16/fp16 (|q| <= 127 < 2^8).
-                wt = tl.trans(w.to(x_ptr.dtype.element_ty))
-            if EVEN_K:  # row masks only: constant along K, so the x loads stay vectorized
-                x0 = tl.load(x_ptrs, mask=m0, other=0.0)
-                if SUB > 1:
-                    x1 = tl.load(x_ptrs + 16 * stride_xb, mask=m1, other=0.0)
-                if SUB > 2:
-                    x2 = tl.load(x_ptrs + 32 * stride_xb, mask=m2, other=0.0)
-                    x3 = tl.load(x_ptrs + 48 * stride_xb, mask=m3, other=0.0)
-            else:
-                x0 = tl.load(x_ptrs, mask=m0 & k_ok[None, :], other=0.0)
-                if SUB > 1:
-                    x1 = tl.load(x_ptrs + 16 * stride_xb, mask=m1 & k_ok[None, :], other=0.0)
-                if SUB > 2:
-                    x2 = tl.load(x_ptrs + 32 * stride_xb, mask=m2 & k_ok[None, :], other=0.0)
-                    x3 = tl.load(x_ptrs + 48 * stride_xb, mask=m3 & k_ok[None, :], other=0.0)
-            if DOT_F32:
-                acc0 = tl.dot(x0.to(tl.float32), wt, acc0, input_precision="ieee")
-                if SUB > 1:
-                    acc1 = tl.dot(x1.to(tl.float32), wt, acc1, input_precision="ieee")
-                if SUB > 2:
-                    acc2 = tl.dot(x2.to(tl.float32), wt, acc2, input_precision="ieee")
-                    acc3 = tl.dot(x3.to(tl.float32), wt, acc3, input_precision="ieee")
-            else:
-                acc0 = tl.dot(x0, wt, acc0)
-                if SUB > 1:
-                    acc1 = tl.dot(x1, wt, acc1)
-                if SUB > 2:
-                    acc2 = tl.dot(x2, wt, acc2)
-                    acc3 = tl.dot(x3, wt, acc3)
-            w_ptrs += BLOCK_K
+                if FAST_CVT and x_ptr.dtype.element_ty == tl.float16:
+                    wt = tl.inline_asm_elementwise(_DECODE_F16_ASM, "=r,=r,r", [w], dtype=tl.float16,  # noqa: F821
+                                                   is_pure=True, pack=4)
+                elif FAST_CVT:
+                    wt = tl.inline_asm_elementwise(_DECODE_BF16_ASM, "=r,=r,r", [w], dtype=tl.bfloat16,  # noqa: F821
+                                                   is_pure=True, pack=4)
+                else:  # int8 values are exact in bf16/fp16 (|q| <= 127 < 2^8)
+                    wt = w.to(x_ptr.dtype.element_ty)
+                acc = tl.dot(x, tl.trans(wt), acc)
             x_ptrs += BLOCK_K
+            if BLOCK_K >= T:
+                w_ptrs += (BLOCK_K // T) * T * T
+            else:
+                w_ptrs += tl.where((k0 + BLOCK_K) % T == 0, T * T - T + BLOCK_K, BLOCK_K)
         # The per-row scale is exact to apply once to the fp32 accumulator; so
         # is the power of two each fp16 activation row was scaled by.
-        scale = tl.load(s_ptr + offs_v, mask=v_mask, other=0.0)[None, :]
-        o_ptrs = out_ptr + (b0 + offs_b).to(tl.int64)[:, None] * stride_ob + offs_v[None, :]
-        ty = out_ptr.dtype.element_ty
+        acc = acc * tl.load(s_ptr + offs_v, mask=v_mask, other=0.0)[None, :]
         if F16:
-            r_ptrs = xs_ptr + b0 + offs_b
-            acc0 = acc0 * tl.load(r_ptrs, mask=(b0 + offs_b) < B, other=0.0)[:, None]
-            if SUB > 1:
-                acc1 = acc1 * tl.load(r_ptrs + 16, mask=(b0 + 16 + offs_b) < B, other=0.0)[:, None]
-            if SUB > 2:
-                acc2 = acc2 * tl.load(r_ptrs + 32, mask=(b0 + 32 + offs_b) < B, other=0.0)[:, None]
-                acc3 = acc3 * tl.load(r_ptrs + 48, mask=(b0 + 48 + offs_b) < B, other=0.0)[:, None]
-        tl.store(o_ptrs, (acc0 * scale).to(ty), mask=m0 & v_mask[None, :])
-        if SUB > 1:
-            tl.store(o_ptrs + 16 * stride_ob, (acc1 * scale).to(ty), mask=m1 & v_mask[None, :])
-        if SUB > 2:
-            tl.store(o_ptrs + 32 * stride_ob, (acc2 * scale).to(ty), mask=m2 & v_mask[None, :])
-            tl.store(o_ptrs + 48 * stride_ob, (acc3 * scale).to(ty), mask=m3 & v_mask[None, :])
+            acc = acc * tl.load(xs_ptr + offs_b, mask=offs_b < B, other=0.0)[:, None]
+        o_ptrs = out_ptr + offs_b.to(tl.int64)[:, None] * stride_ob + offs_v[None, :]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=b_mask & v_mask[None, :])
+
+    @triton.jit
+    def _int8_lmhead_wa(
+        x_ptr, w_ptr, s_ptr, xs_ptr, out_ptr, B, V, K, KP, stride_xb, stride_ob,
+        NB: tl.constexpr, NS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+        DOT_F32: tl.constexpr, FAST_CVT: tl.constexpr, F16: tl.constexpr, T: tl.constexpr,
+    ):
+        # out^T = W x^T for NB batch columns: the weight as the A operand of a
+        # rank-3 (batched) dot over NS slices of BLOCK_V / NS rows.  Triton
+        # keeps rank-3 dots on mma.sync and gives each warp one slice, so every
+        # weight byte is decoded once, straight into A fragments; x^T is the B
+        # operand, the same for every slice.
+        MV: tl.constexpr = BLOCK_V // NS
+        pid = tl.program_id(0)
+        b0 = tl.program_id(1) * NB
+        offs_n = b0 + tl.arange(0, NB)
+        offs_k = tl.arange(0, BLOCK_K)
+        r = tl.arange(0, NS)[:, None] * MV + tl.arange(0, MV)[None, :]  # [NS, MV] rows of the program
+        rows = pid * BLOCK_V + r
+        n_ok = offs_n < B
+        w_ptrs = (w_ptr + ((pid * BLOCK_V) // T).to(tl.int64) * KP * T + (((pid * BLOCK_V) % T + r) * T)[:, :, None]
+                  + ((offs_k // T) * T * T + offs_k % T)[None, None, :])
+        x_ptrs = x_ptr + offs_n.to(tl.int64)[None, :] * stride_xb + offs_k[:, None]  # x^T: [BLOCK_K, NB]
+        acc = tl.zeros((NS, MV, NB), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+                xt = tl.load(x_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = (k0 + offs_k) < K
+                w = tl.load(w_ptrs, mask=k_ok[None, None, :], other=0)
+                xt = tl.load(x_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            if DOT_F32:  # the interpreter, as in _int8_lmhead_mma
+                xb = tl.broadcast_to(xt.to(tl.float32)[None, :, :], (NS, BLOCK_K, NB))
+                acc = tl.dot(w.to(tl.float32), xb, acc, input_precision="ieee")
+            else:
+                if FAST_CVT and x_ptr.dtype.element_ty == tl.float16:
+                    a = tl.inline_asm_elementwise(_DECODE_F16_ASM, "=r,=r,r", [w], dtype=tl.float16,  # noqa: F821
+                                                  is_pure=True, pack=4)
+                elif FAST_CVT:
+                    a = tl.inline_asm_elementwise(_DECODE_BF16_ASM, "=r,=r,r", [w], dtype=tl.bfloat16,  # noqa: F821
+                                                  is_pure=True, pack=4)
+                else:
+                    a = w.to(x_ptr.dtype.element_ty)
+                acc = tl.dot(a, tl.broadcast_to(xt[None, :, :], (NS, BLOCK_K, NB)), acc)
+            x_ptrs += BLOCK_K
+            if BLOCK_K >= T:
+                w_ptrs += (BLOCK_K // T) * T * T
+            else:
+                w_ptrs += tl.where((k0 + BLOCK_K) % T == 0, T * T - T + BLOCK_K, BLOCK_K)
+        v_ok = rows < V
+        acc = acc * tl.load(s_ptr + rows, mask=v_ok, other=0.0)[:, :, None]
+        if F16:
+            acc = acc * tl.load(xs_ptr + offs_n, mask=n_ok, other=0.0)[None, None, :]
+        o_ptrs = out_ptr + offs_n.to(tl.int64)[None, None, :] * stride_ob + rows[:, :, None]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[None, None, :] & v_ok[:, :, None])
 
     @triton.jit
     def _int8_lmhead_gemv(
-        x_ptr, w_ptr, s_ptr, out_ptr, V, K, stride_wv,
-        BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_V: tl.constexpr,
-        FAST_CVT: tl.constexpr,
+        x_ptr, w_ptr, s_ptr, out_ptr, V, K, KP,
+        BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FAST_CVT: tl.constexpr,
+        T: tl.constexpr,
     ):
         # B = 1 on CUDA cores: decode to fp32 in the load layout (16 bytes per
         # thread), FMA against x, reduce each K step.  One FMA per weight byte
         # is cheaper than padding the batch to an mma tile.
+        pid_v = tl.program_id(0)
         offs_k = tl.arange(0, BLOCK_K)
-        offs_v = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
+        offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
         v_mask = offs_v < V
-        w_ptrs = w_ptr + offs_v.to(tl.int64)[:, None] * stride_wv + offs_k[None, :]
+        w_ptrs = (w_ptr + ((pid_v * BLOCK_V) // T).to(tl.int64) * KP * T
+                  + (((pid_v * BLOCK_V) % T + tl.arange(0, BLOCK_V)) * T)[:, None]
+                  + ((offs_k // T) * T * T + offs_k % T)[None, :])
         acc = tl.zeros((BLOCK_V,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k_ok = (k0 + offs_k) < K
             if EVEN_K:
-                if EVEN_V:
-                    w = tl.load(w_ptrs)
-                else:
-                    w = tl.load(w_ptrs, mask=v_mask[:, None], other=0)
+                w = tl.load(w_ptrs)
                 x = tl.load(x_ptr + k0 + offs_k)
             else:
-                w = tl.load(w_ptrs, mask=v_mask[:, None] & k_ok[None, :], other=0)
+                k_ok = (k0 + offs_k) < K
+                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0)
                 x = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0)
             if FAST_CVT:
                 wf = tl.inline_asm_elementwise(_DECODE_F32_ASM, "=r,=r,=r,=r,r", [w], dtype=tl.float32,  # noqa: F821
@@ -346,7 +404,10 @@ def _build_kernels() -> "tuple[Any, Any, Any]":
             else:
                 wf = w.to(tl.float32)
             acc += tl.sum(wf * x.to(tl.float32)[None, :], 1)
-            w_ptrs += BLOCK_K
+            if BLOCK_K >= T:
+                w_ptrs += (BLOCK_K // T) * T * T
+            else:
+                w_ptrs += tl.where((k0 + BLOCK_K) % T == 0, T * T - T + BLOCK_K, BLOCK_K)
         scale = tl.load(s_ptr + offs_v, mask=v_mask, other=0.0)
         tl.store(out_ptr + offs_v, (acc * scale).to(out_ptr.dtype.element_ty), mask=v_mask)
 
@@ -363,7 +424,7 @@ def _build_kernels() -> "tuple[Any, Any, Any]":
         tl.store(y_ptr + row * K + offs, y.to(tl.float16), mask=offs < K)
         tl.store(rs_ptr + row, ((127 - k) << 23).to(tl.float32, bitcast=True))
 
-    return _int8_lmhead_mma, _int8_lmhead_gemv, _rows_to_f16
+    return _int8_lmhead_mma, _int8_lmhead_wa, _int8_lmhead_gemv, _rows_to_f16
 
 
 def _interpreting() -> bool:
@@ -385,12 +446,12 @@ def pick_config(b: int) -> KernelConfig:
     if env:
         return KernelConfig.parse(env)
     if _interpreting():
-        return _INTERPRET[1 if b <= 1 else 0]
+        return _INTERPRET[min(batch_tile(b), 64)]
     return _TUNED[batch_tile(b)]
 
 
 def _fast_cvt_ok(x: "torch.Tensor") -> bool:
-    """The PTX decodes need a CUDA device (sub.bf16x2: sm_90+); bf16 for the mma path."""
+    """The PTX decodes need a CUDA device (sub.bf16x2: sm_90+)."""
     torch, _, _ = _imports()
     if not x.is_cuda or getattr(torch.version, "hip", None) or _interpreting():
         return False
@@ -403,34 +464,40 @@ def _fast_cvt_ok(x: "torch.Tensor") -> bool:
 _CAPABILITY: dict[int, tuple[int, int]] = {}
 
 
-def _launch(x: "torch.Tensor", q: "torch.Tensor", scales: "torch.Tensor", out: "torch.Tensor",
+def _wa_columns(b: int) -> int:
+    """Batch columns per weight-as-A program: 16, 32 or 64."""
+    return min(64, max(16, 1 << (b - 1).bit_length()))
+
+
+def _launch(x: "torch.Tensor", tiles: "torch.Tensor", scales: "torch.Tensor", out: "torch.Tensor",
             cfg: KernelConfig) -> None:
     torch, triton, _ = _imports()
     b, k = x.shape
-    v = q.shape[0]
-    mma, gemv, to_f16 = _get_kernels()
-    even = dict(EVEN_K=(k % cfg.block_k == 0), EVEN_V=(v % cfg.block_v == 0))
+    v = scales.shape[0]
+    kp = tiles.shape[1] * TILE
+    mma, wa, gemv, to_f16 = _get_kernels()
+    even_k = k % cfg.block_k == 0 and kp % cfg.block_k == 0
     fast = cfg.fast_cvt and _fast_cvt_ok(x)
     grid_v = triton.cdiv(v, cfg.block_v)
     if cfg.gemv:
         for i in range(b):  # b == 1 unless a gemv config is forced
-            gemv[(grid_v,)](x[i], q, scales, out[i], v, k, q.stride(0),
-                            BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, FAST_CVT=fast, **even,
-                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            gemv[(grid_v,)](x[i], tiles, scales, out[i], v, k, kp, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k,
+                            EVEN_K=even_k, FAST_CVT=fast, T=TILE, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return
-    sub = max(1, min(4, batch_tile(b) // 16))
     xs = scales  # row scales of the fp16 copy; unused (any fp32 pointer) otherwise
     if cfg.f16:
         xh = torch.empty((b, k), dtype=torch.float16, device=x.device)
         xs = torch.empty((b,), dtype=torch.float32, device=x.device)
         to_f16[(b,)](x, xh, xs, k, x.stride(0), BLOCK=triton.next_power_of_2(k), num_warps=8)
         x = xh
-    mma[(grid_v, triton.cdiv(b, 16 * sub))](
-        x, q, scales, xs, out, b, v, k, x.stride(0), q.stride(0), out.stride(0),
-        SUB=sub, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, DOT_F32=_interpreting(),
-        FAST_CVT=fast and x.dtype == (torch.float16 if cfg.f16 else torch.bfloat16), F16=cfg.f16, **even,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    common = dict(BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, EVEN_K=even_k, DOT_F32=_interpreting(), FAST_CVT=fast,
+                  F16=cfg.f16, T=TILE, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.wa:
+        nb = _wa_columns(b)
+        wa[(grid_v, triton.cdiv(b, nb))](x, tiles, scales, xs, out, b, v, k, kp, x.stride(0), out.stride(0),
+                                         NB=nb, NS=cfg.num_warps, **common)
+    else:
+        mma[(grid_v, triton.cdiv(b, 16))](x, tiles, scales, xs, out, b, v, k, kp, x.stride(0), out.stride(0), **common)
 
 
 def compile_ptx(capability: int, b: int, k: int = 3072, v: int = 248320,
@@ -442,16 +509,20 @@ def compile_ptx(capability: int, b: int, k: int = 3072, v: int = 248320,
     from triton.backends.compiler import GPUTarget
 
     cfg = config or KernelConfig.parse(repr(_TUNED[batch_tile(b)]))
-    mma, gemv, to_f16 = _get_kernels()
-    even = dict(EVEN_K=(k % cfg.block_k == 0), EVEN_V=(v % cfg.block_v == 0))
+    mma, wa, gemv, to_f16 = _get_kernels()
+    kp = -(-k // TILE) * TILE
+    even_k = k % cfg.block_k == 0 and kp % cfg.block_k == 0
+    ints = ("B", "V", "K", "KP", "stride_xb", "stride_ob")
+    ptrs = ("x_ptr", "w_ptr", "s_ptr", "xs_ptr", "out_ptr")
+    common = dict(BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, EVEN_K=even_k, DOT_F32=False, FAST_CVT=cfg.fast_cvt,
+                  F16=cfg.f16, T=TILE)
     if cfg.gemv:
-        fn, ptrs, ints = gemv, ("x_ptr", "w_ptr", "s_ptr", "out_ptr"), ("V", "K", "stride_wv")
-        consts = dict(BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, FAST_CVT=cfg.fast_cvt, **even)
+        fn, ptrs, ints = gemv, ("x_ptr", "w_ptr", "s_ptr", "out_ptr"), ("V", "K", "KP")
+        consts = dict(BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, EVEN_K=even_k, FAST_CVT=cfg.fast_cvt, T=TILE)
+    elif cfg.wa:
+        fn, consts = wa, dict(NB=_wa_columns(b), NS=cfg.num_warps, **common)
     else:
-        fn, ptrs = mma, ("x_ptr", "w_ptr", "s_ptr", "xs_ptr", "out_ptr")
-        ints = ("B", "V", "K", "stride_xb", "stride_wv", "stride_ob")
-        consts = dict(SUB=max(1, min(4, batch_tile(b) // 16)), BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k,
-                      DOT_F32=False, FAST_CVT=cfg.fast_cvt, F16=cfg.f16, **even)
+        fn, consts = mma, common
     types = {"x_ptr": "*fp16" if cfg.f16 else "*bf16", "w_ptr": "*i8", "s_ptr": "*fp32", "xs_ptr": "*fp32",
              "out_ptr": "*bf16", "y_ptr": "*fp16", "rs_ptr": "*fp32"}
 
@@ -475,15 +546,20 @@ def compile_ptx(capability: int, b: int, k: int = 3072, v: int = 248320,
 
 def int8_logits(
     hidden: "torch.Tensor",
-    q: "torch.Tensor",
+    tiles: "torch.Tensor",
     scales: "torch.Tensor",
     out: "torch.Tensor | None" = None,
     config: KernelConfig | None = None,
+    *,
+    k: int | None = None,
 ) -> "torch.Tensor":
     """logits[B, V] = hidden[B, K] @ (q * scales[:, None])^T, bf16 out, fp32 accumulate.
 
-    hidden: bf16 (or fp16) [B, K] or [K]; q: int8 [V, K] with unit stride along K;
-    scales: fp32 [V].  One kernel launch for the whole batch.
+    hidden: bf16 (or fp16) [B, K] or [K]; tiles: `pack_tiles(q)` of the int8
+    [V, K] weight; scales: fp32 [V].  One kernel launch for the whole batch.
+    The tiles fix K only up to their 128-column padding: pass the weight's ``k``
+    (Int8LMHead does) so that a hidden of another K in the same tile count is refused
+    rather than multiplied by the first K columns.
     """
     torch, _, _ = _imports()
     squeeze = hidden.dim() == 1
@@ -494,12 +570,14 @@ def int8_logits(
         x = x.to(torch.bfloat16)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if q.dtype != torch.int8 or q.dim() != 2 or q.stride(1) != 1:
-        raise ValueError("q must be a row-major int8 [V, K] tensor")
+    if k is not None and x.shape[1] != k:
+        raise ValueError(f"hidden has K = {x.shape[1]}, the weight's K is {k}")
     b, k = x.shape
-    v = q.shape[0]
-    if q.shape[1] != k or scales.shape != (v,):
-        raise ValueError(f"shape mismatch: hidden {tuple(x.shape)}, q {tuple(q.shape)}, scales {tuple(scales.shape)}")
+    v = scales.shape[0] if scales.dim() == 1 else -1
+    want = (-(-v // TILE), -(-k // TILE), TILE, TILE)
+    if tiles.dtype != torch.int8 or tuple(tiles.shape) != want or not tiles.is_contiguous():
+        raise ValueError(f"tiles must be pack_tiles(q) of an int8 [V, K] = [{v}, {k}] weight, i.e. a contiguous int8 "
+                         f"{list(want)} tensor; got {tiles.dtype} {list(tiles.shape)}")
     if scales.dtype != torch.float32:
         scales = scales.float()
     if out is None:
@@ -508,7 +586,7 @@ def int8_logits(
         return out[0] if squeeze else out
     cfg = config or pick_config(b)
     try:
-        _launch(x, q, scales, out, cfg)
+        _launch(x, tiles, scales, out, cfg)
     except Exception as exc:
         # The table is tuned on an H200 (228 KB of shared memory per SM); a part
         # with less (GB10 / sm_121 has ~100 KB) may refuse the larger tiles.
@@ -516,7 +594,7 @@ def int8_logits(
         if config is not None or type(exc).__name__ != "OutOfResources" or cfg.gemv:
             raise
         _TUNED[batch_tile(b)] = _SMALL
-        _launch(x, q, scales, out, _SMALL)
+        _launch(x, tiles, scales, out, _SMALL)
     return out[0] if squeeze else out
 
 
@@ -538,7 +616,7 @@ class Int8LMHead:
 
     def __init__(self, weight: "torch.Tensor") -> None:
         self.weight = weight
-        self.q: "torch.Tensor | None" = None
+        self.tiles: "torch.Tensor | None" = None
         self.scales: "torch.Tensor | None" = None
         self._qlock = threading.Lock()
 
@@ -561,7 +639,8 @@ class Int8LMHead:
             cls._cache.clear()
 
     def quantized(self) -> tuple["torch.Tensor", "torch.Tensor"]:
-        if self.q is None:
+        """(pack_tiles(q), scales) of the weight, made on first use."""
+        if self.tiles is None:
             torch, _, _ = _imports()
             if self.weight.is_cuda and torch.cuda.is_current_stream_capturing():
                 # Quantizing inside a CUDA graph capture would record the
@@ -569,16 +648,16 @@ class Int8LMHead:
                 raise RuntimeError("Int8LMHead: first use during CUDA graph capture; "
                                    "call .quantized() (or run one eager forward) before capturing")
             with self._qlock:
-                if self.q is None:
+                if self.tiles is None:
                     q, s = quantize_rows(self.weight.detach())
                     self.scales = s
-                    self.q = q
-        assert self.q is not None and self.scales is not None
-        return self.q, self.scales
+                    self.tiles = pack_tiles(q)
+        assert self.tiles is not None and self.scales is not None
+        return self.tiles, self.scales
 
     def __call__(self, hidden: "torch.Tensor") -> "torch.Tensor":
         rows = hidden.shape[0] if hidden.dim() == 2 else 1
         if rows > BF16_FALLBACK_ABOVE:
             return hidden.to(self.weight.dtype) @ self.weight.t()
-        q, s = self.quantized()
-        return int8_logits(hidden, q, s)
+        tiles, s = self.quantized()
+        return int8_logits(hidden, tiles, s, k=self.weight.shape[1])

@@ -72,7 +72,7 @@ def test_matches_float_reference_of_dequantized_weight(b, v, k):
     w = _weight(v, k, seed=v + k)
     x = _hidden(b, k, seed=b)
     q, s = m.quantize_rows(w)
-    y = m.int8_logits(x, q, s)
+    y = m.int8_logits(x, m.pack_tiles(q), s)
     assert y.dtype == torch.bfloat16 and y.shape == (b, v)
     ref = x.float() @ m.dequantize_rows(q, s).t()
     # Only the final bf16 rounding and fp32 summation order separate the two:
@@ -87,8 +87,9 @@ def test_even_tiles_and_vector_hidden():
     q, s = m.quantize_rows(w)
     x = _hidden(3, 128)
     ref = x.float() @ m.dequantize_rows(q, s).t()
-    torch.testing.assert_close(m.int8_logits(x, q, s).float(), ref, rtol=ULP, atol=1e-3)
-    y1 = m.int8_logits(x[1], q, s)  # [K] -> [V]
+    t = m.pack_tiles(q)
+    torch.testing.assert_close(m.int8_logits(x, t, s).float(), ref, rtol=ULP, atol=1e-3)
+    y1 = m.int8_logits(x[1], t, s)  # [K] -> [V]
     assert y1.shape == (1024,)
     torch.testing.assert_close(y1.float(), ref[1], rtol=ULP, atol=1e-3)
 
@@ -99,7 +100,7 @@ def test_batch_above_one_tile():
     q, s = m.quantize_rows(w)
     x = _hidden(70, 64)
     ref = x.float() @ m.dequantize_rows(q, s).t()
-    torch.testing.assert_close(m.int8_logits(x, q, s).float(), ref, rtol=ULP, atol=1e-3)
+    torch.testing.assert_close(m.int8_logits(x, m.pack_tiles(q), s).float(), ref, rtol=ULP, atol=1e-3)
 
 
 @pytest.mark.parametrize("b", [5, 20, 40])
@@ -115,12 +116,13 @@ def test_f16_path_exact_over_any_row_magnitude(b):
     if b > 6:
         x[6] = 0  # an all-zero row
     ref = x.float() @ m.dequantize_rows(q, s).t()
-    y = m.int8_logits(x, q, s, config=m.KernelConfig.parse("V64_K32_w4_s1_f16"))
-    assert torch.isfinite(y.float()).all()
-    if b > 6:
-        assert not y[6].any()
-    # rows span 11 decades: compare each in units of its own magnitude
-    torch.testing.assert_close(y.float() / mags, ref / mags, rtol=ULP, atol=1e-3)
+    for cfg in ("V64_K32_w4_s1_f16", "V64_K32_w4_s1_wa_f16"):  # both tensor-core kernels
+        y = m.int8_logits(x, m.pack_tiles(q), s, config=m.KernelConfig.parse(cfg))
+        assert torch.isfinite(y.float()).all()
+        if b > 6:
+            assert not y[6].any()
+        # rows span 11 decades: compare each in units of its own magnitude
+        torch.testing.assert_close(y.float() / mags, ref / mags, rtol=ULP, atol=1e-3)
 
 
 def test_fp16_hidden():
@@ -128,7 +130,7 @@ def test_fp16_hidden():
     q, s = m.quantize_rows(w)
     x = _hidden(4, 64).half()
     ref = x.float() @ m.dequantize_rows(q, s).t()
-    torch.testing.assert_close(m.int8_logits(x, q, s).float(), ref, rtol=ULP, atol=1e-3)
+    torch.testing.assert_close(m.int8_logits(x, m.pack_tiles(q), s).float(), ref, rtol=ULP, atol=1e-3)
 
 
 def test_argmax_agreement_with_bf16_matmul():
@@ -146,7 +148,7 @@ def test_argmax_agreement_with_bf16_matmul():
     rates = {}
     for name, x in (("iid", x_iid.bfloat16()), ("lm", x_lm.bfloat16())):
         ref = (x @ w.t()).float().argmax(1)  # the bf16 matmul the kernel replaces
-        got = torch.cat([m.int8_logits(x[i:i + 32], q, s) for i in range(0, rows, 32)]).float().argmax(1)
+        got = torch.cat([m.int8_logits(x[i:i + 32], m.pack_tiles(q), s) for i in range(0, rows, 32)]).float().argmax(1)
         rates[name] = (got == ref).float().mean().item()
     # iid gaussian logits have top-2 gaps comparable to int8 noise (~97% at
     # the real shape); a peaked distribution must agree essentially always.
@@ -161,16 +163,17 @@ def test_lmhead_cache_quantizes_once_and_keeps_bf16_weight():
     before = w.clone()
     head = m.Int8LMHead.for_weight(w)
     assert m.Int8LMHead.for_weight(w) is head  # the drafter sharing the head shares the int8 copy
-    assert head.q is None  # lazy: nothing until the first forward
+    assert head.tiles is None  # lazy: nothing until the first forward
     x = _hidden(2, 64)
     y = head(x)
-    q_first = head.q
+    q_first = head.tiles
     assert q_first is not None
     head(x)
-    assert head.q is q_first  # quantized once
+    assert head.tiles is q_first  # quantized once
     assert head.weight is w
     assert torch.equal(w, before)  # never zeroed / freed / modified
-    torch.testing.assert_close(y.float(), x.float() @ m.dequantize_rows(*head.quantized()).t(), rtol=ULP, atol=1e-3)
+    assert torch.equal(head.quantized()[0], m.pack_tiles(m.quantize_rows(w)[0]))
+    torch.testing.assert_close(y.float(), x.float() @ m.dequantize_rows(*m.quantize_rows(w)).t(), rtol=ULP, atol=1e-3)
     other = m.Int8LMHead.for_weight(_weight(600, 64, seed=9))
     assert other is not head
     # large batches fall back to the bf16 matmul on the kept weight
@@ -187,16 +190,21 @@ def test_config_parse_and_env_override(monkeypatch):
     assert repr(m.KernelConfig.parse("V32_K256_w4_s3_gemv")) == "V32_K256_w4_s3_gemv"
     assert m.KernelConfig.parse("V128_K128_w4_s3_f16").f16
     assert repr(m.KernelConfig.parse("V128_K128_w4_s3_f16")) == "V128_K128_w4_s3_f16"
+    c = m.KernelConfig.parse("V128_K128_w4_s3_wa_f16")
+    assert c.wa and c.f16 and not c.gemv and repr(c) == "V128_K128_w4_s3_wa_f16"
+    for bad in ("V256_K128_w4_s3", "V128_K96_w4_s3", "V64_K128_w8_s3_wa"):  # > a tile; not tile-aligned; 8-row slices
+        with pytest.raises(ValueError):
+            m.KernelConfig.parse(bad)
     monkeypatch.setenv("SF_INT8_LMHEAD_CONFIG", "V32_K32_w4_s1")
     assert repr(m.pick_config(13)) == "V32_K32_w4_s1"
     w = _weight(100, 40)
     q, s = m.quantize_rows(w)
     x = _hidden(3, 40)
-    torch.testing.assert_close(m.int8_logits(x, q, s).float(), x.float() @ m.dequantize_rows(q, s).t(),
+    torch.testing.assert_close(m.int8_logits(x, m.pack_tiles(q), s).float(), x.float() @ m.dequantize_rows(q, s).t(),
                                rtol=ULP, atol=1e-3)
     # a forced CUDA-core config also serves B > 1 (one launch per row)
     monkeypatch.setenv("SF_INT8_LMHEAD_CONFIG", "V32_K32_w4_s1_gemv")
-    torch.testing.assert_close(m.int8_logits(x, q, s).float(), x.float() @ m.dequantize_rows(q, s).t(),
+    torch.testing.assert_close(m.int8_logits(x, m.pack_tiles(q), s).float(), x.float() @ m.dequantize_rows(q, s).t(),
                                rtol=ULP, atol=1e-3)
 
 
@@ -207,6 +215,9 @@ def test_dispatch_by_batch():
     # fp16 activations where the decode, not DRAM, sets the time; not at
     # B <= 16, where the extra cast launch costs more than it saves
     assert [m._TUNED[t].f16 for t in (1, 16, 32, 64)] == [False, False, True, True]
+    # the weight as the A operand from 17 rows up; x as A at B <= 16
+    assert [m._TUNED[t].wa for t in (1, 16, 32, 64)] == [False, False, True, True]
+    assert [m._wa_columns(b) for b in (5, 17, 32, 33, 64, 70)] == [16, 32, 32, 64, 64, 64]
 
 
 def test_same_source_compiles_for_gb10_without_hopper_instructions():
@@ -232,11 +243,34 @@ def test_same_source_compiles_for_gb10_without_hopper_instructions():
 
 
 def test_shape_errors():
-    q, s = m.quantize_rows(_weight(10, 16))
+    q, s = m.quantize_rows(_weight(10, 200))
+    t = m.pack_tiles(q)
+    with pytest.raises(ValueError, match="pack_tiles"):
+        m.int8_logits(_hidden(2, 100), t, s)  # K of another tile count
+    with pytest.raises(ValueError, match="the weight's K is 200"):
+        m.int8_logits(_hidden(2, 150), t, s, k=200)  # same tile count, another K
+    with pytest.raises(ValueError, match="the weight's K is 200"):
+        m.Int8LMHead(_weight(10, 200))(_hidden(2, 150))
+    with pytest.raises(ValueError, match="pack_tiles"):
+        m.int8_logits(_hidden(2, 200), t, torch.ones(129))  # V of another tile count
+    with pytest.raises(ValueError, match="pack_tiles"):
+        m.int8_logits(_hidden(2, 200), q, s)  # the row-major weight, not its tiles
+    with pytest.raises(ValueError, match="pack_tiles"):
+        m.int8_logits(_hidden(2, 200), t.float(), s)
     with pytest.raises(ValueError):
-        m.int8_logits(_hidden(2, 15), q, s)
-    with pytest.raises(ValueError):
-        m.int8_logits(_hidden(2, 16), q.float(), s)
+        m.pack_tiles(q.float())
+
+
+def test_pack_tiles_layout():
+    v, k = 300, 200  # neither a multiple of the 128 tile
+    q, _ = m.quantize_rows(_weight(v, k))
+    t = m.pack_tiles(q)
+    assert t.dtype == torch.int8 and tuple(t.shape) == (3, 2, 128, 128) and t.is_contiguous()
+    for r, c in ((0, 0), (127, 127), (128, 0), (5, 130), (299, 199), (200, 128)):
+        assert t[r // 128, c // 128, r % 128, c % 128] == q[r, c]
+    full = t.permute(0, 2, 1, 3).reshape(384, 256)
+    assert torch.equal(full[:v, :k], q)
+    assert not full[v:].any() and not full[:, k:].any()  # zero padding
 
 
 def test_module_imports_without_torch_or_triton():
