@@ -24,12 +24,9 @@ from typing import Any
 import gevent
 
 from sparkfleet import endpoint, remote
-from sparkfleet.config import ConfigError, Settings, validate_fleet
+from sparkfleet.config import ConfigError, Settings, fleet_pairs, validate_fleet
+from sparkfleet.hostpaths import AUTH_HEADER, CONTAINER, SERVE_ENV, UNIT
 
-UNIT = "sparkfleet-serve.service"
-SERVE_ENV = "/etc/sparkfleet/serve.env"
-AUTH_HEADER = "/etc/sparkfleet/api-auth.header"
-CONTAINER = "sparkfleet-serve"
 METRICS = {
     "vllm:num_requests_running": "running",
     "vllm:num_requests_waiting": "waiting",
@@ -184,15 +181,25 @@ def collect(state, settings: dict[str, Settings]) -> dict[str, Any]:
             for name, m in members.items()
         }
     gevent.joinall(list(jobs.values()))
+    pairs = fleet_pairs(hosts, settings)[0]
     rows = []
     for h in hosts:
         job = jobs.get(h.name)
         row = job.value if job is not None and job.successful() else {"reachable": False}
         row = {"host": h.name, **row}
+        pair = pairs.get(h.name)
+        if pair is not None:
+            row["pair"] = f"{pair.group} rank {pair.rank}"
         if ep is not None:
             member = members.get(endpoint.server_name(h.name))
-            row["endpoint"] = member.state if member else ("-" if settings[h.name].serving else "not a member")
+            headless = pair is not None and not pair.is_head
+            row["endpoint"] = (member.state if member else "-" if settings[h.name].serving and not headless
+                               else f"via {pair.head}" if headless else "not a member")
         rows.append(row)
+    by_name = {r["host"]: r for r in rows}
+    for name, pair in pairs.items():  # a headless member serves no API: READY is its pair's, at the head
+        if not pair.is_head and by_name[name].get("reachable"):
+            by_name[name]["ready"] = bool(by_name[pair.head].get("ready"))
     return {"hosts": rows, "endpoint": ep}
 
 
@@ -207,12 +214,12 @@ def _uptime(seconds: int | None) -> str:
 
 def table(doc: dict[str, Any]) -> str:
     """The human-readable table."""
-    head = ["host", "profile", "image", "revision", "unit", "uptime", "READY", "endpoint",
+    head = ["host", "pair", "profile", "image", "revision", "unit", "uptime", "READY", "endpoint",
             "running", "waiting", "KV cache", "accept len"]
     lines = []
     for r in doc["hosts"]:
         if not r.get("reachable"):
-            lines.append([r["host"], "unreachable"] + ["-"] * (len(head) - 2))
+            lines.append([r["host"], r.get("pair", "-"), "unreachable"] + ["-"] * (len(head) - 3))
             continue
         rev = r.get("revision") or "-"
         if r.get("commit") and r["commit"] != rev:
@@ -220,7 +227,7 @@ def table(doc: dict[str, Any]) -> str:
         elif r.get("commit"):
             rev = r["commit"][:12]
         lines.append([
-            r["host"], r.get("profile") or "-",
+            r["host"], r.get("pair", "-"), r.get("profile") or "-",
             (r["image_digest"] or "-")[:19] if r.get("image_digest") else "-",
             rev, r["unit"], _uptime(r.get("uptime_s")), "yes" if r.get("ready") else "no",
             r.get("endpoint", "-"),
@@ -229,6 +236,8 @@ def table(doc: dict[str, Any]) -> str:
             "-" if r.get("kv_cache") is None else f"{100 * r['kv_cache']:.0f}%",
             "-" if r.get("acceptance_length") is None else f"{r['acceptance_length']:.2f}",
         ])
+    if not any("pair" in r for r in doc["hosts"]):  # no pairs in this fleet: no pair column
+        head, lines = [head[0], *head[2:]], [[line[0], *line[2:]] for line in lines]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
     out = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip() for row in [head, *lines]]
     ep = doc.get("endpoint")

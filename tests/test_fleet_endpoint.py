@@ -107,3 +107,9 @@ def test_a_host_row_from_what_it_printed():
     assert re.search(r"^spark-01\s+dflash\s+sha256:abc123\s+main@0123456789\s+active\s+1h05m\s+yes\s+DRAIN"
                      r"\s+2\s+1\s+25%\s+4\.50$", table, re.M), table
     assert re.search(r"^spark-02\s+unreachable", table, re.M) and "fleet endpoint: none" in table
+    # A pair: its column, the head's READY for the headless member.
+    paired = status.table({"hosts": [{"host": "spark-01", "reachable": True, "pair": "pair_a rank 0", **row},
+                                     {"host": "spark-02", "reachable": True, "pair": "pair_a rank 1",
+                                      **{**row, "endpoint": "via spark-01"}}], "endpoint": None})
+    assert re.search(r"^spark-01\s+pair_a rank 0\s+dflash", paired, re.M), paired
+    assert re.search(r"^spark-02\s+pair_a rank 1\s+dflash.*via spark-01", paired, re.M), paired
