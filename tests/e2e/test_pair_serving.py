@@ -16,12 +16,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import time
 
 import pytest
 
 from sparkfleet.hostpaths import CONTAINER
-from sparkfleet.testbed import traffic
+from sparkfleet.testbed import paths, traffic
 
 pytestmark = pytest.mark.e2e
 
@@ -129,6 +130,23 @@ def test_two_pairs_serve_at_their_heads_behind_one_endpoint(pairs4, deploy_run, 
     assert sorted(ep.states()) == sorted(HEADS), ep.states()
     reply = ep.client().completions.create(model="qwen", prompt="The capital of France is", max_tokens=4)
     assert reply.choices[0].text
+
+
+def test_status_shows_each_pair_ready_at_its_head(pairs4):
+    from tests.e2e.conftest import INVENTORY
+
+    proc = subprocess.run(["sparkfleet", "status", INVENTORY, "--json", "--data",
+                           f"fleet_endpoint={pairs4.inventory_name('spark-1')}"],
+                          cwd=paths.REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {r["host"]: r for r in json.loads(proc.stdout)["hosts"]}
+    for rank, (head, workers) in enumerate(PAIRS.items(), 1):
+        assert rows[pairs4.inventory_name(head)]["pair"] == f"pair_{rank} rank 0"
+        assert rows[pairs4.inventory_name(head)]["endpoint"] == "UP"
+        for worker in workers:
+            row = rows[pairs4.inventory_name(worker)]
+            assert (row["pair"], row["ready"], row["unit"]) == (f"pair_{rank} rank 1", True, "active"), row
+            assert row["endpoint"] == f"via {pairs4.inventory_name(head)}"
 
 
 def test_a_converged_rerun_changes_nothing(pairs4, deploy_run):
