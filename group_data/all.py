@@ -75,8 +75,9 @@ endpoint_metrics_port = 8405
 endpoint_timeout_s = 14400
 
 # --- Pairs: two Sparks cabled by their ConnectX-7 serve one model (tensor parallel) ----------
-# A pair is an inventory group named pair_<name>; its hosts' order there is their rank, and
-# rank 0 (the head) serves HTTP. vLLM's own multi-node mode, no Ray: tensor_parallel_size
+# A pair is an inventory group named pair_<name>; its hosts' inventory order is their rank
+# (pyinfra keeps one order of hosts, where each is first listed), and rank 0, the head,
+# serves HTTP. vLLM's own multi-node mode, no Ray: tensor_parallel_size
 # is the pair's size. Every member of a pair must serve the same profile, model and image.
 # The link's addresses: member r of a pair gets host r+1 of this subnet (each pair is its own
 # cable, so pairs may share it); an address plan of NVIDIA's two-Spark playbook.

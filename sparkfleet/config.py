@@ -856,13 +856,8 @@ class PairMember:
 
 
 def _group_members(hosts: Any, group: str) -> list[str]:
-    """The group's hosts in the order the inventory lists them there (their ranks)."""
-    get_group = getattr(hosts, "get_group", None)
-    if get_group is not None:
-        try:
-            return [h.name for h in get_group(group)]
-        except Exception:  # noqa: BLE001 - not a pyinfra Inventory: inventory order
-            pass
+    """The group's hosts in inventory order, which is their rank order: pyinfra keeps one
+    order of hosts (where each is first listed), not a group's own."""
     return [h.name for h in hosts if group in (getattr(h, "groups", None) or ())]
 
 

@@ -70,3 +70,15 @@ def test_pair_settings_are_validated():
                        ("pair_interface", "eth0; reboot"), ("pair_master_port", 0)]:
         with pytest.raises(ConfigError, match=f"spark-1: `{key}`"):
             validate_fleet(fleet(("spark-1", {key: value})))
+
+
+def test_ranks_follow_the_inventory_order_of_a_real_pyinfra_inventory():
+    """pyinfra keeps one order of hosts: a group listed in another order does not reorder it."""
+    from pyinfra.api import Inventory
+    from support.fleetdata import defaults
+
+    inventory = Inventory((["@fake/spark-1", "@fake/spark-2", "@fake/spark-3"], defaults()),
+                          pair_x=(["@fake/spark-3", "@fake/spark-2"], {}))
+    got = fleet_pairs(inventory, validate_fleet(inventory))[0]
+    assert got["@fake/spark-2"].is_head and got["@fake/spark-3"].rank == 1
+    assert "@fake/spark-1" not in got
