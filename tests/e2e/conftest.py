@@ -16,6 +16,7 @@ Environment knobs for development:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 from pathlib import Path
@@ -104,23 +105,30 @@ def run_pyinfra_fixture(testbed):
     return run_pyinfra
 
 
-@pytest.fixture(scope="module")
-def fleet4():
-    """A fresh fleet of 4 hosts for one module (nothing cached anywhere): it replaces the
-    session's fleet, which the session's teardown then removes. So the module that uses
-    it (test_mirror_fleet.py) sorts after every module on the session's fleet. Removed at the module's
+@contextlib.contextmanager
+def module_fleet(n_hosts: int, *args, **kwargs):
+    """A fresh fleet for one module (nothing cached anywhere), ``fleet.up``'s arguments: it
+    replaces the session's fleet, which the session's teardown then removes. So a module
+    that uses one sorts after every module on the session's fleet. Removed at the module's
     end unless SPARKFLEET_KEEP_TESTBED=1."""
     problem = _environment_problem()
     if problem:
         pytest.fail(problem, pytrace=False)
     from sparkfleet.testbed import fleet
 
-    tb = fleet.up(4)
+    tb = fleet.up(n_hosts, *args, **kwargs)
     try:
         yield tb
     finally:
         if os.environ.get("SPARKFLEET_KEEP_TESTBED") != "1":
             fleet.down()
+
+
+@pytest.fixture(scope="module")
+def fleet4():
+    """A fresh fleet of 4 hosts (test_mirror_fleet.py)."""
+    with module_fleet(4) as tb:
+        yield tb
 
 
 @pytest.fixture(name="deploy_run")

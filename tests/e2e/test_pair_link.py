@@ -11,14 +11,12 @@ without it.
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 
 import pytest
 
-from sparkfleet.testbed import fleet
-from sparkfleet.testbed.proc import missing_tools
+from tests.e2e.conftest import module_fleet
 
 pytestmark = pytest.mark.e2e
 
@@ -31,18 +29,8 @@ CHANGED = re.compile(r"\[(spark-\d+)(?:\.local)?\] (Success|Error)")
 
 @pytest.fixture(scope="module")
 def tb():
-    if os.geteuid() != 0:
-        pytest.fail("the pair link test needs root", pytrace=False)
-    if missing_tools():
-        pytest.fail(f"missing tools for the testbed: {missing_tools()}", pytrace=False)
-    t0 = time.monotonic()
-    bed = fleet.up(2, n_pairs=1)  # as DGX OS sets a Spark up: a password-sudo user
-    print(f"\nup --hosts 2 --pairs 1 took {time.monotonic() - t0:.1f}s")
-    try:
+    with module_fleet(2, n_pairs=1) as bed:  # as DGX OS sets a Spark up: a password-sudo user
         yield bed
-    finally:
-        if os.environ.get("SPARKFLEET_KEEP_TESTBED") != "1":
-            fleet.down()
 
 
 def sh(tb, host: str, cmd: str) -> str:

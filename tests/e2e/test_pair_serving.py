@@ -14,7 +14,6 @@ module on the session's fleet.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import time
@@ -23,6 +22,7 @@ import pytest
 
 from sparkfleet.hostpaths import CONTAINER
 from sparkfleet.testbed import paths, traffic
+from tests.e2e.conftest import module_fleet
 
 pytestmark = pytest.mark.e2e
 
@@ -35,19 +35,8 @@ SERVE_ENV = "/etc/sparkfleet/serve.env"
 
 @pytest.fixture(scope="module")
 def pairs4():
-    from tests.e2e.conftest import _environment_problem
-
-    problem = _environment_problem()
-    if problem:
-        pytest.fail(problem, pytrace=False)
-    from sparkfleet.testbed import fleet
-
-    tb = fleet.up(4, n_pairs=2)
-    try:
+    with module_fleet(4, n_pairs=2) as tb:
         yield tb
-    finally:
-        if os.environ.get("SPARKFLEET_KEEP_TESTBED") != "1":
-            fleet.down()
 
 
 def data(tb) -> tuple[str, ...]:

@@ -11,7 +11,6 @@ fleets: the fleet's data gives the preflight the simulated engine's real needs.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import threading
@@ -28,24 +27,17 @@ KINDS = {"spark-1": {"nvidia_runtime": True}, "spark-2": {"cdi": True, "containe
 
 @pytest.fixture(scope="module")
 def kinds():
-    from tests.e2e.conftest import _environment_problem
-
-    problem = _environment_problem()
-    if problem:
-        pytest.fail(problem, pytrace=False)
-    from sparkfleet.testbed import fleet, rootfs
+    from sparkfleet.testbed import rootfs
+    from tests.e2e.conftest import module_fleet
 
     docker_from = rootfs.HOST_DOCKER_FROM
     rootfs.HOST_DOCKER_FROM = "forky"  # Docker 28: CDI and the containerd store
     try:
-        tb = fleet.up(2, KINDS)
+        with module_fleet(2, KINDS) as tb:
+            rootfs.HOST_DOCKER_FROM = docker_from
+            yield tb
     finally:
         rootfs.HOST_DOCKER_FROM = docker_from
-    try:
-        yield tb
-    finally:
-        if os.environ.get("SPARKFLEET_KEEP_TESTBED") != "1":
-            fleet.down()
 
 
 def manifest_bytes(tb) -> int:
