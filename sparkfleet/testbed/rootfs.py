@@ -216,8 +216,13 @@ def _chroot_apt(root: Path, mirror: str, packages: list[str], extra_suite: str |
 def _host_second_step(recipe: dict[str, Any], root: Path) -> None:
     newer = recipe.get("docker_from")
     if newer:
+        # The rest first, from bookworm alone; then Docker from the newer suite, which upgrades
+        # what it needs. In one run apt mixes the suites into a half t64 transition that dpkg
+        # refuses (openssl-provider-legacy over libssl3).
         rest = [p for p in recipe["second_step"] if p != "docker.io"]
-        _chroot_apt(root, recipe["mirror"], [f"{p}/{newer}" for p in recipe["docker_packages"]] + rest,
+        if rest:
+            _chroot_apt(root, recipe["mirror"], rest)
+        _chroot_apt(root, recipe["mirror"], [f"{p}/{newer}" for p in recipe["docker_packages"]],
                     extra_suite=newer)
     else:
         _chroot_apt(root, recipe["mirror"], recipe["second_step"])
