@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-#: The two longest modules on a session fleet: about as long as all the rest (measured on
-#: two cores with both shards running: 35 and 36 minutes).
+#: The two longest modules on a session fleet, about as long as all the rest: 35 minutes
+#: on two cores with both shards running (the rest: 23, plus 13 for the module fleets).
 SHARD_1 = (
     "tests/e2e/test_deploy.py",
     "tests/e2e/test_faults.py",
