@@ -207,11 +207,13 @@ def test_the_oom_guard_kills_the_engine_not_the_host(kinds, deploy_run):
         pinger.join(timeout=15)
         assert len(ssh_answers) >= 5 and all(ssh_answers), f"sshd did not always answer: {ssh_answers}"
         assert not hog_pids(kinds, name), "the hog survived"
-        # What earlyoom killed was the hog (GiB), not the engine (~30 MiB).
+        # What earlyoom killed was the hog, not the engine (~30 MiB): the hog holds GiB, or
+        # hundreds of MiB when another fleet on this machine (make test's other shard) takes
+        # memory at the same time and the threshold comes sooner.
         story = guard_story(kinds, name)
         killed = [int(rss) for rss in re.findall(r'sending SIG\w+ to process \d+ uid \d+ "python3".* VmRSS (\d+) MiB',
                                                  story)]
-        assert killed and max(killed) > 1024, story
+        assert killed and max(killed) > 256, story
         journal = kinds.exec(name, "journalctl -u sparkfleet-serve --no-pager -o cat -n 300").stdout
         assert "OOM guard: earlyoom killed python3" in journal, journal[-2000:]
         assert "Paris" in answer
