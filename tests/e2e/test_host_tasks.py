@@ -73,7 +73,8 @@ def test_progress_is_reported_while_the_task_runs(host, caplog):
 
 def test_progress_shows_the_last_redraw_of_a_progress_bar(host, caplog):
     caplog.set_level("INFO", logger="pyinfra")
-    tasks.run_detached(host, "bar", "printf 'bar 10%%\\rbar 20%%\\rbar 30%%\\n'; sleep 1.5")
+    # Long enough for progress lines under load (make test's two shards): each poll is an SSH round trip.
+    tasks.run_detached(host, "bar", "printf 'bar 10%%\\rbar 20%%\\rbar 30%%\\n'; sleep 4")
     progress = [r.message for r in caplog.records if "bar: running for" in r.message]
     assert progress and progress[-1].endswith("bar 30%"), caplog.text
 
