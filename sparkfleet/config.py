@@ -485,7 +485,7 @@ class Settings(BaseModel):
         member, from its place in the pair (``pair.*``); then ``vllm_env``."""
         def setting(name: str) -> Any:
             if name.startswith("pair."):
-                return getattr(member, name[5:]) if member is not None else None
+                return member.value(name[5:]) if member is not None else None
             return getattr(self, name)
 
         env = serve_args.render_env(setting)
@@ -804,6 +804,11 @@ class Pair:
         return self.rank == 0
 
     @property
+    def headless(self) -> bool:
+        """Ranks above 0 run ``--headless``: they serve no HTTP."""
+        return not self.is_head
+
+    @property
     def size(self) -> int:
         return len(self.members)
 
@@ -830,29 +835,9 @@ class PairMember:
     ib_disable: str = "0"
     ignore_cpu_affinity: str = "1"
 
-    @property
-    def size(self) -> int:
-        return self.pair.size
-
-    @property
-    def rank(self) -> int:
-        return self.pair.rank
-
-    @property
-    def master_addr(self) -> str:
-        return self.pair.master_addr
-
-    @property
-    def port(self) -> int:
-        return self.pair.port
-
-    @property
-    def headless(self) -> bool:
-        return not self.pair.is_head
-
-    @property
-    def address(self) -> str:
-        return self.pair.address
+    def value(self, name: str) -> Any:
+        """A ``pair.*`` value of serve.env: this member's own, else its Pair's."""
+        return getattr(self, name) if name in self.__dataclass_fields__ else getattr(self.pair, name)
 
 
 def _group_members(hosts: Any, group: str) -> list[str]:

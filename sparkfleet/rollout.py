@@ -63,7 +63,7 @@ class Rollout:
 
     def register(self, name: str, member: PairMember | None = None) -> int:
         slot = member.pair.head if member is not None else name
-        if member is not None and member.headless:
+        if member is not None and member.pair.headless:
             self.workers.setdefault(slot, {}).setdefault(name, gevent.event.Event())
         if slot not in self.ended:
             self.names.append(slot)
@@ -164,7 +164,7 @@ def rolled(state, host, settings: Settings, revision: str, member: PairMember | 
     from sparkfleet import service  # service imports this module
 
     ro = rollout_of(state, settings)
-    if member is not None and member.headless:
+    if member is not None and member.pair.headless:
         return _worker_rolled(state, host, ro, member, revision)
     ro.wait_turn(state, host.name)
     peers = _pair_workers(state, ro, host) if member is not None else ()

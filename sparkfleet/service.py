@@ -286,8 +286,8 @@ def _restore_last_good() -> str:
 def ready_address(settings: Settings, member: PairMember | None) -> str:
     """Where the host itself asks for READY: its own API, or for a headless pair member
     its head's, over the link (it serves no HTTP; it is READY when its pair answers)."""
-    if member is not None and member.headless:
-        return member.master_addr
+    if member is not None and member.pair.headless:
+        return member.pair.master_addr
     return local_address(settings.bind_address)
 
 
@@ -299,8 +299,8 @@ def ready_for(settings: Settings, target_host, member: PairMember | None = None)
 
 
 def _endpoint_hint(settings: Settings, target_host=None, member: PairMember | None = None) -> str:
-    if member is not None and member.headless:
-        return (f"rank {member.rank} of {member.pair.group} (headless): {member.pair.head} serves the pair "
+    if member is not None and member.pair.headless:
+        return (f"rank {member.pair.rank} of {member.pair.group} (headless): {member.pair.head} serves the pair "
                 f"at port {settings.port}")
     mode = settings.api_key.get_secret_value()
     key = (

@@ -50,8 +50,9 @@ def test_every_variable_names_a_setting_and_a_known_rendering() -> None:
             assert not var.setting and var.fixed, var
             continue
         if var.setting.startswith("pair."):  # a pair member's place in its pair
-            assert isinstance(getattr(PairMember, var.setting[5:], None), property) or \
-                var.setting[5:] in PairMember.__dataclass_fields__, var
+            name = var.setting[5:]
+            assert name in PairMember.__dataclass_fields__ or isinstance(getattr(Pair, name, None), property) \
+                or name in Pair.__dataclass_fields__, var
         else:
             assert var.setting in fields or isinstance(getattr(Settings, var.setting, None), property), var
         assert var.render in sa._RENDER, var
