@@ -42,7 +42,7 @@ status:
 lint: deps
 	$(PYTHON) -m ruff check .
 
-# Two shards side by side, each on its own fleet (instances N and N+1): tests/shards.py.
+# Three shards side by side, each on its own fleet (instances N, N+1, N+2): tests/shards.py.
 test: deps lint
 	$(PYTHON) tests/shards.py
 

@@ -1,16 +1,16 @@
-"""``make test``: the whole suite as two pytest runs side by side, each with its own fleet.
+"""``make test``: the whole suite as three pytest runs side by side, each with its own fleet.
 
-The end-to-end tests spend most of their time waiting on simulated hosts (engines loading,
-units restarting, READY polls), not computing, so two fleets of two testbed instances
-(``SPARKFLEET_TESTBED_INSTANCE`` N and N+1) roughly halve the wall time even on two cores.
-Shard 1 runs the modules listed in ``SHARD_1``; shard 2 runs every other test, so a new
-test file is never left out. Each shard keeps pytest's order of files: within a shard the
-modules that boot a fleet of their own still run after those on the session's fleet.
+The end-to-end tests spend much of their time waiting on simulated hosts (engines loading,
+units restarting, READY polls), so three fleets of three testbed instances
+(``SPARKFLEET_TESTBED_INSTANCE`` N, N+1 and N+2) share two cores. Shards 1 and 2 run the
+modules listed in ``SHARDS``; the last shard runs every other test, so a new test file is
+never left out. Each shard keeps pytest's order of files: within a shard the modules that
+boot a fleet of their own still run after those on the session's fleet.
 
-    python tests/shards.py [pytest arguments, given to both shards]
+    python tests/shards.py [pytest arguments, given to every shard]
 
 Each shard's output streams live, every line prefixed with its number; the exit status is
-non-zero when either shard failed.
+non-zero when any shard failed.
 """
 
 from __future__ import annotations
@@ -23,46 +23,59 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-#: The two longest modules on a session fleet, about as long as all the rest: 35 minutes
-#: on two cores with both shards running (the rest: 23, plus 13 for the module fleets).
-SHARD_1 = (
-    "tests/e2e/test_deploy.py",
-    "tests/e2e/test_faults.py",
+#: The modules of shards 1 and 2; the last shard runs every other test. Balanced by the
+#: modules' measured minutes (``--durations=0``, three shards on two cores beside other
+#: e2e runs): deploy 27 + pair_serving 6 + pair_link 1; faults 22 + mirror_fleet 10 +
+#: serving_host 3; the rest 35 (endpoint 9, endpoint_rollout 7, image_patches 6,
+#: fleet_checks 5, the tests without a fleet 6).
+SHARDS = (
+    ("tests/e2e/test_deploy.py", "tests/e2e/test_pair_link.py", "tests/e2e/test_pair_serving.py"),
+    ("tests/e2e/test_faults.py", "tests/e2e/test_mirror_fleet.py", "tests/e2e/test_serving_host.py"),
 )
 
 
 def commands(extra: list[str]) -> list[list[str]]:
-    missing = [path for path in SHARD_1 if not (REPO / path).is_file()]
+    listed = [path for shard in SHARDS for path in shard]
+    missing = [path for path in listed if not (REPO / path).is_file()]
     if missing:
-        raise SystemExit(f"tests/shards.py: SHARD_1 names {', '.join(missing)}, which do not exist")
+        raise SystemExit(f"tests/shards.py: SHARDS names {', '.join(missing)}, which do not exist")
+    twice = sorted({path for path in listed if listed.count(path) > 1})
+    if twice:
+        raise SystemExit(f"tests/shards.py: SHARDS names {', '.join(twice)} in more than one shard")
     pytest = [sys.executable, "-m", "pytest", "-ra", "--durations=15", *extra]
-    return [[*pytest, *SHARD_1], [*pytest, "tests", *(f"--ignore={path}" for path in SHARD_1)]]
+    # sorted: pytest's own order of the files of one directory.
+    return [*([*pytest, *sorted(shard)] for shard in SHARDS),
+            [*pytest, "tests", *(f"--ignore={path}" for path in listed)]]
 
 
-def instances() -> tuple[int, int]:
+def instances() -> list[int]:
     base = int(os.environ.get("SPARKFLEET_TESTBED_INSTANCE", "0") or 0)
-    if not 0 <= base <= 8:
-        raise SystemExit(f"SPARKFLEET_TESTBED_INSTANCE={base}: the shards use it and the next one, so 0..8")
-    return base, base + 1
+    last = 9 - len(SHARDS)  # sparkfleet/testbed/paths.py: instances 0..9
+    if not 0 <= base <= last:
+        raise SystemExit(f"SPARKFLEET_TESTBED_INSTANCE={base}: the {len(SHARDS) + 1} shards use it and the "
+                         f"{len(SHARDS)} after it, so 0..{last}")
+    return [base + i for i in range(len(SHARDS) + 1)]
 
 
-def _stream(number: int, proc: subprocess.Popen, lock: threading.Lock) -> None:
+def _stream(number: int, proc: subprocess.Popen, lock: threading.Lock, ended: dict[int, float]) -> None:
     assert proc.stdout is not None
     for line in proc.stdout:
         with lock:
             sys.stdout.write(f"[{number}] {line}")
             sys.stdout.flush()
+    ended[number] = time.monotonic()  # its output closes as it exits
 
 
 def main(extra: list[str]) -> int:
     lock = threading.Lock()
     started = time.monotonic()
     runs = []
+    ended: dict[int, float] = {}
     for number, (command, instance) in enumerate(zip(commands(extra), instances()), 1):
         env = {**os.environ, "SPARKFLEET_TESTBED_INSTANCE": str(instance), "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, text=True, bufsize=1)
-        reader = threading.Thread(target=_stream, args=(number, proc, lock), daemon=True)
+        reader = threading.Thread(target=_stream, args=(number, proc, lock, ended), daemon=True)
         reader.start()
         runs.append((number, instance, proc, reader))
     codes = {}
@@ -76,8 +89,9 @@ def main(extra: list[str]) -> int:
         raise
     minutes = (time.monotonic() - started) / 60
     for number, instance, _, _ in runs:
-        print(f"shard {number} (testbed instance {instance}): {'passed' if codes[number] == 0 else 'FAILED'}")
-    print(f"both shards done in {minutes:.1f} min")
+        print(f"shard {number} (testbed instance {instance}): {'passed' if codes[number] == 0 else 'FAILED'} "
+              f"in {(ended[number] - started) / 60:.1f} min")
+    print(f"all {len(runs)} shards done in {minutes:.1f} min")
     return max(codes.values())
 
 
