@@ -16,6 +16,7 @@ from pyinfra.api.exceptions import OperationError
 
 from sparkfleet import remote, tasks
 from sparkfleet.hostpaths import TASK_UNIT_PREFIX
+from sparkfleet.testbed.proc import wait_until
 
 HOST = "spark-1"
 
@@ -141,7 +142,12 @@ def test_a_task_that_ended_while_no_run_watched_reports_to_the_next_run(host, tb
     bad = "echo x >> /tmp/tasks-test/bad; echo 'no space left on device'; exit 28"
     for name, command in (("unwatched-ok", ok), ("unwatched-bad", bad)):
         sh(tb, f"systemd-run --quiet --unit={tasks.unit_name(name, command)} --remain-after-exit /bin/sh -c \"{command}\"")
-    time.sleep(1)
+    # Both ended, the failed one's output in its journal: journald can write it seconds
+    # after the exit when the machine is loaded, and the report reads it from there.
+    wait_until(lambda: sh(tb, f"systemctl show -P SubState {tasks.unit_name('unwatched-ok', ok)}").strip() == "exited"
+               and "no space left on device" in sh(tb, "journalctl -q -a -o cat --no-pager "
+                                                       f"_SYSTEMD_UNIT={tasks.unit_name('unwatched-bad', bad)}"),
+               60, 0.5, "both unwatched tasks to end, with the failed one's output in the journal")
     tasks.run_detached(host, "unwatched-ok", ok)  # the finished step is not run again
     assert sh(tb, "cat /tmp/tasks-test/ok").count("x") == 1
     with pytest.raises(OperationError) as caught:
