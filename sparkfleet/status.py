@@ -19,6 +19,7 @@ import os
 import re
 import shlex
 import sys
+from pathlib import Path
 from typing import Any
 
 import gevent
@@ -36,20 +37,67 @@ METRICS = {
 }
 
 
+class InventoryError(Exception):
+    """The inventory cannot be read: the message names the file and the fix."""
+
+
+def _testbed_fix(path: Path) -> str:
+    """How to get a missing testbed file back: the testbed writes hosts.json and, for
+    instance N, the inventory beside it (``.testbed/instance-N/``)."""
+    instance = next((part.removeprefix("instance-") for part in path.parts if part.startswith("instance-")), "")
+    env = f"SPARKFLEET_TESTBED_INSTANCE={instance} " if instance.isdigit() else ""
+    return f"boot the simulated fleet with `{env}sparkfleet testbed up`, which writes it"
+
+
+def inventory_problem(inventory_path: str) -> str | None:
+    """Why ``inventory_path`` names no inventory file, or None. pyinfra takes a name that is
+    no file for a host name, and a path then fails its DNS lookup with a UnicodeError."""
+    path = Path(inventory_path)
+    if path.is_file() or not (inventory_path.endswith(".py") or os.sep in inventory_path):
+        return None  # a file, or a host list such as spark-01,spark-02
+    fix = (_testbed_fix(path) if ".testbed" in path.parts
+           else "give the path of an inventory file, e.g. inventory/sparks.py")
+    return f"inventory {inventory_path} does not exist: {fix}"
+
+
+def _read_inventory(inventory_path: str, data: dict[str, Any]):
+    from pyinfra_cli.exceptions import UnexpectedExternalError
+    from pyinfra_cli.inventory import make_inventory
+
+    try:
+        return make_inventory(inventory_path, override_data=data, cwd=os.getcwd())
+    except UnexpectedExternalError as exc:  # the inventory file raised: say what it was missing
+        error = exc.exception
+        missing = Path(error.filename) if isinstance(error, FileNotFoundError) and error.filename else None
+        if missing is None:
+            raise InventoryError(f"inventory {inventory_path} failed: {type(error).__name__}: {error}") from None
+        fix = (_testbed_fix(missing) if missing.name == "hosts.json"
+               else f"create it, or fix {inventory_path}")
+        raise InventoryError(f"inventory {inventory_path} reads {missing}, which does not exist: {fix}") from None
+
+
 def connect(inventory_path: str, data: dict[str, Any] | None = None):
     """A connected pyinfra State for ``inventory_path`` (group_data/ of the current
     directory, as `pyinfra` itself reads it) and every host's validated settings."""
     from pyinfra.api import Config, State
     from pyinfra.api.connect import connect_all
+    from pyinfra.api.exceptions import PyinfraError
     from pyinfra.context import ctx_state
-    from pyinfra_cli.inventory import make_inventory
 
+    problem = inventory_problem(inventory_path)
+    if problem:
+        raise InventoryError(problem)
     state = State()
     ctx_state.set(state)  # the inventory file is executed in a state's context, as by pyinfra
-    inventory = make_inventory(inventory_path, override_data=data or {}, cwd=os.getcwd())
+    inventory = _read_inventory(inventory_path, data or {})
     state.init(inventory, Config())
     settings = validate_fleet(state.inventory)
-    connect_all(state)
+    try:
+        connect_all(state)
+    except PyinfraError:
+        if state.active_hosts:
+            raise
+        # pyinfra gives up when no host answers; the table says so, host by host.
     return state, settings
 
 
@@ -277,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("pyinfra").setLevel(logging.ERROR)  # the table says what is unreachable
     try:
         state, settings = connect(args.inventory, data)
+    except InventoryError as exc:
+        print(f"sparkfleet status: {exc}", file=sys.stderr)
+        return 2
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
