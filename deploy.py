@@ -31,9 +31,9 @@ pair = host_pair()  # a pair_* group: this host is one rank of its pair's engine
 if not settings.serving:
     service.stopped()
 else:
-    findings = preflight.inspect(settings)  # every step says what it still needs
+    findings = preflight.inspect(settings)  # every step says what it still needs; a pair: every member
     preflight.passed(name="preflight: GB10, aarch64, driver, docker, disk, memory", findings=findings)
-    if not findings.problems:  # a failing host stops at preflight; the others go on
+    if findings.passed:  # a failing host stops at preflight, and its pair with it; the others go on
         member = link.joined(settings, pair) if pair else None  # a pair's ConnectX-7 link: netplan, peers answer
         container_runtime.configured(settings)
         oomguard.configured(settings)  # earlyoom: the engine, not the host, when memory runs out

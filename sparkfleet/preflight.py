@@ -2,19 +2,27 @@
 
 Facts are read while pyinfra plans, so they see the host as it was. A host that fails
 gets one failing operation listing every problem with its fix; the other hosts go on.
+A pair is one engine, so its preflight is the pair's: a member whose peer fails stops
+too, naming the peer and its problems, before it changes anything. Each host is judged
+once per run, by whichever member asks first (pyinfra reads the peer's facts over the
+peer's own connection).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from weakref import WeakKeyDictionary
 
-from pyinfra import host, logger
-from pyinfra.api import operation
+from gevent.event import AsyncResult
+from pyinfra import host, logger, state
+from pyinfra.api import State, operation
+from pyinfra.context import ctx_host, ctx_state
 from pyinfra.facts.files import File, Sha256File
 from pyinfra.facts.server import Arch
 
 from sparkfleet import hybrid, image, link, mirror, remote, secrets, service, weights
-from sparkfleet.config import Settings, host_pair
+from sparkfleet.config import Settings, fleet_settings, host_pair
 from sparkfleet.facts import FreeSpace, Gpu, Memory, docker_info
 from sparkfleet.hostpaths import SECRETS_ENV
 
@@ -31,9 +39,15 @@ GIB = 1024**3
 
 @dataclass
 class Findings:
-    problems: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # this host's, each with its fix
     warnings: list[str] = field(default_factory=list)
     summary: str = ""
+    peers: dict[str, list[str]] = field(default_factory=dict)  # a pair peer's problems: they stop this host too
+
+    @property
+    def passed(self) -> bool:
+        """Nothing stops this host: neither a problem of its own nor one of a pair peer."""
+        return not self.problems and not self.peers
 
 
 def _added(*needs: dict[str, float]) -> dict[str, float]:
@@ -58,7 +72,7 @@ def still_needed(settings: Settings) -> dict[str, float]:
     return _added(needs, mirror.disk_needs(settings, registry_gib, needs.get(settings.hf_home, 0.0)))
 
 
-def inspect(settings: Settings) -> Findings:
+def host_findings(settings: Settings) -> Findings:
     """Read this host's facts and judge them against what the steps say they still need:
     disk (``still_needed``) and the memory the service claims when it starts."""
     needs = still_needed(settings)
@@ -160,19 +174,71 @@ def inspect(settings: Settings) -> Findings:
     return found
 
 
+Judge = Callable[[Settings], Findings]
+_JUDGED: WeakKeyDictionary[State, dict[tuple[str, Judge], AsyncResult]] = WeakKeyDictionary()
+
+
+def _judged(name: str, judge: Judge) -> Findings:
+    """``judge`` on the host ``name``, with its own settings and facts, once per run: the
+    first member to ask reads them, a peer asking meanwhile waits for that answer."""
+    judged = _JUDGED.setdefault(ctx_state.get(), {})
+    if (name, judge) not in judged:
+        judged[name, judge] = result = AsyncResult()
+        try:
+            with ctx_host.use(state.inventory.get_host(name)):
+                result.set(judge(fleet_settings()))
+        except BaseException as exc:
+            result.set_exception(exc)
+    return judged[name, judge].get()
+
+
+def _peer_problems(name: str, judge: Judge) -> list[str]:
+    peer = state.inventory.get_host(name)
+    if peer not in state.activated_hosts:  # its facts cannot be read
+        return ["the controller is not connected to it (unreachable: its error is above, or left out by "
+                "--limit): a pair is deployed with every member"]
+    return _judged(name, judge).problems
+
+
+def inspect(settings: Settings, judge: Judge = host_findings) -> Findings:
+    """This host's findings (``judge``: :func:`host_findings`); a pair member's also hold
+    each peer that fails its own: a pair serves only when every member can, and a member
+    that went on alone would restart into an engine that cannot form."""
+    found = _judged(host.name, judge)
+    pair = host_pair()
+    if not pair:
+        return found
+    peers = [name for name in pair.members if name != host.name]
+    failing = {name: problems for name in peers if (problems := _peer_problems(name, judge))}
+    if failing:
+        return replace(found, peers=failing)
+    return replace(found, summary=f"{found.summary}; {pair.group}: {', '.join(peers)} passed too")
+
+
 @operation(is_idempotent=True)
 def passed(findings: Findings):
     """
-    Fail this host, with every problem and its fix, when preflight found any.
+    Fail this host, with every problem and its fix, when preflight found any on it or on
+    a pair peer (naming the peer).
 
-    + findings: what ``inspect`` found on this host
+    + findings: what ``inspect`` found on this host and its pair
     """
     for warning in findings.warnings:
         logger.warning(f"{host.print_prefix}preflight warning: {warning}")
-    if not findings.problems:
+    if findings.passed:
         host.noop(f"preflight passed: {findings.summary}")
         return
-    message = "preflight failed, nothing was changed on this host:\n" + "\n".join(
-        f"  - {p}" for p in findings.problems
-    )
-    yield remote.fail(message)
+    yield remote.fail(failure(findings))
+
+
+def failure(findings: Findings) -> str:
+    """What a host that did not pass is told: its problems, then each failing peer's."""
+    lines = []
+    if findings.problems:
+        lines += ["preflight failed, nothing was changed on this host:", *(f"  - {p}" for p in findings.problems)]
+    for peer, problems in findings.peers.items():
+        lines.append(f"its pair peer {peer} failed its preflight too:" if findings.problems else
+                     f"its pair peer {peer} failed its preflight, so nothing was changed on this host (a pair "
+                     f"serves only when every member can: fix {peer}, then deploy both):")
+        lines += [f"  - {peer}: {p}" for p in problems]
+    return "\n".join(lines)

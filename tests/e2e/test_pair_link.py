@@ -145,3 +145,31 @@ def test_a_wrong_pair_interface_stops_the_preflight_naming_the_setting(tb, deplo
                          r"ConnectX-7's are enp1s0f0np0, enp1s0f1np1\): set pair_interface to the cabled one, "
                          "or to auto", out), out[-4000:]
     assert sh(tb, HEAD, "grep -c enp1s0f1np1 /etc/netplan/40-cx7.yaml").strip() == "1"  # nothing was changed
+
+
+def test_a_member_whose_peer_fails_its_preflight_changes_nothing_and_names_the_peer(tb, deploy_run):
+    """A pair serves only when every member can: the head's link is good, its peer's RoCE
+    devices are gone, and the head stops at the preflight too, naming the peer and why."""
+    sh(tb, HEAD, "rm /etc/netplan/40-cx7.yaml")  # a head that went on would write it again
+    sh(tb, WORKER, "mv /dev/infiniband /dev/infiniband.off")  # the worker alone fails its preflight
+    try:
+        result, out = deploy(deploy_run)
+        assert result.returncode != 0, out[-4000:]
+        missing = r"/dev/infiniband is missing \(NCCL's RoCE transport and the serving container need it\)"
+        assert re.search(rf"\[{WORKER}(?:\.local)?\] .*preflight failed, nothing was changed on this host", out), \
+            out[-4000:]
+        assert re.search(rf"\[{WORKER}(?:\.local)?\]\s+- {missing}", out), out[-4000:]
+        assert re.search(rf"\[{HEAD}(?:\.local)?\] .*its pair peer {WORKER}(?:\.local)? failed its preflight, so "
+                         rf"nothing was changed on this host \(a pair serves only when every member can: fix "
+                         rf"{WORKER}(?:\.local)?, then deploy both\)", out), out[-4000:]
+        assert re.search(rf"\[{HEAD}(?:\.local)?\]\s+- {WORKER}(?:\.local)?: {missing}", out), out[-4000:]
+        assert "no ConnectX-7 port is up" not in out and "netplan apply" not in out, out[-4000:]
+        assert sh(tb, HEAD, "test -e /etc/netplan/40-cx7.yaml && echo written || echo absent").strip() == "absent"
+    finally:
+        sh(tb, WORKER, "mv /dev/infiniband.off /dev/infiniband")
+    # Both pass again: the head writes its file, and its live link (kept by networkd) answers.
+    result, out = deploy(deploy_run, "-v")
+    assert result.returncode == 0, out[-4000:]
+    assert f"addresses: [{ADDRESS[HEAD]}/24]" in sh(tb, HEAD, "cat /etc/netplan/40-cx7.yaml")
+    assert re.search(rf"\[{HEAD}(?:\.local)?\] noop: preflight passed: pair_1 rank 0; pair_1: {WORKER}(?:\.local)? "
+                     "passed too", out), out[-4000:]
