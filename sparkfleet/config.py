@@ -631,6 +631,24 @@ def host_pair(name: str | None = None) -> "Pair | None":
     return all_pairs().get(name or host.name)
 
 
+def mirror_route(name: str, mirror: "Mirror") -> tuple[str, str] | None:
+    """(source, via) when pair member ``name`` reaches ``mirror`` over its pair's link: the
+    mirror is another member of the pair, so the image and the weights cross the link (200
+    Gb/s) rather than the management network. link.netplan routes the mirror's fleet address
+    via the mirror's link address, and ``name``'s packets then come from its own link address
+    (what the mirror's firewall allows). None otherwise, or when that address is not IPv4
+    (the link has IPv4 only)."""
+    pair = all_pairs().get(name)
+    if pair is None or mirror.host == name or mirror.host not in pair.members:
+        return None
+    try:
+        if ipaddress.ip_address(str(mirror.address)).version != 4:
+            return None
+    except ValueError:
+        return None
+    return pair.address, pair.addresses[pair.members.index(mirror.host)]
+
+
 def host_mirror() -> "Mirror | None":
     """The mirror the current host downloads the image and model files from (None: upstream)."""
     from pyinfra import host, state

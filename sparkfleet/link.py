@@ -30,8 +30,8 @@ from pyinfra.facts.hardware import NetworkDevices
 from pyinfra.operations import files, server
 
 from sparkfleet import remote
-from sparkfleet.config import Pair, PairMember, Settings
-from sparkfleet.facts import Answers, RoceNetdevs
+from sparkfleet.config import Pair, PairMember, Settings, host_mirror, mirror_route
+from sparkfleet.facts import Answers, RoceNetdevs, RouteSource
 from sparkfleet.hostpaths import NETPLAN_CX7, RDMA_DEVICES
 
 AUTO = "auto"
@@ -57,6 +57,7 @@ class Link:
     prefix_len: int
     mtu: int
     peers: tuple[tuple[str, str], ...]  # (inventory name, address) of every other member
+    routes: tuple[tuple[str, str], ...] = ()  # (address, via): the fleet mirror, when a peer is it
 
 
 def twin(netdev: str) -> str:
@@ -88,13 +89,16 @@ def resolved(settings: Settings, pair: Pair) -> Link:
     interface, netdevs, hcas = pick(host.get_fact(RoceNetdevs), settings.pair_interface, settings.pair_hcas)
     peers = tuple((name, address) for rank, (name, address) in enumerate(zip(pair.members, pair.addresses))
                   if rank != pair.rank)
+    mirror = host_mirror()
+    route = mirror_route(host.name, mirror) if mirror else None
     return Link(interface=interface, netdevs=netdevs, hcas=hcas, address=pair.address,
-                prefix_len=pair.prefix_len, mtu=settings.pair_mtu, peers=peers)
+                prefix_len=pair.prefix_len, mtu=settings.pair_mtu, peers=peers,
+                routes=((str(mirror.address), route[1]),) if mirror and route else ())
 
 
 def netplan(link: Link, group: str) -> str:
     """/etc/netplan/40-cx7.yaml for ``link``: the address on the interface, the MTU on
-    both netdevs of the port."""
+    both netdevs of the port, and a route over the link to a peer that is the fleet mirror."""
     lines = [
         f"# Rendered by sparkfleet (link.py): the ConnectX-7 link of {group}.",
         "network:",
@@ -105,6 +109,9 @@ def netplan(link: Link, group: str) -> str:
         lines += [f"    {netdev}:", "      dhcp4: false"]
         if netdev == link.interface:
             lines.append(f"      addresses: [{link.address}/{link.prefix_len}]")
+            if link.routes:
+                lines.append("      routes:")
+                lines += [f"        - {{to: {address}/32, via: {via}}}" for address, via in link.routes]
         # optional: a peer that is off must not hold this host's boot (wait-online).
         lines += [f"      mtu: {link.mtu}", "      optional: true"]
     return "\n".join(lines) + "\n"
@@ -198,6 +205,11 @@ def link_problem(target, link: Link) -> str | None:
         mtu = devices.get(netdev, {}).get("mtu")
         if mtu != link.mtu:
             return f"{netdev} has MTU {mtu}, expected {link.mtu} (pair_mtu): {APPLY_FIX}"
+    for address, via in link.routes:
+        source = target.get_fact(RouteSource, address=address)
+        if source != link.address:
+            return (f"the fleet mirror {address} is reached from {source or 'nowhere'}, expected over "
+                    f"{link.interface} via {via} from {link.address}: {APPLY_FIX}")
     size = link.mtu - PING_HEADERS
     for name, address in link.peers:
         if not target.get_fact(Answers, interface=link.interface, address=address):

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import yaml
 
 from sparkfleet import link
-from sparkfleet.config import Pair
-from sparkfleet.facts import Answers, RoceNetdevs
+from sparkfleet.config import Mirror, Pair
+from sparkfleet.facts import Answers, RoceNetdevs, RouteSource
 
 # A Spark cabled on its second QSFP port, as mlx5's ibdev2netdev prints it.
 IBDEV2NETDEV = [
@@ -68,6 +68,37 @@ def test_the_netplan_file_addresses_the_interface_and_gives_both_netdevs_the_mtu
     assert "mtu: 1500" in link.netplan(_link(mtu=1500), "pair_a")
 
 
+def test_a_peer_that_is_the_fleet_mirror_is_routed_over_the_link():
+    text = link.netplan(_link(routes=(("10.213.0.11", "192.168.100.1"),)), "pair_a")
+    port = yaml.safe_load(text)["network"]["ethernets"]["enp1s0f1np1"]
+    assert port["routes"] == [{"to": "10.213.0.11/32", "via": "192.168.100.1"}]
+    assert "routes" not in yaml.safe_load(text)["network"]["ethernets"]["enP2p1s0f1np1"]
+
+
+class Target:
+    """A host whose link is up and answers; ``source`` is its route's to the mirror."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def get_fact(self, fact, **kwargs):
+        if fact is RouteSource:
+            return self.source
+        if fact is Answers:
+            return True
+        ipv4 = {"address": "192.168.100.2", "mask_bits": 24}
+        return {"enp1s0f1np1": {"state": "UP", "mtu": 9000, "ipv4": ipv4}, "enP2p1s0f1np1": {"mtu": 9000}}
+
+
+def test_the_link_check_fails_while_the_mirror_is_reached_past_the_link():
+    routed = _link(routes=(("10.213.0.11", "192.168.100.1"),))
+    assert link.link_problem(Target("192.168.100.2"), routed) is None
+    problem = link.link_problem(Target("10.213.0.12"), routed)
+    assert problem.startswith("the fleet mirror 10.213.0.11 is reached from 10.213.0.12, expected over "
+                              "enp1s0f1np1 via 192.168.100.1 from 192.168.100.2"), problem
+    assert "netplan apply" in problem
+
+
 def test_ping_fact_sends_one_bounded_ping_out_of_the_interface():
     command = Answers().command("enp1s0f1np1", "192.168.100.1", size=8972, dont_fragment=True)
     assert "ping -c 1 -W 2 -M do -s 8972 -I enp1s0f1np1 192.168.100.1" in command
@@ -116,7 +147,7 @@ class Host:
     """Just enough of a pyinfra host: the facts link.resolved reads."""
 
     def __init__(self, roce):
-        self.roce = roce
+        self.roce, self.name = roce, "spark-2"
 
     def get_fact(self, fact, **_):
         assert fact is RoceNetdevs
@@ -126,9 +157,15 @@ class Host:
 def test_resolved_is_this_members_end_of_the_pair(monkeypatch):
     settings = SimpleNamespace(pair_interface="auto", pair_hcas="auto", pair_mtu=9000)
     monkeypatch.setattr(link, "host", Host(ROCE))
+    monkeypatch.setattr(link, "host_mirror", lambda: None)
     end = link.resolved(settings, PAIR)
     assert (end.interface, end.hcas) == ("enp1s0f1np1", "rocep1s0f1,roceP2p1s0f1")  # what serve.env is given
     assert (end.address, end.prefix_len, end.mtu) == ("192.168.100.2", 24, 9000)
     assert end.peers == (("spark-1", "192.168.100.1"),)
     settings.pair_hcas = "rocep1s0f1"
     assert link.resolved(settings, PAIR).hcas == "rocep1s0f1"
+    assert end.routes == ()
+    # The pair's head is the fleet mirror: this member routes its address over the link.
+    monkeypatch.setattr(link, "host_mirror", lambda: Mirror("spark-1", "10.213.0.11", 8090, 5000, False))
+    monkeypatch.setattr(link, "mirror_route", lambda name, mirror: ("192.168.100.2", "192.168.100.1"))
+    assert link.resolved(settings, PAIR).routes == (("10.213.0.11", "192.168.100.1"),)

@@ -29,7 +29,7 @@ from pyinfra.facts.files import FileContents
 from pyinfra.facts.server import Which
 from pyinfra.operations import files, systemd
 
-from sparkfleet.config import Mirror, all_mirrors
+from sparkfleet.config import Mirror, all_mirrors, mirror_route
 from sparkfleet.facts import RouteSource
 from sparkfleet.hostpaths import FIREWALL_RULES, FIREWALL_UNIT, FIREWALL_UNIT_PATH, HF_MIRROR_UNIT, REGISTRY_UNIT
 
@@ -45,7 +45,10 @@ def fleet_sources(mirror: Mirror) -> list[str]:
         if peer not in state.active_hosts:
             unreachable = True
             continue
-        source = peer.get_fact(RouteSource, address=str(mirror.address))
+        # A member of the mirror's pair comes over the link, which its own link step routes
+        # (after this is planned): its link address, not where its packets come from now.
+        route = mirror_route(name, mirror)
+        source = route[0] if route else peer.get_fact(RouteSource, address=str(mirror.address))
         try:
             found.add(str(ipaddress.ip_address(source)))
         except ValueError:

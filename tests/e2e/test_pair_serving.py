@@ -119,6 +119,17 @@ def test_two_pairs_serve_at_their_heads_behind_one_endpoint(pairs4, deploy_run, 
     assert sorted(ep.states()) == sorted(HEADS), ep.states()
     reply = ep.client().completions.create(model="qwen", prompt="The capital of France is", max_tokens=4)
     assert reply.choices[0].text
+    # spark-1, pair_1's head, is the fleet mirror: spark-2 routes the mirror's address over the
+    # link and received the image there; the other pair uses the management network.
+    mirror = pairs4.host("spark-1").address
+    route = pairs4.exec("spark-2", f"ip -o route get {mirror}").stdout
+    assert "dev enp1s0f1np1" in route and f"src {LINK['spark-2']}" in route, route
+    assert "enp1s0f1np1" not in pairs4.exec("spark-4", f"ip -o route get {mirror}").stdout
+    got = re.search(rf"\[{re.escape(pairs4.inventory_name('spark-2'))}\] image ([0-9.]+) MiB from the mirror",
+                    proc.stdout + proc.stderr)
+    assert got and float(got.group(1)) > 1, out
+    rx = int(pairs4.exec("spark-2", "cat /sys/class/net/enp1s0f1np1/statistics/rx_bytes").stdout)
+    assert rx >= float(got.group(1)) * 2**20, (rx, got.group(1))
 
 
 def test_status_shows_each_pair_ready_at_its_head(pairs4):
