@@ -90,10 +90,10 @@ def resolved(settings: Settings, pair: Pair) -> Link:
     peers = tuple((name, address) for rank, (name, address) in enumerate(zip(pair.members, pair.addresses))
                   if rank != pair.rank)
     mirror = host_mirror()
-    route = mirror_route(host.name, mirror) if mirror else None
+    route = mirror_route(host.name, mirror) if mirror else None  # (this member's address, via)
     return Link(interface=interface, netdevs=netdevs, hcas=hcas, address=pair.address,
                 prefix_len=pair.prefix_len, mtu=settings.pair_mtu, peers=peers,
-                routes=((str(mirror.address), route[1]),) if mirror and route else ())
+                routes=((str(mirror.address), route[1]),) if route else ())
 
 
 def netplan(link: Link, group: str) -> str:
