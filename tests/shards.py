@@ -9,8 +9,9 @@ boot a fleet of their own still run after those on the session's fleet.
 
     python tests/shards.py [pytest arguments, given to every shard]
 
-Each shard's output streams live, every line prefixed with its number; the exit status is
-non-zero when any shard failed.
+Each shard's output streams live, every line prefixed with its number. At the end the
+failures of every shard are listed again, so the last lines of a long log say what failed;
+the exit status is non-zero when any shard failed.
 """
 
 from __future__ import annotations
@@ -57,12 +58,15 @@ def instances() -> list[int]:
     return [base + i for i in range(len(SHARDS) + 1)]
 
 
-def _stream(number: int, proc: subprocess.Popen, lock: threading.Lock, ended: dict[int, float]) -> None:
+def _stream(number: int, proc: subprocess.Popen, lock: threading.Lock, ended: dict[int, float],
+            failures: list[str]) -> None:
     assert proc.stdout is not None
     for line in proc.stdout:
         with lock:
             sys.stdout.write(f"[{number}] {line}")
             sys.stdout.flush()
+        if line.startswith(("FAILED ", "ERROR ")):  # -ra's short summary, one line a failure
+            failures.append(f"[{number}] {line.rstrip()}")
     ended[number] = time.monotonic()  # its output closes as it exits
 
 
@@ -71,11 +75,12 @@ def main(extra: list[str]) -> int:
     started = time.monotonic()
     runs = []
     ended: dict[int, float] = {}
+    failures: list[str] = []
     for number, (command, instance) in enumerate(zip(commands(extra), instances()), 1):
         env = {**os.environ, "SPARKFLEET_TESTBED_INSTANCE": str(instance), "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, text=True, bufsize=1)
-        reader = threading.Thread(target=_stream, args=(number, proc, lock, ended), daemon=True)
+        reader = threading.Thread(target=_stream, args=(number, proc, lock, ended, failures), daemon=True)
         reader.start()
         runs.append((number, instance, proc, reader))
     codes = {}
@@ -92,6 +97,8 @@ def main(extra: list[str]) -> int:
         print(f"shard {number} (testbed instance {instance}): {'passed' if codes[number] == 0 else 'FAILED'} "
               f"in {(ended[number] - started) / 60:.1f} min")
     print(f"all {len(runs)} shards done in {minutes:.1f} min")
+    for line in sorted(failures):  # threads append as lines arrive: sort by shard
+        print(line)
     return max(codes.values())
 
 
