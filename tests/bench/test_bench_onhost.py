@@ -64,7 +64,7 @@ def run_program(uploaded: Path, tmp_path: Path, base_url: str, env_key: str | No
 def test_program_measures_decode_and_acceptance(uploaded, tmp_path):
     with sim(rate=250.0, ttft=0.08, accept=3.5) as srv:
         proc, r = run_program(uploaded, tmp_path, srv.base_url, checks=["smoke", "tools", "decode"],
-                              runs=2, warmup=1, max_tokens=48, prompt="my prompt")
+                              runs=3, warmup=1, max_tokens=120, prompt="my prompt")
     assert proc.returncode == 0, proc.stderr
     assert r["status"] == "ok" and r["schema"] == "sparkfleet.bench/1"
     assert r["server"]["served_models"] == ["qwen"]
@@ -74,13 +74,15 @@ def test_program_measures_decode_and_acceptance(uploaded, tmp_path):
     assert set(workloads) == {"prose", "code", "counting", "user"}
     for w in workloads.values():
         # A busy machine mostly delays, but a first delta read late shortens the timed span
-        # too (the next deltas are already buffered): 266 tok/s was seen at load 17 on 2 cores.
+        # too (the next deltas are already buffered): 40 ms late read 317 tok/s off a 48-token
+        # span, while three shards booted their fleets. 120 tokens and the median of three
+        # runs keep one late read inside the bounds.
         assert 0.6 * 250.0 <= w["decode_tok_s"]["median"] <= 1.2 * 250.0
         assert 75.0 <= w["ttft_ms"]["median"] <= 80.0 + 250.0
-        assert len(w["runs"]) == 2 and w["warmup_runs"] == 1
-        assert all(run["completion_tokens"] == 48 for run in w["runs"])
+        assert len(w["runs"]) == 3 and w["warmup_runs"] == 1
+        assert all(run["completion_tokens"] == 120 for run in w["runs"])
         assert w["acceptance"]["mean_length"] == pytest.approx(3.5, rel=0.05)
-    assert "decode/prose run 2/2" in proc.stderr  # progress lines while it ran
+    assert "decode/prose run 3/3" in proc.stderr  # progress lines while it ran
 
 
 def test_program_measures_albonds_end_to_end(uploaded, tmp_path):
