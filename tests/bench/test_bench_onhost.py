@@ -136,7 +136,7 @@ def test_timing_holds_for_close_delimited_streams_and_multi_token_deltas(close_d
     r = record_rates(rec)
     assert r["completion_tokens"] == 301 and r["tokens_source"] == "usage"
     assert rec.deltas == 1 + 300 // (accept or 1)
-    assert 0.6 * 300.0 <= r["decode_tok_s"] <= 1.05 * 300.0
+    assert 0.6 * 300.0 <= r["decode_tok_s"] <= 1.1 * 300.0
 
 
 def test_the_api_key_comes_from_the_secrets_file(uploaded, tmp_path):

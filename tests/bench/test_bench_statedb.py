@@ -156,7 +156,7 @@ def test_a_database_that_is_not_hermes_fails_clearly(tmp_path):
 
 def test_agent_bench_replays_turns_against_a_server_and_keeps_only_numbers(state_db):
     faults = Faults(requests=[])
-    env = {"SIM_DECODE_TOK_S": "400", "SIM_TTFT_S": "0.03", "SIM_ACCEPT_LEN": "3"}
+    env = {"SIM_DECODE_TOK_S": "50", "SIM_TTFT_S": "0.03", "SIM_ACCEPT_LEN": "3"}
     with SimServer(method="dflash", k=12, env=env, faults=faults) as srv:
         ctx = BenchContext(
             client=Client(srv.base_url, "qwen"), progress=Progress(quiet=True),
@@ -167,8 +167,11 @@ def test_agent_bench_replays_turns_against_a_server_and_keeps_only_numbers(state
     requests = [r["body"] for r in faults.requests]
     assert out["status"] == "ok", out
     assert len(out["turns"]) == 2
-    # A busy machine only ever delays tokens: the rate reads lower, never higher.
-    assert 0.6 * 400.0 <= out["decode_tok_s"]["median"] <= 1.05 * 400.0
+    # A busy machine mostly delays tokens, but a first delta read late shortens the timed
+    # span (the next ones are already buffered): 431 tok/s off a 400 tok/s engine was seen
+    # over a turn's 38 tokens in CI (95 ms). At 50 tok/s a turn decodes for 0.74 s, where a
+    # 50 ms late read is 7 %.
+    assert 0.6 * 50.0 <= out["decode_tok_s"]["median"] <= 1.1 * 50.0
     # the clock starts at the first *reasoning* delta (Qwen3.5 thinks first), not at the first content
     assert 25.0 <= out["ttft_ms"]["median"] <= 30.0 + 250.0
     assert all(t["kinds"]["reasoning"] > 0 for t in out["turns"])
