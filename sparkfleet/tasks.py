@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import secrets
 import shlex
 import signal
 import time
@@ -40,7 +41,7 @@ from sparkfleet.hostpaths import TASK_UNIT_PREFIX
 PROGRESS_EVERY_S = 15.0
 POLL_EVERY_S = 2.0
 TAIL_LINES = 20
-_PROPERTIES = "LoadState,ActiveState,SubState,Result,ExecMainStatus,ExecMainStartTimestamp"
+_PROPERTIES = "LoadState,ActiveState,SubState,Result,ExecMainStatus,SyslogIdentifier"
 
 
 def unit_name(name: str, command: str) -> str:
@@ -74,10 +75,11 @@ def run_detached(
     q = shlex.quote
     # systemd expands $NAME in a unit's command line; "$$" is its escape for "$".
     argv = f"/bin/sh -c {q(command.replace('$', '$$'))}"
+    tag = f"{unit.removesuffix('.service')}.{secrets.token_hex(4)}"
     start = (
         f"if [ \"$(systemctl show -P LoadState {unit})\" = not-found ]; then "
         f"systemd-run --quiet --unit={unit} --description={q('sparkfleet ' + name)} --remain-after-exit "
-        f"{argv} 2>&1 && echo started; else echo found; fi"
+        f"--property=SyslogIdentifier={tag} {argv} 2>&1 && echo started; else echo found; fi"
     )
     done = remote.run(host, start)  # with the host's sudo: systemd-run needs root
     lines = done.stdout
@@ -131,18 +133,18 @@ def _print_reports(host, name: str, unit: str, state: dict[str, str]) -> None:
 
 
 def _unit_state(host, unit: str) -> dict[str, str]:
-    # Timestamps in UTC with microseconds: journalctl --since reads them back exactly.
-    done = remote.run(host, f"systemctl show --timestamp=us+utc -p {_PROPERTIES} {unit}")
+    done = remote.run(host, f"systemctl show -p {_PROPERTIES} {unit}")
     # A failed poll (a dropped connection) reads as still running: the next one decides.
     return dict(line.split("=", 1) for line in done.stdout if "=" in line) if done.ok else {}
 
 
 def _journal(host, unit: str, state: dict[str, str], lines: int) -> list[str]:
-    """The last ``lines`` of this run of the unit's output (a unit name recurs when a
-    failed step is run again: its start time tells the runs apart)."""
-    since = state.get("ExecMainStartTimestamp", "")
-    since_arg = f" --since={shlex.quote(since)}" if since else ""
-    return remote.run(host, f"journalctl -q -a -o cat --no-pager _SYSTEMD_UNIT={unit}{since_arg} -n {lines}").stdout
+    """The last ``lines`` of this run of the unit's output, found by its own tag (a unit
+    of an earlier sparkfleet has none: then all of the unit's)."""
+    tag = state.get("SyslogIdentifier", "")
+    match = f"SYSLOG_IDENTIFIER={shlex.quote(tag)}" if tag else f"_SYSTEMD_UNIT={unit}"
+    # --sync first: journald may not yet have written the last lines of a step that just ended.
+    return remote.run(host, f"journalctl --sync 2>/dev/null; journalctl -q -a -o cat --no-pager {match} -n {lines}").stdout
 
 
 def _last_log_line(host, unit: str, state: dict[str, str]) -> str:
