@@ -210,20 +210,20 @@ def test_host_without_nvidia_runtime_gets_the_toolkit_from_the_signed_repo(testb
         assert re.search(r"NVIDIA container toolkit installed\s+3\s+1\s+-\s+2", out), out[-3000:]
 
 
-@pytest.mark.parametrize("switch,message", [
-    ({"arch": "x86_64"}, "processor is x86_64"),
-    ({"disk_full": True}, "GiB free"),
-])
-def test_preflight_stops_a_wrong_host_before_any_change(testbed, run_pyinfra, switch, message):
-    name = testbed.names[2]
-    with testbed.switched(name, **switch):
-        before = testbed.exec(name, f"md5sum {SERVE_ENV}").stdout
+def test_preflight_stops_each_wrong_host_before_any_change(testbed, run_pyinfra):
+    # Two wrong hosts in one deploy: each is stopped with its own problem, the good one changes.
+    good, full, x86 = testbed.names
+    with testbed.switched(x86, arch="x86_64"), testbed.switched(full, disk_full=True):
+        before = {name: testbed.exec(name, f"md5sum {SERVE_ENV}").stdout for name in (full, x86)}
         result = run_pyinfra("deploy.py", "--data", "max_num_seqs=2")
         out = result.stdout + result.stderr
         assert result.returncode != 0
-        assert message in out and "nothing was changed on this host" in out
-        assert testbed.exec(name, f"md5sum {SERVE_ENV}").stdout == before
-        assert "SF_MAX_NUM_SEQS=2" in testbed.exec(testbed.names[0], f"cat {SERVE_ENV}").stdout
+        for name, message in ((x86, "processor is x86_64"), (full, "GiB free")):
+            # pyinfra prefixes each line of a failed command with its host.
+            for said in (message, "nothing was changed on this host"):
+                assert re.search(rf"^.*\b{name}(?:\.local)?\b.*{said}", out, re.M), (name, said, out[-3000:])
+            assert testbed.exec(name, f"md5sum {SERVE_ENV}").stdout == before[name]
+        assert "SF_MAX_NUM_SEQS=2" in testbed.exec(good, f"cat {SERVE_ENV}").stdout
     assert run_pyinfra("deploy.py").returncode == 0
 
 
@@ -242,12 +242,11 @@ def test_hybrid_build_on_the_host_is_served_as_the_dense_checkpoint(testbed, run
     assert run_pyinfra("deploy.py").returncode == 0
 
 
-@pytest.mark.parametrize("profile", ["base", "mtp"])
-def test_every_profile_reaches_ready(testbed, run_pyinfra, profile):
-    result = run_pyinfra("deploy.py", "--data", f"profile={profile}")
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    for name in testbed.names:
-        assert f"SF_PROFILE={profile}" in testbed.exec(name, f"cat {SERVE_ENV}").stdout
-        assert "Paris" in completion(testbed, name)
-        # The drafter is fetched only for DFlash profiles: base/mtp brought no new repo.
+def test_every_profile_reaches_ready(testbed, run_pyinfra):
+    for profile in ("base", "mtp"):  # dense and dflash: the tests above
+        result = run_pyinfra("deploy.py", "--data", f"profile={profile}")
+        assert result.returncode == 0, (profile, (result.stdout + result.stderr)[-4000:])
+        for name in testbed.names:
+            assert f"SF_PROFILE={profile}" in testbed.exec(name, f"cat {SERVE_ENV}").stdout
+            assert "Paris" in completion(testbed, name)
     assert run_pyinfra("deploy.py").returncode == 0
