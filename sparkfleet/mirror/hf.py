@@ -67,9 +67,14 @@ def controller_wheelhouse(requirement: str, python: dict) -> Path:
                 f"on {machine} (pip exit {done.returncode}):\n    " + "\n    ".join(done.stderr.strip().splitlines()[-8:])
             )
     (tmp / ".complete").write_text(requirement + "\n")
-    if final.exists():
-        subprocess.run(["rm", "-rf", str(final)], check=False)
-    tmp.rename(final)
+    # A complete wheelhouse is never removed: another deploy from this checkout may be
+    # reading it. One that finished first wins, and this download goes.
+    try:
+        tmp.rename(final)
+    except OSError:
+        if not (final / ".complete").exists():
+            raise
+        subprocess.run(["rm", "-rf", str(tmp)], check=False)
     return final
 
 
