@@ -23,7 +23,7 @@ from sparkfleet import (
     weights,
 )
 from sparkfleet.bench.deploy import run_checks
-from sparkfleet.config import fleet_settings, host_pair
+from sparkfleet.fleet import fleet_settings, host_pair
 
 settings = fleet_settings()
 pair = host_pair()  # a pair_* group: this host is one rank of its pair's engine

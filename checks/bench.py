@@ -15,6 +15,6 @@ Rebuild it later with `sparkfleet report results/<run-id>`.
 """
 
 from sparkfleet.bench.deploy import run_checks
-from sparkfleet.config import fleet_settings
+from sparkfleet.fleet import fleet_settings
 
 run_checks(fleet_settings().bench)

@@ -1,7 +1,7 @@
 """The fleet endpoint: one OpenAI-compatible URL over every serving host.
 
 HAProxy from the distribution's archives runs on one host of the inventory
-(``fleet_endpoint``; resolved in config.chosen_endpoint) as the packaged ``haproxy.service``
+(``fleet_endpoint``; resolved in fleet.chosen_endpoint) as the packaged ``haproxy.service``
 (master-worker, ``systemctl reload`` is seamless). Its members are the inventory's serving
 hosts, at the address each has on its route to the endpoint host (inventory names may be
 SSH aliases only the controller resolves). Clients need the fleet API key (anything else
@@ -42,8 +42,9 @@ from pyinfra.facts.files import Sha256File
 from pyinfra.operations import systemd
 
 from sparkfleet import remote, secrets
-from sparkfleet.config import Settings, all_pairs, all_settings, chosen_endpoint
+from sparkfleet.config import Settings
 from sparkfleet.facts import RouteSource, SshServerAddress
+from sparkfleet.fleet import all_pairs, all_settings, chosen_endpoint
 from sparkfleet.hostpaths import ARCHIVE_APT_KEYRING, ARCHIVE_APT_SOURCES
 
 PROJECT = Path(__file__).resolve().parents[1]

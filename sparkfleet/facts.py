@@ -342,6 +342,24 @@ class RouteSource(FactBase[str]):
         return output[0].strip() if output else ""
 
 
+class RouteSources(FactBase["dict[str, str]"]):
+    """This host's source address on its route to each of ``addresses`` (one command for
+    the whole fleet); an address it has no route to is absent."""
+
+    @staticmethod
+    def default():
+        return {}
+
+    def command(self, addresses: list[str]) -> str:
+        quoted = " ".join(shlex.quote(a) for a in addresses)
+        return (f"for a in {quoted}; do s=$(ip route get \"$a\" 2>/dev/null | "
+                "sed -n 's/.* src \\([^ ]*\\).*/\\1/p' | head -n 1); echo \"$a $s\"; done")
+
+    def process(self, output):
+        pairs = (line.split() for line in output)
+        return {p[0]: p[1] for p in pairs if len(p) == 2}
+
+
 # --- GPU access, the image store (the serving host as it is) ------------------------------
 
 GPUS_ALL = "--gpus all"

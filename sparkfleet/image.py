@@ -20,8 +20,9 @@ from pyinfra.api.exceptions import OperationError
 from pyinfra.facts.docker import DockerImage
 
 from sparkfleet import mirror, remote
-from sparkfleet.config import Settings, host_mirror
+from sparkfleet.config import Settings
 from sparkfleet.facts import MANIFEST_ACCEPT, ContainerdRoot, ManifestSize, docker_info
+from sparkfleet.fleet import host_mirror
 from sparkfleet.hostpaths import HF_ENV, RUNTIME_DIR, registry_ca_path
 from sparkfleet.mirror import ImageName, image_reference, local_image
 from sparkfleet.mirror.names import upstream_registry_url

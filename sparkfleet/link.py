@@ -30,8 +30,9 @@ from pyinfra.facts.hardware import NetworkDevices
 from pyinfra.operations import files, server
 
 from sparkfleet import remote
-from sparkfleet.config import Pair, PairMember, Settings, host_mirror, mirror_route
+from sparkfleet.config import Settings
 from sparkfleet.facts import Answers, RoceNetdevs, RouteSource
+from sparkfleet.fleet import Pair, PairMember, host_mirror, mirror_route
 from sparkfleet.hostpaths import NETPLAN_CX7, RDMA_DEVICES
 
 AUTO = "auto"
@@ -240,7 +241,7 @@ def checked(settings: Settings, pair: Pair):
     with one unfragmented packet of the full MTU).
 
     + settings: validated settings (``pair_interface``, ``pair_hcas``, ``pair_mtu``)
-    + pair: this host's pair (``config.host_pair()``)
+    + pair: this host's pair (``fleet.host_pair()``)
 
     Runs after :func:`configured` on every member (pyinfra runs an operation on all hosts
     before the next); a link that already answers runs nothing.

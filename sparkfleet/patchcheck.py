@@ -30,7 +30,8 @@ from pyinfra.api import FactBase, operation
 
 from runtime import serve_args
 from sparkfleet import remote
-from sparkfleet.config import PairMember, Settings
+from sparkfleet.config import Settings
+from sparkfleet.fleet import PairMember
 from sparkfleet.hostpaths import RUNTIME_DIR
 from sparkfleet.mirror import local_image
 

@@ -22,8 +22,9 @@ from pyinfra.facts.files import File, Sha256File
 from pyinfra.facts.server import Arch
 
 from sparkfleet import hybrid, image, link, mirror, remote, secrets, service, weights
-from sparkfleet.config import Settings, fleet_settings, host_pair
+from sparkfleet.config import Settings
 from sparkfleet.facts import FreeSpace, Gpu, Memory, docker_info
+from sparkfleet.fleet import fleet_settings, host_pair
 from sparkfleet.hostpaths import SECRETS_ENV
 
 EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"

@@ -36,7 +36,8 @@ from sparkfleet.bench.onhost.checks import tool_call_round_trip
 from sparkfleet.bench.onhost.client import BenchError, Client
 from sparkfleet.bench.onhost.metrics import acceptance, parse_spec_counters
 from sparkfleet.bench.onhost.workloads import SMOKE_EXPECT, SMOKE_MAX_TOKENS, SMOKE_PROMPT
-from sparkfleet.config import PairMember, Settings
+from sparkfleet.config import Settings
+from sparkfleet.fleet import PairMember
 from sparkfleet.hostpaths import LAST_GOOD_DIR, REVISION_FILE, STARTED_FILE, UNIT
 
 # How long a host put back in rotation may take to pass the endpoint's checks (rise 2 at 1 s).

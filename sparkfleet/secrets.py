@@ -18,7 +18,8 @@ from pathlib import Path
 
 from pydantic import SecretStr
 
-from sparkfleet.config import Mirror, Settings
+from sparkfleet.config import Settings
+from sparkfleet.fleet import Mirror
 
 PROJECT = Path(__file__).resolve().parents[1]
 

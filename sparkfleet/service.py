@@ -28,8 +28,9 @@ from pyinfra.operations import files, server, systemd
 
 from sparkfleet import container_runtime, remote, rollout, secrets
 from sparkfleet.bench.onhost.workloads import SMOKE_PROMPT as READY_PROMPT  # READY asks what smoke asks
-from sparkfleet.config import PairMember, Settings
+from sparkfleet.config import Settings
 from sparkfleet.facts import PortHolders, ServedAnswer, ServedModels, StartedRevision, UnitState
+from sparkfleet.fleet import PairMember
 from sparkfleet.hostpaths import (
     AUTH_HEADER,
     COMPILE_SIGNATURE,

@@ -25,7 +25,8 @@ from typing import Any
 import gevent
 
 from sparkfleet import endpoint, remote
-from sparkfleet.config import ConfigError, Settings, fleet_pairs, validate_fleet
+from sparkfleet.config import ConfigError, Settings
+from sparkfleet.fleet import fleet_pairs, validate_fleet
 from sparkfleet.hostpaths import AUTH_HEADER, CONTAINER, SERVE_ENV, UNIT
 
 METRICS = {

@@ -15,8 +15,9 @@ from pyinfra import host
 from pyinfra.api import deploy, operation
 
 from sparkfleet import mirror, remote
-from sparkfleet.config import Settings, host_mirror
+from sparkfleet.config import Settings
 from sparkfleet.facts import CachedSnapshot
+from sparkfleet.fleet import host_mirror
 from sparkfleet.hostpaths import repo_cache_dir
 from sparkfleet.image import one_shot
 from sparkfleet.tasks import detached

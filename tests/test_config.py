@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from sparkfleet.config import ConfigError, Settings, validate_fleet, validate_host_data
+from sparkfleet.config import ConfigError, Settings, validate_host_data
+from sparkfleet.fleet import validate_fleet
 
 ROOT = Path(__file__).resolve().parents[1]
 

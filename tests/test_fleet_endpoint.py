@@ -11,7 +11,8 @@ import pytest
 from support.fleetdata import defaults, fleet
 
 from sparkfleet import endpoint, status
-from sparkfleet.config import ConfigError, chosen_endpoint, validate_fleet, validate_host_data
+from sparkfleet.config import ConfigError, validate_host_data
+from sparkfleet.fleet import chosen_endpoint, validate_fleet
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sf-0123456789abcdef_XYZ"

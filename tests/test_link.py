@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import yaml
 
 from sparkfleet import link
-from sparkfleet.config import Mirror, Pair
 from sparkfleet.facts import Answers, RoceNetdevs, RouteSource
+from sparkfleet.fleet import Mirror, Pair
 
 # A Spark cabled on its second QSFP port, as mlx5's ibdev2netdev prints it.
 IBDEV2NETDEV = [

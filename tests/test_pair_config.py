@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 from support.fleetdata import fleet
 
-from sparkfleet import config
-from sparkfleet.config import ConfigError, Mirror, Pair, fleet_pairs, validate_fleet
+from sparkfleet import fleet as fleet_module
+from sparkfleet.config import ConfigError
+from sparkfleet.fleet import Mirror, Pair, fleet_pairs, validate_fleet
 
 
 def pairs(hosts) -> dict[str, Pair]:
@@ -86,12 +87,12 @@ def test_ranks_follow_the_inventory_order_of_a_real_pyinfra_inventory():
 
 
 def test_a_member_reaches_a_mirror_in_its_pair_over_the_link(monkeypatch):
-    monkeypatch.setattr(config, "all_pairs", lambda: pairs(four()))
+    monkeypatch.setattr(fleet_module, "all_pairs", lambda: pairs(four()))
     mirror = Mirror("spark-1", "10.213.0.11", 8090, 5000, False)
-    assert config.mirror_route("spark-2", mirror) == ("192.168.100.2", "192.168.100.1")  # (source, via)
-    assert config.mirror_route("spark-1", mirror) is None  # the mirror itself
-    assert config.mirror_route("spark-3", mirror) is None  # another pair: the management network
-    assert config.mirror_route("spark-5", mirror) is None  # serves alone
-    assert config.mirror_route("spark-2", Mirror("spark-1", "fd00::11", 8090, 5000, False)) is None  # IPv4 link
-    assert config.mirror_route("spark-4", Mirror("spark-3", "10.213.0.13", 8090, 5000, False)) == (
+    assert fleet_module.mirror_route("spark-2", mirror) == ("192.168.100.2", "192.168.100.1")  # (source, via)
+    assert fleet_module.mirror_route("spark-1", mirror) is None  # the mirror itself
+    assert fleet_module.mirror_route("spark-3", mirror) is None  # another pair: the management network
+    assert fleet_module.mirror_route("spark-5", mirror) is None  # serves alone
+    assert fleet_module.mirror_route("spark-2", Mirror("spark-1", "fd00::11", 8090, 5000, False)) is None  # IPv4 link
+    assert fleet_module.mirror_route("spark-4", Mirror("spark-3", "10.213.0.13", 8090, 5000, False)) == (
         "192.168.100.2", "192.168.100.1")

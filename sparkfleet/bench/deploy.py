@@ -36,7 +36,7 @@ from pyinfra.api.state import BaseStateCallback
 from pyinfra.operations import files, python
 
 from sparkfleet import remote as host_commands  # "remote" names the result path below
-from sparkfleet.config import all_pairs, fleet_settings
+from sparkfleet.fleet import all_pairs, fleet_settings
 
 from .onhost.schema import ProgramSettings, failed_result, now_iso
 from .results import result_path, run_dir, write_json

@@ -1,6 +1,6 @@
 """The mirror: the serving image and the weights cross the WAN once per fleet.
 
-One host of the inventory (``fleet_mirror``, resolved in :func:`sparkfleet.config.host_mirror`)
+One host of the inventory (``fleet_mirror``, resolved in :func:`sparkfleet.fleet.host_mirror`)
 is the mirror, and every host (the mirror too) downloads from it over the LAN, in parallel:
 
 * model files through an HF mirror, olah (:mod:`sparkfleet.mirror.hf`);
@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from pyinfra.api import deploy
 
-from sparkfleet.config import Settings, host_mirror
+from sparkfleet.config import Settings
+from sparkfleet.fleet import host_mirror
 from sparkfleet.mirror import clients, server, tls
 from sparkfleet.mirror.clients import answers
 from sparkfleet.mirror.names import ImageName, hf_endpoint, image_reference, local_image

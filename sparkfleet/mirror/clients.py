@@ -11,7 +11,7 @@ from pyinfra.facts.files import FileContents
 from pyinfra.facts.systemd import SystemdEnabled, SystemdStatus
 
 from sparkfleet import remote
-from sparkfleet.config import Mirror
+from sparkfleet.fleet import Mirror
 from sparkfleet.hostpaths import FIREWALL_UNIT, HF_MIRROR_UNIT, REGISTRY_CONFIG, REGISTRY_UNIT, registry_ca_path
 
 

@@ -29,8 +29,8 @@ from pyinfra.facts.files import FileContents
 from pyinfra.facts.server import Which
 from pyinfra.operations import files, systemd
 
-from sparkfleet.config import Mirror, all_mirrors, mirror_route
 from sparkfleet.facts import RouteSource
+from sparkfleet.fleet import Mirror, all_mirrors, mirror_route
 from sparkfleet.hostpaths import FIREWALL_RULES, FIREWALL_UNIT, FIREWALL_UNIT_PATH, HF_MIRROR_UNIT, REGISTRY_UNIT
 
 TABLE = "sparkfleet_mirror"

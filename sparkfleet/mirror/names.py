@@ -1,75 +1,13 @@
-"""Names of the mirror's services as the fleet's hosts see them: the mirror's address,
-image references in the mirror registry, the HF endpoint, the upstream registry the copy
-reads from."""
+"""Names of the mirror's services as the fleet's hosts see them: image references in the
+mirror registry, the HF endpoint, the upstream registry the copy reads from."""
 
 from __future__ import annotations
 
 import hashlib
-import ipaddress
-from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from sparkfleet.config import ConfigError, Mirror, Settings, host_mirror
-from sparkfleet.facts import RouteSource, SshServerAddress
-
-#: Per run (pyinfra state): {mirror host: the address the fleet reaches it at}.
-_ADDRESSES: dict[int, tuple[object, dict[str, str]]] = {}
-
-
-def located(state, current, mirrors: dict[str, Mirror | None]) -> Mirror | None:
-    """``current``'s mirror with the address every host of the fleet uses for it.
-
-    The controller's name for the mirror (an SSH alias, a ``.local`` name) may resolve
-    nowhere else, and a host-network container has no mDNS. So unless ``mirror_address``
-    says, the address is the mirror's own source address on its route to each peer (``ip
-    route get <peer>`` on the mirror, the peer being where the controller reached it):
-    the address the peer's packets come back from, which a name or the controller's
-    view of the mirror (a VPN, an SSH alias) need not be. One address for the fleet:
-    olah writes it into redirects and the registry certificate names it. Every host
-    checks that it answers before it pulls or downloads (clients.answers).
-    """
-    mirror = mirrors.get(current.name)
-    if mirror is None or mirror.address:
-        return mirror
-    kept, found = _ADDRESSES.get(id(state), (None, {}))
-    if kept is not state:  # an id is reused once its state is gone
-        found = {}
-        _ADDRESSES[id(state)] = (state, found)
-    if mirror.host not in found:
-        users = [name for name, m in mirrors.items() if m and m.host == mirror.host]
-        found[mirror.host] = _fleet_address(state, mirror.host, users)
-    return replace(mirror, address=found[mirror.host])
-
-
-def _usable(address: str) -> bool:
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
-        return False
-    return not (ip.is_loopback or ip.is_link_local or ip.is_unspecified)
-
-
-def _fleet_address(state, mirror_name: str, users: list[str]) -> str:
-    server = state.inventory.get_host(mirror_name)
-    peers = [state.inventory.get_host(n) for n in users if n != mirror_name]
-    peers = [p for p in peers if p in state.active_hosts]
-    seen: dict[str, str] = {}
-    for peer in peers:
-        reached_at = peer.get_fact(SshServerAddress, _sudo=False)
-        source = server.get_fact(RouteSource, address=reached_at) if _usable(reached_at) else ""
-        seen[peer.name] = (source if _usable(source) else "") or f"none (reached at {reached_at or '?'})"
-    sources = Counter(a for a in seen.values() if _usable(a))
-    if sources:
-        return sources.most_common(1)[0][0]
-    own = server.get_fact(SshServerAddress, _sudo=False)
-    if _usable(own) or not peers:
-        return own if _usable(own) else "127.0.0.1"  # a fleet of one reaches itself
-    routes = "; ".join(f"to {name}: {a}" for name, a in seen.items())
-    raise ConfigError(
-        f"{mirror_name}: the mirror has no address the other hosts can reach ({routes}), nothing was "
-        f"changed on any host. Fix: set mirror_address (host data of {mirror_name}) to an address of it "
-        "every host reaches, or deploy with --data fleet_mirror=none"
-    )
+from sparkfleet.config import Settings
+from sparkfleet.fleet import Mirror, host_mirror
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ from pyinfra.api import operation
 from pyinfra.facts.server import Which
 
 from sparkfleet import remote
-from sparkfleet.config import Mirror
 from sparkfleet.facts import RegistryManifest
+from sparkfleet.fleet import Mirror
 from sparkfleet.hostpaths import (
     ARCHIVE_APT_KEYRING,
     ARCHIVE_APT_SOURCES,

@@ -20,8 +20,9 @@ from pyinfra import host, logger
 from pyinfra.api.state import BaseStateCallback
 
 from sparkfleet import remote
-from sparkfleet.config import Mirror, Settings, host_mirror
+from sparkfleet.config import Settings
 from sparkfleet.facts import DirBytes
+from sparkfleet.fleet import Mirror, host_mirror
 from sparkfleet.hostpaths import REGISTRY_UNIT, mirror_hf_cache
 
 MIB = 1024**2

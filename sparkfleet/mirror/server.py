@@ -11,8 +11,9 @@ from pyinfra.api import StringCommand, operation
 from pyinfra.facts.hardware import Cpus
 from pyinfra.operations import files, systemd
 
-from sparkfleet.config import Mirror, Settings
+from sparkfleet.config import Settings
 from sparkfleet.facts import MirrorAnswers
+from sparkfleet.fleet import Mirror
 from sparkfleet.hostpaths import (
     HF_MIRROR_CONFIG,
     HF_MIRROR_UNIT,

@@ -15,8 +15,8 @@ from pyinfra.facts.files import FileContents, Sha256File
 from pyinfra.operations import files
 
 from sparkfleet import remote, secrets
-from sparkfleet.config import Mirror
 from sparkfleet.facts import MirrorTrust
+from sparkfleet.fleet import Mirror
 from sparkfleet.hostpaths import (
     DOCKER_CERTS_DIR,
     MIRROR_TRUST_MARKER,

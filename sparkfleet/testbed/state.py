@@ -182,7 +182,7 @@ def inventory_hosts(hosts_json: Path) -> list[tuple[str, dict]]:
 
 
 def inventory_pairs(hosts_json: Path) -> dict[str, list[str]]:
-    """The testbed's cabled pairs as the inventory groups a deploy reads (config.Pair):
+    """The testbed's cabled pairs as the inventory groups a deploy reads (fleet.Pair):
     ``pair_1`` = the first pair's hosts by inventory name, in rank order."""
     doc = json.loads(hosts_json.read_text())
     names = {h["name"]: h.get("inventory_name", h["name"]) for h in doc["hosts"]}

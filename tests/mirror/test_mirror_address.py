@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import gevent
 import pytest
 
-from sparkfleet.config import ConfigError, Mirror
-from sparkfleet.facts import RouteSource, SshServerAddress
-from sparkfleet.mirror.names import located
+from sparkfleet.config import ConfigError
+from sparkfleet.facts import RouteSources, SshServerAddress
+from sparkfleet.fleet import Mirror, located
 
 
 class FakeHost:
@@ -20,17 +21,25 @@ class FakeHost:
 
     def get_fact(self, cls, **kwargs):
         self.asked.append((cls, kwargs))
+        gevent.sleep(0.001)  # a fact is a round trip: other hosts' greenlets run meanwhile
         if cls is SshServerAddress:
             assert kwargs == {"_sudo": False}  # sudo drops $SSH_CONNECTION
             return self.ssh
-        if cls is RouteSource:
-            return self.routes.get(kwargs["address"], "")
+        if cls is RouteSources:
+            return {a: self.routes[a] for a in kwargs["addresses"] if a in self.routes}
         raise AssertionError(cls)
 
 
-def fake_state(*hosts: FakeHost):
-    by_name = {h.name: h for h in hosts}
-    return SimpleNamespace(inventory=SimpleNamespace(get_host=by_name.__getitem__), active_hosts=set(hosts))
+class FakeState:
+    """A pyinfra State as the fleet's per-run store sees it (one store per State object)."""
+
+    def __init__(self, *hosts: FakeHost):
+        by_name = {h.name: h for h in hosts}
+        self.inventory = SimpleNamespace(get_host=by_name.__getitem__)
+        self.active_hosts = set(hosts)
+
+
+fake_state = FakeState
 
 
 def mirrors_for(names, address=None):
@@ -47,7 +56,27 @@ def test_the_address_is_the_mirrors_source_on_its_route_to_the_peers():
         got = located(state, h, mirrors)
         assert got.address == "192.168.1.11", h.name
         assert got.hf_endpoint == "http://192.168.1.11:8090"
-    assert sum(1 for cls, _ in m.asked if cls is RouteSource) == 2  # found once per run
+    assert [cls for cls, _ in m.asked] == [RouteSources]  # one command on the mirror, once per run
+
+
+def test_sixteen_hosts_planning_at_once_ask_the_mirror_one_command():
+    # pyinfra plans every host in its own greenlet: all ask for the mirror's address at once.
+    m = FakeHost("spark-1", "10.0.0.11", {f"10.0.0.{10 + i}": "10.0.0.11" for i in range(2, 17)})
+    peers = [FakeHost(f"spark-{i}", f"10.0.0.{10 + i}") for i in range(2, 17)]
+    state = fake_state(m, *peers)
+    mirrors = mirrors_for([m.name] + [p.name for p in peers])
+    found = gevent.joinall([gevent.spawn(located, state, h, mirrors) for h in (m, *peers)], raise_error=True)
+    assert {g.value.address for g in found} == {"10.0.0.11"}
+    assert len(m.asked) == 1  # not one per host, nor one per peer
+    assert all(len(p.asked) == 1 for p in peers)  # each peer: its own SSH address, once
+
+
+def test_a_new_run_finds_the_address_again():
+    m = FakeHost("a", "10.0.0.1", {"10.0.0.2": "10.0.0.1"})
+    p = FakeHost("b", "10.0.0.2")
+    located(fake_state(m, p), p, mirrors_for(["a", "b"]))
+    m.routes = {"10.0.0.2": "10.0.0.5"}  # the mirror moved between runs
+    assert located(fake_state(m, p), p, mirrors_for(["a", "b"])).address == "10.0.0.5"
 
 
 def test_an_ipv6_route_is_bracketed():

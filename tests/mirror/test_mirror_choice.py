@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from support.fleetdata import defaults, fleet
 
-from sparkfleet.config import ConfigError, Mirror, fleet_mirrors, validate_fleet, validate_host_data
+from sparkfleet.config import ConfigError, validate_host_data
+from sparkfleet.fleet import Mirror, fleet_mirrors, validate_fleet
 
 
 def mirrors(hosts) -> dict:

@@ -17,7 +17,7 @@ import pytest
 from support.fleetdata import free_port
 
 from sparkfleet import secrets
-from sparkfleet.config import Mirror
+from sparkfleet.fleet import Mirror
 from sparkfleet.mirror.names import ImageName
 from sparkfleet.mirror.registry import copy_command, copy_failure
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from support.fleetdata import defaults
 
-from sparkfleet.config import Mirror, validate_host_data
+from sparkfleet.config import validate_host_data
+from sparkfleet.fleet import Mirror
 from sparkfleet.mirror import ImageName, image_reference, local_image
 
 

@@ -24,7 +24,8 @@ from support.runtime_env import (
 )
 
 from runtime import serve_args as sa
-from sparkfleet.config import Pair, PairMember, Settings, validate_host_data
+from sparkfleet.config import Settings, validate_host_data
+from sparkfleet.fleet import Pair, PairMember
 
 REGENERATE = "run `python tests/support/runtime_env.py` and review the diff"
 

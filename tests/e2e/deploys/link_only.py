@@ -6,7 +6,8 @@ end to end (tests/e2e/test_pair_link.py).
 """
 
 from sparkfleet import link, preflight
-from sparkfleet.config import Settings, fleet_settings, host_pair
+from sparkfleet.config import Settings
+from sparkfleet.fleet import fleet_settings, host_pair
 
 
 def link_findings(settings: Settings) -> preflight.Findings:

@@ -1,0 +1,502 @@
+"""The fleet: what one run decides for every host at once.
+
+Imports run one way: one host's model (:mod:`sparkfleet.config`) -> the fleet (this
+module) -> the steps. Here: the whole inventory validated together (every fleet-wide key
+must agree), which host serves the mirror and the endpoint, the pairs, and the mirror's
+address as the other hosts reach it. Each answer is computed once per run by
+:func:`once`, the one per-run store: pyinfra plans every host in its own greenlet, so a
+store that is checked before and filled after a lookup that yields would run that
+lookup once per host (N x (N-1) commands on the mirror at N hosts, past sshd's
+MaxSessions 10 at 16 hosts).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import weakref
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+import gevent.lock
+
+from sparkfleet.config import (
+    FIXES,
+    MEASURED_GPU_MEMORY_UTILIZATION,
+    ConfigError,
+    Settings,
+    validate_host_data,
+)
+
+log = logging.getLogger("sparkfleet")
+T = TypeVar("T")
+
+#: Keys a run applies to the fleet as a whole (the rollout's shape): every host must give
+#: the same value, or which host's value wins would depend on which host plans first.
+FLEET_WIDE = ("rollout", "rollout_batch", "drain_timeout_s")
+
+
+# --- the per-run store ----------------------------------------------------------------------
+
+
+class _Run:
+    def __init__(self) -> None:
+        self.answers: dict[Any, tuple[bool, Any]] = {}
+        self.locks: dict[Any, gevent.lock.Semaphore] = {}
+
+
+#: One store per pyinfra State, gone with it (a State's id may be reused; the State may not).
+_RUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _current_state():
+    from pyinfra.context import ctx_state
+
+    return ctx_state.get()  # the State itself, not pyinfra's proxy of it
+
+
+def once(key: Any, compute: Callable[[], T], state=None) -> T:
+    """``compute()``'s answer for ``key``, computed once per run: the first host to ask
+    computes it while every other host's greenlet waits for that answer (or that error)."""
+    run = _RUNS.setdefault(state if state is not None else _current_state(), _Run())
+    if key not in run.answers:
+        with run.locks.setdefault(key, gevent.lock.Semaphore()):
+            if key not in run.answers:
+                try:
+                    run.answers[key] = (True, compute())
+                except Exception as exc:
+                    run.answers[key] = (False, exc)
+    ok, answer = run.answers[key]
+    if not ok:
+        raise answer
+    return answer
+
+
+# --- the whole inventory, validated together ------------------------------------------------
+
+
+def validate_fleet(hosts: Iterable[Any]) -> dict[str, Settings]:
+    """Validate every host; one error lists all problems of all hosts."""
+    hosts = list(hosts)
+    settings: dict[str, Settings] = {}
+    problems: list[str] = []
+    for host in hosts:
+        try:
+            settings[host.name] = validate_host_data(host.name, host.data.dict())
+        except ConfigError as exc:
+            problems.extend(str(exc).split("\n  ")[1:])
+    if not problems:
+        problems = (_disagreements(settings) + _chosen_mirrors(hosts, settings)[1]
+                    + chosen_endpoint(hosts, settings)[1] + fleet_pairs(hosts, settings)[1])
+    if problems:
+        raise ConfigError(
+            "\n  ".join(["invalid configuration, nothing was changed on any host:", *problems])
+        )
+    for name, s in settings.items():
+        if s.gpu_memory_utilization > MEASURED_GPU_MEMORY_UTILIZATION:
+            log.warning(
+                "%s: gpu_memory_utilization=%s is above the %s the reference recipe measured as safe; "
+                "a Spark's unified memory may swap and stall the host",
+                name, s.gpu_memory_utilization, MEASURED_GPU_MEMORY_UTILIZATION,
+            )
+    return settings
+
+
+def _disagreements(settings: dict[str, Settings]) -> list[str]:
+    problems = []
+    for key in FLEET_WIDE:
+        values: dict[Any, list[str]] = {}
+        for name, s in settings.items():
+            values.setdefault(getattr(s, key), []).append(name)
+        if len(values) > 1:
+            shown = "; ".join(f"{value!r} on {', '.join(names)}" for value, names in values.items())
+            problems.append(f"`{key}` differs between hosts ({shown}); it applies to the whole fleet. "
+                            f"Fix: set {key} once for every host (group_data/all.py or --data {key}=...)")
+    return problems
+
+
+def _planned(state) -> dict[str, Any]:
+    fleet = validate_fleet(state.inventory)
+    # Hosts outside --limit are not connected to, and count as reachable.
+    unreachable = {h.name for h in state.inventory
+                   if state.is_host_in_limit(h) and h not in state.activated_hosts}
+    return {"settings": fleet, "mirrors": fleet_mirrors(state.inventory, fleet, unreachable),
+            "pairs": fleet_pairs(state.inventory, fleet)[0]}
+
+
+def _fleet() -> dict[str, Any]:
+    state = _current_state()
+    return once("fleet", lambda: _planned(state), state)
+
+
+def fleet_settings() -> Settings:
+    """The current host's settings, validating the whole inventory once per run."""
+    from pyinfra import host
+
+    from sparkfleet.remote import check_sudo
+
+    once(("sudo", host.name), lambda: check_sudo(host))  # before any fact: sudo must not prompt mid-run
+    return _fleet()["settings"][host.name]
+
+
+def all_settings() -> dict[str, Settings]:
+    """Every host's settings by inventory name (validated once per run)."""
+    fleet_settings()
+    return _fleet()["settings"]
+
+
+def all_mirrors() -> dict[str, Mirror | None]:
+    """Every host's mirror by inventory name, as chosen once per run (among the reachable
+    hosts): without their addresses, which :func:`host_mirror` finds."""
+    fleet_settings()
+    return _fleet()["mirrors"]
+
+
+def all_pairs() -> dict[str, Pair]:
+    """Every pair member's Pair by inventory name (hosts outside a pair are absent)."""
+    fleet_settings()
+    return _fleet()["pairs"]
+
+
+def host_pair(name: str | None = None) -> Pair | None:
+    """The pair the current host (or the host ``name``) belongs to, None if it serves alone."""
+    from pyinfra import host
+
+    return all_pairs().get(name or host.name)
+
+
+def mirror_route(name: str, mirror: Mirror) -> tuple[str, str] | None:
+    """(source, via) when pair member ``name`` reaches ``mirror`` over its pair's link: the
+    mirror is another member of the pair, so the image and the weights cross the link (200
+    Gb/s) rather than the management network. link.netplan routes the mirror's fleet address
+    via the mirror's link address, and ``name``'s packets then come from its own link address
+    (what the mirror's firewall allows). None otherwise, or when that address is not IPv4
+    (the link has IPv4 only)."""
+    pair = all_pairs().get(name)
+    if pair is None or mirror.host == name or mirror.host not in pair.members:
+        return None
+    try:
+        if ipaddress.ip_address(str(mirror.address)).version != 4:
+            return None
+    except ValueError:
+        return None
+    return pair.address, pair.addresses[pair.members.index(mirror.host)]
+
+
+def host_mirror() -> Mirror | None:
+    """The mirror the current host downloads the image and model files from (None: upstream),
+    with the address the fleet reaches it at."""
+    from pyinfra import host
+
+    return located(_current_state(), host, all_mirrors())
+
+
+def located(state, current, mirrors: dict[str, Mirror | None]) -> Mirror | None:
+    """``current``'s mirror with the address every host uses for it: ``mirror_address``,
+    else found on the hosts once per run (:func:`_fleet_address`)."""
+    mirror = mirrors.get(current.name)
+    if mirror is None or mirror.address:
+        return mirror
+    address = once(("mirror address", mirror.host), lambda: _fleet_address(state, mirror.host, mirrors), state)
+    return replace(mirror, address=address)
+
+
+def _usable(address: str) -> bool:
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return not (ip.is_loopback or ip.is_link_local or ip.is_unspecified)
+
+
+def _fleet_address(state, mirror_name: str, mirrors: dict[str, Mirror | None]) -> str:
+    """The address every host of the fleet uses for the mirror.
+
+    The controller's name for the mirror (an SSH alias, a ``.local`` name) may resolve
+    nowhere else, and a host-network container has no mDNS. So unless ``mirror_address``
+    says, the address is the mirror's own source address on its route to each peer (``ip
+    route get <peer>`` on the mirror, the peer being where the controller reached it):
+    the address the peer's packets come back from, which a name or the controller's
+    view of the mirror (a VPN, an SSH alias) need not be. One address for the fleet:
+    olah writes it into redirects and the registry certificate names it. Every host
+    checks that it answers before it pulls or downloads (mirror.clients). One command on
+    the mirror answers for every peer.
+    """
+    from sparkfleet.facts import RouteSources, SshServerAddress
+
+    server = state.inventory.get_host(mirror_name)
+    peers = [state.inventory.get_host(n) for n, m in mirrors.items() if m and m.host == mirror_name and n != mirror_name]
+    peers = [p for p in peers if p in state.active_hosts]
+    reached = {peer.name: peer.get_fact(SshServerAddress, _sudo=False) for peer in peers}
+    asked = sorted({a for a in reached.values() if _usable(a)})
+    routes = server.get_fact(RouteSources, addresses=asked) if asked else {}
+    seen = {name: (routes.get(a, "") if _usable(routes.get(a, "")) else "") or f"none (reached at {a or '?'})"
+            for name, a in reached.items()}
+    sources = Counter(a for a in seen.values() if _usable(a))
+    if sources:
+        return sources.most_common(1)[0][0]
+    own = server.get_fact(SshServerAddress, _sudo=False)
+    if _usable(own) or not peers:
+        return own if _usable(own) else "127.0.0.1"  # a fleet of one reaches itself
+    shown = "; ".join(f"to {name}: {a}" for name, a in seen.items())
+    raise ConfigError(
+        f"{mirror_name}: the mirror has no address the other hosts can reach ({shown}), nothing was "
+        f"changed on any host. Fix: set mirror_address (host data of {mirror_name}) to an address of it "
+        "every host reaches, or deploy with --data fleet_mirror=none"
+    )
+
+
+# --- the mirror (fleet_mirror) ----------------------------------------------------------------
+
+#: An inventory group of this name picks the mirror for fleet_mirror="auto".
+MIRROR_GROUP = "mirror"
+
+
+@dataclass(frozen=True)
+class Mirror:
+    """The host that serves the fleet's model files (an HF mirror) and image (a registry)."""
+
+    host: str  # its inventory name
+    address: str | None  # how the other hosts reach it (None: found on the hosts, mirror.names)
+    hf_port: int
+    registry_port: int
+    is_self: bool  # the current host is the mirror
+
+    @property
+    def netloc_host(self) -> str:
+        """The address as URLs and registry names write it (IPv6 in brackets)."""
+        return f"[{self.address}]" if self.address and ":" in self.address else str(self.address)
+
+    @property
+    def hf_endpoint(self) -> str:
+        return f"http://{self.netloc_host}:{self.hf_port}"
+
+    @property
+    def registry(self) -> str:
+        return f"{self.netloc_host}:{self.registry_port}"
+
+
+def _auto_mirror(hosts: list[Any], unreachable: set[str]) -> str | None:
+    """``fleet_mirror=auto``: the first reachable host of group ``mirror``, else of the
+    inventory. A host the controller cannot reach is never chosen: its peers could not
+    reach it either, and every one of them would fail at its first download."""
+    names = [h.name for h in hosts]
+    grouped = [h.name for h in hosts if MIRROR_GROUP in (getattr(h, "groups", None) or ())]
+    up = [n for n in names if n not in unreachable]
+    chosen = next((n for n in grouped if n in up), None) or next(iter(up), None)
+    first = (grouped or names or [None])[0]
+    if chosen != first and first is not None:
+        log.warning("%s is unreachable, so %s serves the mirror (fleet_mirror=auto) in this run",
+                    first, chosen or "no host")
+    return chosen
+
+
+def _chosen_mirrors(hosts: list[Any], settings: dict[str, Settings],
+                    unreachable: frozenset[str] | set[str] = frozenset()) -> tuple[dict[str, str | None], list[str]]:
+    names = [h.name for h in hosts]
+    auto = _auto_mirror(hosts, set(unreachable)) if any(settings[n].fleet_mirror == "auto" for n in names) else None
+    chosen: dict[str, str | None] = {}
+    problems: list[str] = []
+    for name in names:
+        want = settings[name].fleet_mirror
+        if want is None or want in names:
+            chosen[name] = want
+        elif want == "auto":
+            chosen[name] = auto
+        else:
+            problems.append(
+                f"{name}: `fleet_mirror` = {want!r} is not a host of the inventory ({', '.join(names)}). "
+                f"Fix: {FIXES['fleet_mirror']}"
+            )
+    for mirror in sorted({m for m in chosen.values() if m}):
+        if chosen.get(mirror) != mirror:
+            users = ", ".join(n for n, m in chosen.items() if m == mirror)
+            problems.append(
+                f"{mirror}: serves the mirror for {users}, so it must use it too, but its own "
+                f"`fleet_mirror` = {settings[mirror].fleet_mirror!r}. Fix: give every host the same fleet_mirror"
+            )
+        elif mirror in unreachable:
+            users = ", ".join(n for n, m in chosen.items() if m == mirror and n != mirror)
+            problems.append(
+                f"{mirror}: `fleet_mirror` names it as the mirror of {users}, but it is unreachable. "
+                "Fix: bring it back, or deploy with --data fleet_mirror=auto (a reachable host serves "
+                "the mirror) or --data fleet_mirror=none (every host downloads from upstream)"
+            )
+    return chosen, problems
+
+
+def fleet_mirrors(hosts: Iterable[Any], settings: dict[str, Settings],
+                  unreachable: frozenset[str] | set[str] = frozenset()) -> dict[str, Mirror | None]:
+    """Each host's mirror, from fleet_mirror: ``"auto"`` is the first reachable host of
+    the inventory group ``mirror`` if there is one, else of the inventory. A named mirror
+    that is ``unreachable`` (the controller could not connect to it) stops the run before
+    any host changes."""
+    hosts = list(hosts)
+    chosen, problems = _chosen_mirrors(hosts, settings, unreachable)
+    if problems:
+        raise ConfigError("\n  ".join(["invalid configuration, nothing was changed on any host:", *problems]))
+    sources: dict[str, Mirror | None] = {}
+    for name, mirror in chosen.items():
+        if mirror is None:
+            sources[name] = None
+            continue
+        ms = settings[mirror]
+        # The controller's name for the mirror (an SSH alias, a .local name) may mean
+        # nothing to the other hosts: unless mirror_address says, it is found on them.
+        sources[name] = Mirror(mirror, ms.mirror_address, ms.mirror_hf_port, ms.mirror_registry_port, name == mirror)
+    return sources
+
+
+#: An inventory group of this name picks the fleet endpoint for fleet_endpoint="auto".
+ENDPOINT_GROUP = "endpoint"
+
+
+def chosen_endpoint(hosts: list[Any], settings: dict[str, Settings]) -> tuple[str | None, list[str]]:
+    """The host that serves the fleet endpoint (None: none), and what is wrong. ``auto``
+    is the first host of the inventory group ``endpoint``, else none: a router is a new
+    port and a new way in on a host, so the inventory opts in."""
+    names = [h.name for h in hosts]
+    grouped = [h.name for h in hosts if ENDPOINT_GROUP in (getattr(h, "groups", None) or ())]
+    chosen: dict[str, str | None] = {}
+    problems: list[str] = []
+    for name in names:
+        want = settings[name].fleet_endpoint
+        if want == "auto":
+            chosen[name] = (grouped or [None])[0]
+        elif want is None or want in names:
+            chosen[name] = want
+        else:
+            problems.append(f"{name}: `fleet_endpoint` = {want!r} is not a host of the inventory "
+                            f"({', '.join(names)}). Fix: {FIXES['fleet_endpoint']}")
+    if not problems and len(set(chosen.values())) > 1:
+        problems.append("the hosts name different fleet endpoints ("
+                        + ", ".join(f"{n}: {e or 'none'}" for n, e in chosen.items())
+                        + "). Fix: give every host the same fleet_endpoint")
+    return (next(iter(chosen.values()), None) if not problems else None), problems
+
+
+# --- pairs (inventory groups pair_*) ------------------------------------------------------------
+
+#: An inventory group whose name starts so is a pair: its hosts serve one model together.
+PAIR_GROUP_PREFIX = "pair_"
+#: What every member of a pair must agree on, besides the serving command itself.
+_PAIR_AGREED = ("profile", "model_repo", "image", "serving", "pair_subnet", "pair_master_port", "pair_mtu")
+
+
+@dataclass(frozen=True)
+class Pair:
+    """Hosts cabled by their ConnectX-7 that serve one model with vLLM's multi-node tensor
+    parallelism, as the current host sees it. Rank 0 (the head) serves HTTP; the others
+    run headless."""
+
+    group: str  # the inventory group, e.g. pair_a
+    members: tuple[str, ...]  # inventory names, in rank order
+    rank: int  # the current host's
+    addresses: tuple[str, ...]  # each member's address on the link, in rank order
+    prefix_len: int
+    port: int  # the head's rendezvous port (--master-port)
+
+    @property
+    def head(self) -> str:
+        return self.members[0]
+
+    @property
+    def is_head(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def headless(self) -> bool:
+        """Ranks above 0 run ``--headless``: they serve no HTTP."""
+        return not self.is_head
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    @property
+    def address(self) -> str:
+        return self.addresses[self.rank]
+
+    @property
+    def master_addr(self) -> str:
+        return self.addresses[0]
+
+    @property
+    def peer_addresses(self) -> tuple[str, ...]:
+        return tuple(a for r, a in enumerate(self.addresses) if r != self.rank)
+
+
+@dataclass(frozen=True)
+class PairMember:
+    """One member's part of its pair's engine: the ``pair.*`` values of serve.env."""
+
+    pair: Pair
+    interface: str  # the CX7 netdev NCCL, Gloo and vLLM use (link.resolved)
+    hcas: str  # NCCL_IB_HCA: the RoCE devices of the cabled port
+    ib_disable: str = "0"
+    ignore_cpu_affinity: str = "1"
+
+    def value(self, name: str) -> Any:
+        """A ``pair.*`` value of serve.env: this member's own, else its Pair's."""
+        return getattr(self, name) if name in self.__dataclass_fields__ else getattr(self.pair, name)
+
+
+def _group_members(hosts: Any, group: str) -> list[str]:
+    """The group's hosts in inventory order, which is their rank order: pyinfra keeps one
+    order of hosts (where each is first listed), not a group's own."""
+    return [h.name for h in hosts if group in (getattr(h, "groups", None) or ())]
+
+
+def _pair_value(s: Settings, key: str) -> Any:
+    return getattr(s, key) if key != "model_repo" else f"{s.model_repo}@{s.revision(s.model_repo)}"
+
+
+def fleet_pairs(hosts: Iterable[Any], settings: dict[str, Settings]) -> tuple[dict[str, Pair], list[str]]:
+    """Each pair member's Pair, from the inventory's pair_* groups, and what is wrong with
+    them: a host in two pairs, a pair of one, members that would not run one engine."""
+    listed = list(hosts)
+    groups = sorted({g for h in listed for g in (getattr(h, "groups", None) or ())
+                     if str(g).startswith(PAIR_GROUP_PREFIX)})
+    pairs: dict[str, Pair] = {}
+    problems: list[str] = []
+    seen: dict[str, str] = {}
+    for group in groups:
+        members = [n for n in _group_members(hosts, group) if n in settings]
+        for name in members:
+            if name in seen:
+                problems.append(f"{name}: is in two pairs, {seen[name]} and {group}. Fix: a Spark has one "
+                                "ConnectX-7 cable to one peer: list it in one pair_* group")
+            seen.setdefault(name, group)
+        if len(members) < 2:
+            problems.append(f"{group}: a pair needs two hosts, the inventory lists {', '.join(members) or 'none'}. "
+                            f"Fix: add its peer to {group}, or rename the group (pair_* groups are pairs)")
+            continue
+        head = settings[members[0]]
+        head_env = head.serve_env()
+        for name in members[1:]:
+            s = settings[name]
+            differ_in = [key for key in _PAIR_AGREED if _pair_value(s, key) != _pair_value(head, key)]
+            for key in differ_in:
+                shown = "model@revision" if key == "model_repo" else key
+                problems.append(
+                    f"{group}: {members[0]} and {name} differ in `{shown}` ({_pair_value(head, key)!r} vs "
+                    f"{_pair_value(s, key)!r}); a pair runs one engine. Fix: give both hosts the same {shown} "
+                    f"(set it in group_data/{group}.py)")
+            env = s.serve_env()
+            differ = sorted(k for k in head_env.keys() | env.keys() if head_env.get(k) != env.get(k))
+            if differ and not differ_in:
+                problems.append(f"{group}: {members[0]} and {name} would start different engines ({', '.join(differ)} "
+                                f"differ). Fix: give both hosts the same serving settings (group_data/{group}.py)")
+        net = ipaddress.IPv4Network(head.pair_subnet)
+        if len(members) > net.num_addresses - 2:
+            problems.append(f"{group}: pair_subnet {net} has no address for each of its {len(members)} hosts. "
+                            f"Fix: {FIXES['pair_subnet']}")
+            continue
+        addresses = tuple(str(net.network_address + 1 + r) for r in range(len(members)))
+        for rank, name in enumerate(members):
+            if name not in pairs:
+                pairs[name] = Pair(group, tuple(members), rank, addresses, net.prefixlen, head.pair_master_port)
+    return pairs, problems
+
