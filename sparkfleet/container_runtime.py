@@ -27,13 +27,13 @@ import shlex
 
 from pyinfra import host
 from pyinfra.api import FileUploadCommand, deploy, operation
-from pyinfra.facts.files import FileContents, Sha256File
+from pyinfra.facts.files import FileContents
 from pyinfra.facts.server import Which
 from pyinfra.operations import systemd
 
-from sparkfleet import remote
+from sparkfleet import remote, snapshot
 from sparkfleet.config import Settings
-from sparkfleet.facts import CDI_ALL, GPU_FLAGS, GPUS_ALL, GpuAccess, UnitState
+from sparkfleet.facts import CDI_ALL, GPU_FLAGS, GPUS_ALL, GpuAccess
 from sparkfleet.hostpaths import (
     ARCHIVE_APT_KEYRING,
     DOCKER_DAEMON_JSON,
@@ -60,9 +60,9 @@ DEV_CHAR_RULE = (
 
 def _unit_flag() -> str | None:
     """The GPU flag the installed serving unit runs with, while it is active."""
-    if host.get_fact(UnitState, unit=UNIT).get("ActiveState") != "active":
+    if snapshot.unit(UNIT).get("ActiveState") != "active":
         return None
-    text = "\n".join(host.get_fact(FileContents, path=UNIT_PATH) or [])
+    text = snapshot.text(UNIT_PATH) or ""
     found = re.search("|".join(re.escape(flag) for flag in GPU_FLAGS), text)
     return found.group(0) if found else None
 
@@ -150,7 +150,7 @@ def dev_char_symlinks():
     rule is new: without them ``systemctl daemon-reload`` (a package install, a unit
     change) can cut a running container off its GPU under the systemd cgroup driver.
     """
-    if host.get_fact(Sha256File, path=NVIDIA_DEV_CHAR_RULE) == hashlib.sha256(DEV_CHAR_RULE.encode()).hexdigest():
+    if (snapshot.file_state(NVIDIA_DEV_CHAR_RULE) or (0, "", ""))[2] == hashlib.sha256(DEV_CHAR_RULE.encode()).hexdigest():
         host.noop("the /dev/char symlinks rule is in place")
         return
     yield f"mkdir -p {NVIDIA_DEV_CHAR_RULE.rsplit('/', 1)[0]}"
@@ -162,6 +162,7 @@ def dev_char_symlinks():
 def configured(settings: Settings) -> None:
     """GPU access as the host gives it; toolkit, docker configuration and a docker restart
     only where no GPU container works; the /dev/char links everywhere."""
+    snapshot.expect(files=[NVIDIA_DEV_CHAR_RULE], texts=[UNIT_PATH], units=[UNIT])
     works = gpu_flag(settings) is not None
     toolkit = toolkit_installed(name="NVIDIA container toolkit installed",
                                 apt_repo=settings.nvidia_apt_repo, apt_key_url=settings.nvidia_apt_key_url,

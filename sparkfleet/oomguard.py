@@ -18,14 +18,14 @@ the killed process was the engine's kind, so that systemd restarts a whole engin
 
 from __future__ import annotations
 
-import io
 import shlex
 
 from pyinfra import host, logger
 from pyinfra.api import deploy, operation
 from pyinfra.facts.server import Which
-from pyinfra.operations import files, systemd
+from pyinfra.operations import systemd
 
+from sparkfleet import snapshot
 from sparkfleet.config import Settings
 from sparkfleet.facts import NewKills
 from sparkfleet.hostpaths import (
@@ -120,14 +120,12 @@ def configured(settings: Settings) -> None:
     configuration changed (a drop-in change also needs a daemon-reload: only then)."""
     gib = settings.oom_guard_min_available_gib
     package = installed(name="earlyoom installed", apt_repo=settings.apt_repo, apt_key_url=settings.apt_key_url)
-    kill_hook = files.put(name="kill hook", src=io.StringIO(hook(gib)), dest=OOM_HOOK, mode="755")
-    args = files.put(
-        name="earlyoom settings", dest=EARLYOOM_DEFAULTS, mode="644",
-        src=io.StringIO(f'# Rendered by sparkfleet (oomguard.py).\nEARLYOOM_ARGS="{earlyoom_args(gib)}"\n'),
-    )
-    dropin = files.put(name="earlyoom unit drop-in", src=io.StringIO(DROPIN), dest=EARLYOOM_DROPIN, mode="644")
+    kill_hook = snapshot.file(OOM_HOOK, hook(gib), mode="755", name="kill hook")
+    args = snapshot.file(EARLYOOM_DEFAULTS, f'# Rendered by sparkfleet (oomguard.py).\nEARLYOOM_ARGS="{earlyoom_args(gib)}"\n',
+                         name="earlyoom settings")
+    dropin = snapshot.file(EARLYOOM_DROPIN, DROPIN, name="earlyoom unit drop-in")
     systemd.daemon_reload(name="systemd reload for the drop-in", _if=dropin.did_change)
-    systemd.service(name="earlyoom running", service="earlyoom.service", running=True, enabled=True)
+    snapshot.service("earlyoom.service", name="earlyoom running")
     systemd.service(
         name="earlyoom restarted for its new settings", service="earlyoom.service", restarted=True,
         _if=lambda: any(op.did_change() for op in (package, kill_hook, args, dropin)),

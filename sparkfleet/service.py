@@ -22,14 +22,13 @@ from pyinfra import host, logger
 from pyinfra.api import StringCommand, deploy, operation
 from pyinfra.api.exceptions import OperationError
 from pyinfra.api.util import get_template
-from pyinfra.facts.files import FileContents, Sha256File
 from pyinfra.facts.systemd import SystemdStatus
-from pyinfra.operations import files, server, systemd
+from pyinfra.operations import server
 
-from sparkfleet import container_runtime, remote, rollout, secrets
+from sparkfleet import container_runtime, remote, rollout, secrets, snapshot
 from sparkfleet.bench.onhost.workloads import SMOKE_PROMPT as READY_PROMPT  # READY asks what smoke asks
 from sparkfleet.config import Settings
-from sparkfleet.facts import PortHolders, ServedAnswer, ServedModels, StartedRevision, UnitState
+from sparkfleet.facts import PortHolders, ServedAnswer, ServedModels, UnitState
 from sparkfleet.fleet import PairMember
 from sparkfleet.hostpaths import (
     AUTH_HEADER,
@@ -85,7 +84,7 @@ def _private_file(path: str, content: str):
     """Commands that make ``path`` hold ``content``, 0600 root, unless it does. The
     content never appears in argv, output or diffs: only its hash is compared."""
     wanted = hashlib.sha256(content.encode()).hexdigest()
-    if host.get_fact(Sha256File, path=path) == wanted:
+    if (snapshot.file_state(path) or (None, None, None))[2] == wanted:
         return
     directory = path.rsplit("/", 1)[0]
     yield f"install -d -m 0755 {directory}"
@@ -140,7 +139,7 @@ def hf_token_written(token: SecretStr | None, removed: bool):
     without a token leaves the hosts' token alone (``--data hf_token=`` removes it).
     """
     if token is None and not removed:
-        if host.get_fact(Sha256File, path=HF_ENV) is None:
+        if snapshot.file_state(HF_ENV) is None:
             yield from _private_file(HF_ENV, "")
         return
     yield from _private_file(HF_ENV, f"HF_TOKEN={token.get_secret_value()}\n" if token else "")
@@ -158,7 +157,7 @@ def compile_cache_matches(hf_home: str, signature: str):
     """
     cache = f"{hf_home}/.vllm_cache"
     signature_file = f"{cache}/{COMPILE_SIGNATURE}"
-    if (host.get_fact(FileContents, path=signature_file) or [None])[0] == signature:
+    if snapshot.first_line(signature_file) == signature:
         return
     yield f"rm -rf {shlex.quote(cache + '/torch_compile_cache')}"
     yield f"mkdir -p {shlex.quote(cache)}"
@@ -371,8 +370,8 @@ def serving(revision: str, restart: bool, rolling: Settings | None = None, membe
     One decision from the unit's own record of what it started with, so a host in any
     state (crash loop, failed, stopped, restarting on its own) converges in one run.
     """
-    active = host.get_fact(UnitState, unit=UNIT).get("ActiveState") == "active"
-    if not restart and active and host.get_fact(StartedRevision, path=STARTED_FILE) == revision:
+    active = snapshot.unit(UNIT).get("ActiveState") == "active"
+    if not restart and active and snapshot.first_line(STARTED_FILE) == revision:
         host.noop(f"{UNIT} runs these settings")
         return
     if rolling is not None:
@@ -392,7 +391,7 @@ def last_good_kept(revision: str, hf_home: str):
     + revision: the revision now serving
     + hf_home: where the compile cache lives (its signature is kept too)
     """
-    if (host.get_fact(FileContents, path=f"{LAST_GOOD_DIR}/serving.rev") or [None])[0] == revision:
+    if snapshot.first_line(f"{LAST_GOOD_DIR}/serving.rev") == revision:
         host.noop("the last good settings are these")
         return
     yield _snapshot_last_good(f"{hf_home}/.vllm_cache")
@@ -407,17 +406,8 @@ def host_files(settings: Settings) -> tuple:
 
     Returns the operations whose change the service restarts for.
     """
-    runtime = files.sync(
-        name="runtime files on the host",
-        src=str(PROJECT / "runtime"),
-        dest=RUNTIME_DIR,
-        delete=True,
-        exclude=["*.pyc"],
-        exclude_dir=["__pycache__", "*/__pycache__"],
-        # Fixed modes: the controller's umask must not make a converged host look changed.
-        mode="644",
-        dir_mode="755",
-    )
+    snapshot.expect(files=[SECRETS_ENV, AUTH_HEADER, HF_ENV])
+    runtime = snapshot.tree(name="runtime files on the host", src=str(PROJECT / "runtime"), dest=RUNTIME_DIR)
     token = secrets.hf_token(settings)
     hf_token_written(name="HF token in a 0600 file", token=SecretStr(token) if token else None,
                      removed=settings.hf_token is not None and not token)
@@ -454,8 +444,10 @@ def running(settings: Settings, also_restart_for: tuple = (), member: PairMember
         gpu_flag=container_runtime.unit_gpu_flag(settings),  # --gpus all, or CDI's --device
         rdma_devices=RDMA_DEVICES if member is not None else None,  # a pair member: NCCL's RoCE
     )
-    env = files.put(name="serving settings (serve.env)", src=io.StringIO(env_text), dest=SERVE_ENV, mode="644")
-    unit = files.put(name=f"systemd unit {UNIT}", src=io.StringIO(unit_text), dest=UNIT_PATH, mode="644")
+    snapshot.expect(texts=[f"{settings.hf_home}/.vllm_cache/{COMPILE_SIGNATURE}", STARTED_FILE,
+                           f"{LAST_GOOD_DIR}/serving.rev"], units=[UNIT])
+    env = snapshot.file(SERVE_ENV, env_text, name="serving settings (serve.env)")
+    unit = snapshot.file(UNIT_PATH, unit_text, name=f"systemd unit {UNIT}")
     compile_cache = compile_cache_matches(name="torch.compile cache matches the profile",
                                           hf_home=settings.hf_home, signature=settings.compile_signature)
     feeds = (*[op for op in also_restart_for if op is not None], env, unit, compile_cache)
@@ -466,12 +458,12 @@ def running(settings: Settings, also_restart_for: tuple = (), member: PairMember
         commands=["systemctl daemon-reload", f"systemctl reenable {UNIT}"],
         _if=unit.did_change,
     )
-    systemd.service(name=f"{UNIT} enabled", service=UNIT, running=None, enabled=True)
+    snapshot.service(UNIT, running=None, enabled=True, name=f"{UNIT} enabled")
     wanted = revision(env_text, unit_text, settings.compile_signature)
     # A host that serves now restarts in its turn of the rollout, which waits for READY
     # and gates it itself (rollout.py); rollout=all restarts every host at once.
     address = ready_address(settings, member)
-    rolling = rollout.applies(settings, host.get_fact(UnitState, unit=UNIT),
+    rolling = rollout.applies(settings, snapshot.unit(UNIT),
                               host.get_fact(ServedModels, address=address, port=settings.port))
     started = serving(
         name=f"{UNIT} runs the settings on disk",
@@ -492,4 +484,4 @@ def running(settings: Settings, also_restart_for: tuple = (), member: PairMember
 @deploy("Serving")
 def stopped() -> None:
     """serving=false: the service stopped and disabled; image and weights stay."""
-    systemd.service(name=f"{UNIT} stopped and disabled", service=UNIT, running=False, enabled=False)
+    snapshot.service(UNIT, running=False, enabled=False, name=f"{UNIT} stopped and disabled")

@@ -7,10 +7,8 @@ import shlex
 
 from pyinfra import host
 from pyinfra.api import StringCommand, operation
-from pyinfra.facts.files import FileContents
-from pyinfra.facts.systemd import SystemdEnabled, SystemdStatus
 
-from sparkfleet import remote
+from sparkfleet import remote, snapshot
 from sparkfleet.fleet import Mirror
 from sparkfleet.hostpaths import FIREWALL_UNIT, HF_MIRROR_UNIT, REGISTRY_CONFIG, REGISTRY_UNIT, registry_ca_path
 
@@ -38,16 +36,20 @@ def _former_units() -> list[str]:
     """The mirror's services that run or are enabled here; docker-registry only when its
     configuration is ours (a registry the host runs for itself is not ours to stop)."""
     units = [HF_MIRROR_UNIT, FIREWALL_UNIT]
-    config = host.get_fact(FileContents, path=REGISTRY_CONFIG) or []
-    if any("sparkfleet" in line for line in config):
+    if "sparkfleet" in (snapshot.text(REGISTRY_CONFIG) or ""):
         units.append(REGISTRY_UNIT)
-    active = host.get_fact(SystemdStatus, services=units)
-    enabled = host.get_fact(SystemdEnabled, services=units)
-    return [unit for unit in units if active.get(unit) or enabled.get(unit)]
+    return [unit for unit in units if snapshot.unit(unit).get("ActiveState") == "active"
+            or snapshot.unit(unit).get("UnitFileState") in ("enabled", "enabled-runtime")]
+
+
+def former_mirror_stopped(mirror: Mirror | None, **op_args):
+    """An operation: :func:`_former_mirror_stopped` (what it reads declared to the snapshot)."""
+    snapshot.expect(texts=[REGISTRY_CONFIG], units=[HF_MIRROR_UNIT, FIREWALL_UNIT, REGISTRY_UNIT])
+    return _former_mirror_stopped(mirror=mirror, **op_args)
 
 
 @operation()
-def former_mirror_stopped(mirror: Mirror | None):
+def _former_mirror_stopped(mirror: Mirror | None):
     """
     A host that was the mirror before (fleet_mirror moved or off): its services stopped,
     once the new mirror answers this host. Until then they keep serving whoever still

@@ -14,7 +14,7 @@ from pyinfra.api import operation
 from pyinfra.facts.files import FileContents, Sha256File
 from pyinfra.operations import files
 
-from sparkfleet import remote, secrets
+from sparkfleet import remote, secrets, snapshot
 from sparkfleet.facts import MirrorTrust
 from sparkfleet.fleet import Mirror
 from sparkfleet.hostpaths import (
@@ -74,9 +74,9 @@ def made(tls_dir: str, mirror: Mirror):
 def on_registry(tls_dir: str, mirror: Mirror) -> list:
     """The certificate and its key where the registry on the mirror host reads them."""
     cert, key = secrets.mirror_tls_paths(tls_dir, mirror)
-    # assume_exists: `made` creates them when the deploy executes, before these run.
+    # src: `made` creates them when the deploy executes, before these run.
     return [
-        files.put(name="registry certificate", src=str(cert), dest=REGISTRY_CERT, mode="644", assume_exists=True),
+        snapshot.file(REGISTRY_CERT, src=str(cert), name="registry certificate"),
         key_installed(name="registry key", key_path=str(key)),
     ]
 
@@ -104,12 +104,12 @@ def key_installed(key_path: str):
 def trusted(tls_dir: str, mirror: Mirror):
     """Docker on this host trusts the mirror registry's certificate (read per pull: no restart)."""
     cert, _ = secrets.mirror_tls_paths(tls_dir, mirror)
-    trust = files.put(name="its registry certificate trusted by docker", src=str(cert),
-                      dest=registry_ca_path(mirror.registry), mode="644", assume_exists=True)
-    files.put(name="its trust marked as sparkfleet's", src=io.StringIO(
-        f"sparkfleet placed ca.crt here for the mirror registry {mirror.registry}; "
-        "the deploy removes this directory when the mirror moves\n"),
-        dest=f"{DOCKER_CERTS_DIR}/{mirror.registry}/{MIRROR_TRUST_MARKER}", mode="644")
+    # src: `made` creates it when the deploy executes, before this runs.
+    trust = snapshot.file(registry_ca_path(mirror.registry), src=str(cert), name="its registry certificate trusted by docker")
+    snapshot.file(f"{DOCKER_CERTS_DIR}/{mirror.registry}/{MIRROR_TRUST_MARKER}",
+                  f"sparkfleet placed ca.crt here for the mirror registry {mirror.registry}; "
+                  "the deploy removes this directory when the mirror moves\n",
+                  name="its trust marked as sparkfleet's")
     return trust
 
 

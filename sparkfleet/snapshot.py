@@ -1,0 +1,303 @@
+"""One read of a host's state per run: the files, units and trees the deploy manages.
+
+pyinfra 3 caches no fact, so every ``files.put`` asks three questions (the file's stat,
+its directory's stat, its hash), every ``systemd.service`` two, ``files.sync`` three per
+file: ~160 commands per host on a converged run, each a new SSH channel and a sudo.
+Here the steps declare while the deploy plans what they will compare (:func:`expect`,
+called by :func:`file`, :func:`service` and :func:`tree` themselves), and the first
+operation to look reads all of it in one command (a small Python program: DGX OS has
+python3); later operations read the answer. What is declared after that (or not at all)
+is read, with everything else not read yet, when first asked for.
+
+An operation that changes anything on the host drops its snapshot: what is read after
+that is read again. So an operation always reads what is there before it runs, the
+answer its own fact would give, and a converged run reads each host once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pyinfra import host
+from pyinfra.api import FactBase, StringCommand, operation
+from pyinfra.api.state import BaseStateCallback
+
+from sparkfleet import remote
+from sparkfleet.fleet import once
+
+UNIT_PROPERTIES = ("ActiveState", "SubState", "UnitFileState", "ExecMainStartTimestampMonotonic", "NRestarts")
+
+#: Runs on the host with the wanted paths and units as JSON in argv; prints one JSON object.
+_READER = r"""
+import hashlib, json, os, subprocess, sys
+want = json.loads(sys.argv[1])
+def owner(st):
+    import grp, pwd
+    try:
+        return pwd.getpwuid(st.st_uid).pw_name + ":" + grp.getgrgid(st.st_gid).gr_name
+    except KeyError:
+        return "%d:%d" % (st.st_uid, st.st_gid)
+def sha(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+out = {"files": {}, "texts": {}, "trees": {}, "units": {}}
+for p in want["files"]:
+    try:
+        st = os.stat(p)
+        out["files"][p] = [st.st_mode & 0o7777, owner(st), sha(p)]
+    except OSError:
+        out["files"][p] = None
+for p in want["texts"]:
+    try:
+        with open(p, errors="replace") as f:
+            out["texts"][p] = f.read(65536)
+    except OSError:
+        out["texts"][p] = None
+for root in want["trees"]:
+    lines = []
+    if os.path.isdir(root):
+        for d, dirs, files in os.walk(root):
+            dirs[:] = [x for x in dirs if x != "__pycache__"]
+            for name in dirs + [f for f in files if not f.endswith(".pyc")]:
+                p = os.path.join(d, name)
+                st = os.lstat(p)
+                rel = os.path.relpath(p, root)
+                kind = "d" if os.path.isdir(p) else "f"
+                lines.append("%s %s %o %s %s" % (rel, kind, st.st_mode & 0o7777, owner(st), "-" if kind == "d" else sha(p)))
+        lines.sort(key=lambda line: line.split(" ", 1)[0].encode())
+        out["trees"][root] = hashlib.sha256("".join(line + "\n" for line in lines).encode()).hexdigest()
+    else:
+        out["trees"][root] = ""
+if want["units"]:
+    props = ",".join(["Id"] + want["props"])
+    shown = subprocess.run(["systemctl", "show", "-p", props, "--"] + want["units"],
+                           capture_output=True, text=True).stdout
+    for block in shown.strip().split("\n\n"):
+        values = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
+        if values.get("Id") in want["units"]:
+            out["units"][values["Id"]] = values
+print(json.dumps(out))
+"""
+
+
+class HostState(FactBase["dict"]):
+    """The files (mode, owner, sha256; None when missing), small text files, directory
+    trees (manifest hash, as :func:`manifest_hash` makes it) and systemd units (their
+    :data:`UNIT_PROPERTIES`) that ``want`` (JSON) names, in one command."""
+
+    @staticmethod
+    def default():
+        return {"files": {}, "texts": {}, "trees": {}, "units": {}}
+
+    def command(self, want: str) -> StringCommand:
+        return StringCommand("python3", "-c", shlex.quote(_READER), shlex.quote(want))
+
+    def process(self, output):
+        text = "\n".join(output).strip()
+        return json.loads(text) if text else self.default()
+
+
+@dataclass
+class _Wanted:
+    files: set[str] = field(default_factory=set)
+    texts: set[str] = field(default_factory=set)
+    trees: set[str] = field(default_factory=set)
+    units: set[str] = field(default_factory=set)
+
+    def json(self) -> str:
+        return json.dumps({"files": sorted(self.files), "texts": sorted(self.texts), "trees": sorted(self.trees),
+                           "units": sorted(self.units), "props": list(UNIT_PROPERTIES)})
+
+
+def _wanted(name: str) -> _Wanted:
+    return once(("snapshot wanted", name), _Wanted)
+
+
+def expect(*, files=(), texts=(), trees=(), units=()) -> None:
+    """Declare, while the deploy plans, what the current host's operations will compare."""
+    wanted = _wanted(host.name)
+    wanted.files.update(files)
+    wanted.texts.update(texts)
+    wanted.trees.update(trees)
+    wanted.units.update(units)
+
+
+_KINDS = ("files", "texts", "trees", "units")
+
+
+class _Forget(BaseStateCallback):
+    """Drops a host's snapshot once an operation changed something on it: what is read
+    after that is read again (one command for all of it)."""
+
+    @staticmethod
+    def operation_end(state, op_hash):
+        for target in state.inventory:
+            try:
+                meta = state.get_op_data_for_host(target, op_hash).operation_meta
+            except KeyError:
+                continue
+            if meta.is_complete() and meta.did_change():
+                for known in _known(target.name, state).values():
+                    known.clear()
+
+
+def _known(name: str, state=None) -> dict[str, dict]:
+    return once(("snapshot", name), lambda: {k: {} for k in _KINDS}, state)
+
+
+def _read(kind: str, key: str):
+    """What the host holds for ``key``: read with everything declared and not read yet,
+    in one command, the first time any of it is asked for."""
+    once("snapshot forgets", lambda: host.state.add_callback_handler(_Forget()))
+    wanted = _wanted(host.name)
+    getattr(wanted, kind).add(key)  # one nobody declared is read too
+    known = _known(host.name)
+    if key not in known[kind]:
+        missing = _Wanted(*(getattr(wanted, k) - known[k].keys() for k in _KINDS))
+        found = host.get_fact(HostState, want=missing.json())
+        for k in _KINDS:
+            known[k].update({name: found.get(k, {}).get(name) for name in getattr(missing, k)})
+    return known[kind][key]
+
+
+def file_state(path: str) -> tuple[int, str, str] | None:
+    """(mode, "user:group", sha256) of ``path`` before this run changed it, None if missing."""
+    found = _read("files", path)
+    return tuple(found) if found else None
+
+
+def text(path: str) -> str | None:
+    """The content of a small text file before this run changed it, None if missing."""
+    return _read("texts", path)
+
+
+def first_line(path: str) -> str | None:
+    content = text(path)
+    return content.splitlines()[0].strip() if content and content.strip() else None
+
+
+def unit(name: str) -> dict[str, str]:
+    """A unit's :data:`UNIT_PROPERTIES` before this run changed it ({} if systemd has none)."""
+    return _read("units", name) or {}
+
+
+def tree_hash(path: str) -> str:
+    return _read("trees", path) or ""
+
+
+# --- operations that compare against the snapshot ---------------------------------------------
+
+
+@operation()
+def _file(path: str, content: bytes | None, src: str | None, mode: int, owner: str):
+    if content is None and src is not None and Path(src).is_file():
+        content = Path(src).read_bytes()
+    if content is not None and file_state(path) == (mode, owner, hashlib.sha256(content).hexdigest()):
+        host.noop(f"{path} is up to date")
+        return
+    yield f"install -d -m 0755 {shlex.quote(path.rsplit('/', 1)[0] or '/')}"
+    # mode and owner from the first byte: never a world-readable upload in /tmp (remote.put).
+    yield remote.callback(remote.uploaded, content if content is not None else src, path, f"{mode:04o}", owner)
+
+
+def file(path: str, content: str | bytes | None = None, src: str | None = None, mode: str = "644",
+         owner: str = "root:root", **op_args):
+    """An operation: ``path`` holds ``content`` (or the controller's file ``src``, read when
+    the operation runs: it may be made by an earlier one) with ``mode`` and ``owner``;
+    compared by hash, so a secret's content is never printed."""
+    expect(files=[path])
+    data = content.encode() if isinstance(content, str) else content
+    return _file(path=path, content=data, src=src, mode=int(mode, 8), owner=owner, **op_args)
+
+
+@operation()
+def _service(unit_name: str, running: bool | None, enabled: bool | None):
+    name = unit_name
+    state = unit(name)
+    commands = []
+    if enabled is not None and (state.get("UnitFileState") in ("enabled", "enabled-runtime", "static")) != enabled:
+        commands.append(f"systemctl {'enable' if enabled else 'disable'} {name}")
+    if running is not None and (state.get("ActiveState") in ("active", "activating", "reloading")) != running:
+        commands.append(f"systemctl {'start' if running else 'stop'} {name}")
+    if not commands:
+        host.noop(f"{name} is {'running' if running else 'stopped' if running is False else 'as wanted'}")
+        return
+    yield from commands
+
+
+def service(unit_name: str, running: bool | None = True, enabled: bool | None = True, **op_args):
+    """An operation: systemd unit ``unit_name`` running (or stopped) and enabled (or not),
+    as pyinfra's ``systemd.service`` but read from the snapshot."""
+    expect(units=[unit_name])
+    return _service(unit_name=unit_name, running=running, enabled=enabled, **op_args)
+
+
+# --- a directory of the controller, kept identical on the host -------------------------------
+
+FILE_MODE, DIR_MODE, OWNER = 0o644, 0o755, "root:root"
+
+
+def _kept(rel: Path) -> bool:
+    return "__pycache__" not in rel.parts and rel.suffix != ".pyc"
+
+
+def _entries(root: Path) -> list[Path]:
+    return sorted((p for p in root.rglob("*") if _kept(p.relative_to(root))), key=lambda p: p.relative_to(root).as_posix())
+
+
+def manifest_hash(root: Path) -> str:
+    """The manifest hash ``root`` has on a host once copied (fixed modes, owned by root)."""
+    lines = [f"{p.relative_to(root).as_posix()} d {DIR_MODE:o} {OWNER} -" if p.is_dir() else
+             f"{p.relative_to(root).as_posix()} f {FILE_MODE:o} {OWNER} {hashlib.sha256(p.read_bytes()).hexdigest()}"
+             for p in _entries(root)]
+    lines.sort(key=lambda line: line.split(" ", 1)[0].encode())
+    return hashlib.sha256("".join(f"{line}\n" for line in lines).encode()).hexdigest()
+
+
+def tarball(root: Path) -> bytes:
+    """``root`` as a gzipped tar with the modes and owner the manifest expects."""
+    import io
+    import tarfile
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for path in _entries(root):
+            info = tar.gettarinfo(str(path), arcname=path.relative_to(root).as_posix())
+            info.uid = info.gid = 0
+            info.uname = info.gname = "root"
+            info.mtime = 0
+            info.mode = DIR_MODE if path.is_dir() else FILE_MODE
+            if path.is_dir():
+                tar.addfile(info)
+            else:
+                with path.open("rb") as f:
+                    tar.addfile(info, f)
+    return buffer.getvalue()
+
+
+@operation()
+def _tree(src: str, dest: str):
+    if tree_hash(dest) == manifest_hash(Path(src)):
+        host.noop(f"{dest} matches {src}")
+        return
+    q = shlex.quote
+    staged = f"{dest}.tar.gz"
+    yield f"install -d -m 0755 {q(dest.rsplit('/', 1)[0] or '/')}"
+    yield remote.callback(remote.uploaded, tarball(Path(src)), staged, "0600")
+    # Replaced whole: a reader sees the old tree or the new one, never half of each.
+    yield (f"rm -rf {q(dest)}.new && mkdir -p -m 0755 {q(dest)}.new && "
+           f"tar -xzf {q(staged)} -C {q(dest)}.new --no-same-owner && chmod 0755 {q(dest)}.new && "
+           f"rm -rf {q(dest)}.old && {{ [ ! -e {q(dest)} ] || mv {q(dest)} {q(dest)}.old; }} && "
+           f"mv {q(dest)}.new {q(dest)} && rm -rf {q(dest)}.old {q(staged)}")
+
+
+def tree(src: str, dest: str, **op_args):
+    """An operation: directory ``dest`` holds exactly the files of the controller's ``src``
+    (``__pycache__`` and ``*.pyc`` aside), 0644 files and 0755 directories owned by root;
+    compared by one manifest hash, copied as one tarball when it differs."""
+    expect(trees=[dest])
+    return _tree(src=src, dest=dest, **op_args)
