@@ -43,8 +43,8 @@ from pyinfra.operations import systemd
 
 from sparkfleet import remote, secrets
 from sparkfleet.config import Settings
-from sparkfleet.facts import RouteSource, SshServerAddress
-from sparkfleet.fleet import all_pairs, all_settings, chosen_endpoint
+from sparkfleet.facts import RouteSource
+from sparkfleet.fleet import all_pairs, all_settings, chosen_endpoint, reached_at, ssh_address
 from sparkfleet.hostpaths import ARCHIVE_APT_KEYRING, ARCHIVE_APT_SOURCES
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -140,7 +140,7 @@ def _targets(settings: Settings) -> list[Target]:
     state = host.state
     every = all_settings()
     pairs = all_pairs()
-    own = host.get_fact(SshServerAddress, _sudo=False)
+    own = ssh_address(host)
     current = host.get_fact(OurConfig) or {}
     targets = []
     for member in state.inventory:
@@ -160,7 +160,7 @@ def _targets(settings: Settings) -> list[Target]:
                 address = None
         if not address and server in current:
             address = current[server].rsplit(":", 1)[0].strip("[]")
-        address = address or remote.reached_at(member)
+        address = address or reached_at(member)
         if ms.served_model_name != settings.served_model_name:
             logger.warning(f"{member.name}: serves `{ms.served_model_name}`, the fleet endpoint checks for "
                            f"`{settings.served_model_name}`: it stays out of rotation")
@@ -266,7 +266,7 @@ def _states_now(target_host) -> dict[str, "Member"]:
 
 
 def _hint(target_host, settings: Settings, members: list[Target], states: dict[str, "Member"]) -> str:
-    url = f"http://{remote.reached_at(target_host)}:{settings.endpoint_port}"
+    url = f"http://{reached_at(target_host)}:{settings.endpoint_port}"
     mode = settings.api_key.get_secret_value()
     auth = (f'-H "Authorization: Bearer $(cat {settings.api_key_file})" ' if mode == "auto"
             else '-H "Authorization: Bearer $API_KEY" ' if mode != "none" else "")
@@ -279,7 +279,7 @@ def _hint(target_host, settings: Settings, members: list[Target], states: dict[s
         f"fleet endpoint {url}/v1 serves `{settings.served_model_name}` over {len(members)} member(s): {listing}\n"
         f"    curl {auth}{url}/v1/models\n"
         f'    openai.OpenAI(base_url="{url}/v1", api_key={key})\n'
-        f"    metrics: curl {auth}http://{remote.reached_at(target_host)}:{settings.endpoint_metrics_port}/metrics"
+        f"    metrics: curl {auth}http://{reached_at(target_host)}:{settings.endpoint_metrics_port}/metrics"
     )
 
 

@@ -13,9 +13,7 @@ from __future__ import annotations
 import json
 import shlex
 
-from pyinfra import host
 from pyinfra.api import FactBase
-from pyinfra.facts.docker import DockerSystemInfo
 
 from sparkfleet import hostpaths
 
@@ -24,15 +22,6 @@ MANIFEST_ACCEPT = (
     "application/vnd.docker.distribution.manifest.v2+json,application/vnd.oci.image.manifest.v1+json,"
     "application/vnd.docker.distribution.manifest.list.v2+json,application/vnd.oci.image.index.v1+json"
 )
-
-# --- built-in facts, read the way sparkfleet needs them ------------------------------
-
-
-def docker_info() -> dict:
-    """``docker system info`` of this host as data (``docker.DockerSystemInfo``); {} when
-    docker is missing or its daemon does not answer, which the preflight reports."""
-    return host.get_fact(DockerSystemInfo, _ignore_errors=True) or {}
-
 
 # --- the host (preflight) ------------------------------------------------------------
 

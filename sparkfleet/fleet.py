@@ -203,6 +203,22 @@ def located(state, current, mirrors: dict[str, Mirror | None]) -> Mirror | None:
     return replace(mirror, address=address)
 
 
+def ssh_address(target, state=None) -> str:
+    """The address ``target``'s SSH connection reached ($SSH_CONNECTION's third field), or
+    "": asked once per run, whoever asks."""
+    from sparkfleet.facts import SshServerAddress
+
+    return once(("ssh address", target.name), lambda: target.get_fact(SshServerAddress, _sudo=False), state)
+
+
+def reached_at(target) -> str:
+    """How the controller reaches ``target``, for the URLs the deploy prints: ``ssh_hostname``,
+    else the address its SSH connection reached (curl cannot resolve an SSH alias, nor a
+    ``.local`` name without mDNS), else its name."""
+    given = target.data.get("ssh_hostname")
+    return str(given) if given else (ssh_address(target) or target.name)
+
+
 def _usable(address: str) -> bool:
     try:
         ip = ipaddress.ip_address(address)
@@ -224,12 +240,12 @@ def _fleet_address(state, mirror_name: str, mirrors: dict[str, Mirror | None]) -
     checks that it answers before it pulls or downloads (mirror.clients). One command on
     the mirror answers for every peer.
     """
-    from sparkfleet.facts import RouteSources, SshServerAddress
+    from sparkfleet.facts import RouteSources
 
     server = state.inventory.get_host(mirror_name)
     peers = [state.inventory.get_host(n) for n, m in mirrors.items() if m and m.host == mirror_name and n != mirror_name]
     peers = [p for p in peers if p in state.active_hosts]
-    reached = {peer.name: peer.get_fact(SshServerAddress, _sudo=False) for peer in peers}
+    reached = {peer.name: ssh_address(peer, state) for peer in peers}
     asked = sorted({a for a in reached.values() if _usable(a)})
     routes = server.get_fact(RouteSources, addresses=asked) if asked else {}
     seen = {name: (routes.get(a, "") if _usable(routes.get(a, "")) else "") or f"none (reached at {a or '?'})"
@@ -237,7 +253,7 @@ def _fleet_address(state, mirror_name: str, mirrors: dict[str, Mirror | None]) -
     sources = Counter(a for a in seen.values() if _usable(a))
     if sources:
         return sources.most_common(1)[0][0]
-    own = server.get_fact(SshServerAddress, _sudo=False)
+    own = ssh_address(server, state)
     if _usable(own) or not peers:
         return own if _usable(own) else "127.0.0.1"  # a fleet of one reaches itself
     shown = "; ".join(f"to {name}: {a}" for name, a in seen.items())

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pyinfra import host
 from pyinfra.api import deploy, operation
 from pyinfra.api.exceptions import OperationError
-from pyinfra.facts.docker import DockerImage
+from pyinfra.facts.docker import DockerImage, DockerSystemInfo
 
-from sparkfleet import mirror, remote
+from sparkfleet import mirror, remote, snapshot
 from sparkfleet.config import Settings
-from sparkfleet.facts import MANIFEST_ACCEPT, ContainerdRoot, ManifestSize, docker_info
+from sparkfleet.facts import MANIFEST_ACCEPT, ContainerdRoot, ManifestSize
 from sparkfleet.fleet import host_mirror
 from sparkfleet.hostpaths import HF_ENV, RUNTIME_DIR, registry_ca_path
 from sparkfleet.mirror import ImageName, image_reference, local_image
@@ -34,7 +34,7 @@ def pinned_digest(reference: str) -> str | None:
 
 
 def _present(ref: str) -> bool:
-    images = host.get_fact(DockerImage, object_id=ref) or []
+    images = snapshot.fact(DockerImage, object_id=ref) or []
     if not images:
         return False
     digest = pinned_digest(ref)
@@ -51,7 +51,7 @@ def is_present(reference: str) -> bool:
 
 def image_store() -> dict | None:
     """Where docker keeps images here (:func:`store_of` this host's ``docker info``)."""
-    return store_of(docker_info(), lambda: host.get_fact(ContainerdRoot))
+    return store_of(snapshot.fact(DockerSystemInfo, _ignore_errors=True) or {}, lambda: host.get_fact(ContainerdRoot))
 
 
 def store_of(info: dict, containerd_root) -> dict | None:

@@ -22,7 +22,6 @@ import shlex
 
 from pyinfra import host, logger
 from pyinfra.api import deploy, operation
-from pyinfra.facts.server import Which
 from pyinfra.operations import systemd
 
 from sparkfleet import snapshot
@@ -86,7 +85,7 @@ def installed(apt_repo: str | None, apt_key_url: str | None):
     + apt_repo, apt_key_url: a repository to take it from and its signing key
       (``apt_repo``/``apt_key_url``); None: the host's own archives (Ubuntu universe)
     """
-    if host.get_fact(Which, command="earlyoom"):
+    if snapshot.program("earlyoom"):
         host.noop("earlyoom is installed")
         return
     q = shlex.quote
@@ -119,6 +118,7 @@ def configured(settings: Settings) -> None:
     """earlyoom installed, configured for the engine and running; restarted only when its
     configuration changed (a drop-in change also needs a daemon-reload: only then)."""
     gib = settings.oom_guard_min_available_gib
+    snapshot.expect(programs=["earlyoom"])
     package = installed(name="earlyoom installed", apt_repo=settings.apt_repo, apt_key_url=settings.apt_key_url)
     kill_hook = snapshot.file(OOM_HOOK, hook(gib), mode="755", name="kill hook")
     args = snapshot.file(EARLYOOM_DEFAULTS, f'# Rendered by sparkfleet (oomguard.py).\nEARLYOOM_ARGS="{earlyoom_args(gib)}"\n',

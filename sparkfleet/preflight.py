@@ -18,12 +18,13 @@ from gevent.event import AsyncResult
 from pyinfra import host, logger, state
 from pyinfra.api import State, operation
 from pyinfra.context import ctx_host, ctx_state
+from pyinfra.facts.docker import DockerSystemInfo
 from pyinfra.facts.files import File, Sha256File
 from pyinfra.facts.server import Arch
 
-from sparkfleet import hybrid, image, link, mirror, remote, secrets, service, weights
+from sparkfleet import hybrid, image, link, mirror, remote, secrets, service, snapshot, weights
 from sparkfleet.config import Settings
-from sparkfleet.facts import FreeSpace, Gpu, Memory, docker_info
+from sparkfleet.facts import FreeSpace, Gpu, Memory
 from sparkfleet.fleet import fleet_settings, host_pair
 from sparkfleet.hostpaths import SECRETS_ENV
 
@@ -100,7 +101,7 @@ def host_findings(settings: Settings) -> Findings:
         if not gpu["driver_version"] or gpu["driver_version"].startswith("["):
             found.problems.append("nvidia-smi reports no driver version: reinstall the NVIDIA driver")
 
-    if not docker_info().get("DockerRootDir"):
+    if not (snapshot.fact(DockerSystemInfo, _ignore_errors=True) or {}).get("DockerRootDir"):
         found.problems.append(
             "docker is missing or its daemon does not answer: install docker and run "
             "`systemctl enable --now docker`"

@@ -58,18 +58,6 @@ def callback(function, *args, **kwargs) -> FunctionCommand:
     return FunctionCommand(run_step, args, kwargs)
 
 
-def reached_at(host) -> str:
-    """How the controller reaches ``host``, for the URLs the deploy prints: ``ssh_hostname``,
-    else the address its SSH connection reached (curl cannot resolve an SSH alias, nor a
-    ``.local`` name without mDNS), else its name."""
-    from sparkfleet.facts import SshServerAddress
-
-    given = host.data.get("ssh_hostname")
-    if given:
-        return str(given)
-    return host.get_fact(SshServerAddress, _sudo=False) or host.name
-
-
 def connector_arguments(host) -> dict:
     """The host's ``_sudo``/``_su_user``/... settings, as operations and facts get them."""
     arguments, _ = pop_global_arguments(host.state, host, {})

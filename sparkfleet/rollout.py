@@ -37,7 +37,7 @@ from sparkfleet.bench.onhost.client import BenchError, Client
 from sparkfleet.bench.onhost.metrics import acceptance, parse_spec_counters
 from sparkfleet.bench.onhost.workloads import SMOKE_EXPECT, SMOKE_MAX_TOKENS, SMOKE_PROMPT
 from sparkfleet.config import Settings
-from sparkfleet.fleet import PairMember
+from sparkfleet.fleet import PairMember, reached_at
 from sparkfleet.hostpaths import LAST_GOOD_DIR, REVISION_FILE, STARTED_FILE, UNIT
 
 # How long a host put back in rotation may take to pass the endpoint's checks (rise 2 at 1 s).
@@ -286,7 +286,7 @@ def api_url(host, settings: Settings) -> str:
         raise OperationError(f"{host.name}: the rollout gate needs the API reachable from the controller, but "
                              f"bind_address is {settings.bind_address}; bind another address or use --data rollout=all")
     if address.is_unspecified:
-        found = remote.reached_at(host)
+        found = reached_at(host)
         address = ipaddress.ip_address(found) if _is_ip(found) else found
     text = f"[{address}]" if getattr(address, "version", 4) == 6 else str(address)
     return f"http://{text}:{settings.port}"

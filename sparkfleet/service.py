@@ -29,7 +29,7 @@ from sparkfleet import container_runtime, remote, rollout, secrets, snapshot
 from sparkfleet.bench.onhost.workloads import SMOKE_PROMPT as READY_PROMPT  # READY asks what smoke asks
 from sparkfleet.config import Settings
 from sparkfleet.facts import PortHolders, ServedAnswer, ServedModels, UnitState
-from sparkfleet.fleet import PairMember
+from sparkfleet.fleet import PairMember, reached_at
 from sparkfleet.hostpaths import (
     AUTH_HEADER,
     COMPILE_SIGNATURE,
@@ -307,7 +307,7 @@ def _endpoint_hint(settings: Settings, target_host=None, member: PairMember | No
         f"API key in {settings.api_key_file}" if mode == "auto"
         else "no API key (api_key=none)" if mode == "none" else "API key as configured"
     )
-    address = remote.reached_at(target_host or host)
+    address = reached_at(target_host or host)
     return f"http://{address}:{settings.port}/v1 serves `{settings.served_model_name}` ({settings.profile}); {key}"
 
 
@@ -464,7 +464,7 @@ def running(settings: Settings, also_restart_for: tuple = (), member: PairMember
     # and gates it itself (rollout.py); rollout=all restarts every host at once.
     address = ready_address(settings, member)
     rolling = rollout.applies(settings, snapshot.unit(UNIT),
-                              host.get_fact(ServedModels, address=address, port=settings.port))
+                              snapshot.fact(ServedModels, address=address, port=settings.port))
     started = serving(
         name=f"{UNIT} runs the settings on disk",
         revision=wanted,

@@ -44,7 +44,10 @@ def owner(st):
 def sha(path):
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
-out = {"files": {}, "texts": {}, "trees": {}, "units": {}}
+out = {"files": {}, "texts": {}, "trees": {}, "units": {}, "programs": {}}
+import shutil
+for name in want["programs"]:
+    out["programs"][name] = shutil.which(name, path=os.environ.get("PATH", "") + ":/usr/local/sbin:/usr/sbin:/sbin")
 for p in want["files"]:
     try:
         st = os.stat(p)
@@ -91,7 +94,7 @@ class HostState(FactBase["dict"]):
 
     @staticmethod
     def default():
-        return {"files": {}, "texts": {}, "trees": {}, "units": {}}
+        return {"files": {}, "texts": {}, "trees": {}, "units": {}, "programs": {}}
 
     def command(self, want: str) -> StringCommand:
         return StringCommand("python3", "-c", shlex.quote(_READER), shlex.quote(want))
@@ -107,26 +110,29 @@ class _Wanted:
     texts: set[str] = field(default_factory=set)
     trees: set[str] = field(default_factory=set)
     units: set[str] = field(default_factory=set)
+    programs: set[str] = field(default_factory=set)
 
     def json(self) -> str:
         return json.dumps({"files": sorted(self.files), "texts": sorted(self.texts), "trees": sorted(self.trees),
-                           "units": sorted(self.units), "props": list(UNIT_PROPERTIES)})
+                           "units": sorted(self.units), "programs": sorted(self.programs),
+                           "props": list(UNIT_PROPERTIES)})
 
 
 def _wanted(name: str) -> _Wanted:
     return once(("snapshot wanted", name), _Wanted)
 
 
-def expect(*, files=(), texts=(), trees=(), units=()) -> None:
+def expect(*, files=(), texts=(), trees=(), units=(), programs=()) -> None:
     """Declare, while the deploy plans, what the current host's operations will compare."""
     wanted = _wanted(host.name)
     wanted.files.update(files)
     wanted.texts.update(texts)
     wanted.trees.update(trees)
     wanted.units.update(units)
+    wanted.programs.update(programs)
 
 
-_KINDS = ("files", "texts", "trees", "units")
+_KINDS = ("files", "texts", "trees", "units", "programs")
 
 
 class _Forget(BaseStateCallback):
@@ -146,7 +152,18 @@ class _Forget(BaseStateCallback):
 
 
 def _known(name: str, state=None) -> dict[str, dict]:
-    return once(("snapshot", name), lambda: {k: {} for k in _KINDS}, state)
+    return once(("snapshot", name), lambda: {k: {} for k in (*_KINDS, "facts")}, state)
+
+
+def fact(cls, **kwargs):
+    """``host.get_fact(cls, **kwargs)``, asked once until an operation changes the host:
+    for facts several steps read (docker's info, the image, the cached weights)."""
+    once("snapshot forgets", lambda: host.state.add_callback_handler(_Forget()))
+    facts = _known(host.name)["facts"]
+    key = (cls.__name__, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
+    if key not in facts:
+        facts[key] = host.get_fact(cls, **kwargs)
+    return facts[key]
 
 
 def _read(kind: str, key: str):
@@ -185,6 +202,12 @@ def unit(name: str) -> dict[str, str]:
     return _read("units", name) or {}
 
 
+def program(name: str) -> str | None:
+    """Where the command ``name`` is on the host's PATH (sbin included), None if nowhere:
+    pyinfra's ``server.Which``, read from the snapshot."""
+    return _read("programs", name)
+
+
 def tree_hash(path: str) -> str:
     return _read("trees", path) or ""
 
@@ -212,6 +235,15 @@ def file(path: str, content: str | bytes | None = None, src: str | None = None, 
     expect(files=[path])
     data = content.encode() if isinstance(content, str) else content
     return _file(path=path, content=data, src=src, mode=int(mode, 8), owner=owner, **op_args)
+
+
+def template(path: str, src: str, mode: str = "644", owner: str = "root:root", op_args: dict | None = None,
+             **context):
+    """An operation: ``path`` holds the jinja2 template ``src`` rendered with ``context``,
+    as pyinfra's ``files.template`` renders it (``op_args``: name, _if...)."""
+    from pyinfra.api.util import get_template
+
+    return file(path, get_template(src).render(context), mode=mode, owner=owner, **(op_args or {}))
 
 
 @operation()

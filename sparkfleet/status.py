@@ -26,7 +26,7 @@ import gevent
 
 from sparkfleet import endpoint, remote
 from sparkfleet.config import ConfigError, Settings
-from sparkfleet.fleet import fleet_pairs, validate_fleet
+from sparkfleet.fleet import fleet_pairs, reached_at, validate_fleet
 from sparkfleet.hostpaths import AUTH_HEADER, CONTAINER, SERVE_ENV, UNIT
 
 METRICS = {
@@ -207,8 +207,8 @@ def collect(state, settings: dict[str, Settings]) -> dict[str, Any]:
     if ep_host is not None:
         ep = {"host": ep_name, "url": None, "reachable": ep_host in state.active_hosts}
         es = settings[ep_name]
-        ep["url"] = f"http://{remote.reached_at(ep_host)}:{es.endpoint_port}/v1"
-        ep["metrics"] = f"http://{remote.reached_at(ep_host)}:{es.endpoint_metrics_port}/metrics"
+        ep["url"] = f"http://{reached_at(ep_host)}:{es.endpoint_port}/v1"
+        ep["metrics"] = f"http://{reached_at(ep_host)}:{es.endpoint_metrics_port}/metrics"
         if ep["reachable"]:
             try:
                 stat = endpoint.show_stat(ep_host)

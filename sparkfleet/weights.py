@@ -14,7 +14,7 @@ import shlex
 from pyinfra import host
 from pyinfra.api import deploy, operation
 
-from sparkfleet import mirror, remote
+from sparkfleet import mirror, remote, snapshot
 from sparkfleet.config import Settings
 from sparkfleet.facts import CachedSnapshot
 from sparkfleet.fleet import host_mirror
@@ -39,7 +39,7 @@ def _missing(repos: dict[str, str], hf_home: str, verify: bool = False) -> list[
     if verify:  # verify_weights: every blob hashed again, so every repository visited
         return list(repos)
     return [repo for repo, revision in repos.items()
-            if host.get_fact(CachedSnapshot, hf_home=hf_home, repo_id=repo, revision=revision) is None]
+            if snapshot.fact(CachedSnapshot, hf_home=hf_home, repo_id=repo, revision=revision) is None]
 
 
 def wanted(settings: Settings) -> dict[str, str]:

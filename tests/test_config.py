@@ -137,3 +137,15 @@ def test_one_apt_url_takes_one_key():
     assert apt_keyring(settings.nvidia_apt_repo, settings.apt_repo) == ARCHIVE_APT_KEYRING
     assert apt_keyring(defaults()["nvidia_apt_repo"], url) == NVIDIA_APT_KEYRING
     assert apt_keyring(defaults()["nvidia_apt_repo"], None) == NVIDIA_APT_KEYRING
+
+
+def test_fleet_wide_keys_must_agree_across_hosts():
+    from support.fleetdata import fleet
+
+    hosts = fleet(("spark-1", {}), ("spark-2", {"rollout_batch": 2}), ("spark-3", {"rollout_batch": 2}))
+    with pytest.raises(ConfigError) as err:
+        validate_fleet(hosts)
+    text = str(err.value)
+    assert "`rollout_batch` differs between hosts" in text and "1 on spark-1" in text
+    assert "2 on spark-2, spark-3" in text and "nothing was changed on any host" in text
+    assert validate_fleet(fleet(("spark-1", {"rollout_batch": 2}), ("spark-2", {"rollout_batch": 2})))

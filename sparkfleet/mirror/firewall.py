@@ -19,16 +19,14 @@ fleet get a reset.
 
 from __future__ import annotations
 
-import io
 import ipaddress
 import re
 
 from pyinfra import host, state
 from pyinfra.api import operation
-from pyinfra.facts.files import FileContents
-from pyinfra.facts.server import Which
-from pyinfra.operations import files, systemd
+from pyinfra.operations import systemd
 
+from sparkfleet import snapshot
 from sparkfleet.facts import RouteSource
 from sparkfleet.fleet import Mirror, all_mirrors, mirror_route
 from sparkfleet.hostpaths import FIREWALL_RULES, FIREWALL_UNIT, FIREWALL_UNIT_PATH, HF_MIRROR_UNIT, REGISTRY_UNIT
@@ -60,7 +58,7 @@ def fleet_sources(mirror: Mirror) -> list[str]:
 
 def current_sources() -> set[str]:
     """The fleet addresses the rules on this host allow now."""
-    text = "\n".join(host.get_fact(FileContents, path=FIREWALL_RULES) or [])
+    text = snapshot.text(FIREWALL_RULES) or ""
     return {a.strip() for group in re.findall(r"elements = \{([^}]*)\}", text) for a in group.split(",") if a.strip()}
 
 
@@ -116,7 +114,7 @@ def nftables_installed():
     Install nftables from the host's apt sources when ``nft`` is missing (the lists the
     registry's install refreshed).
     """
-    if host.get_fact(Which, command="nft"):
+    if snapshot.program("nft"):
         host.noop("nftables is installed")
         return
     yield "DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends nftables"
@@ -125,15 +123,11 @@ def nftables_installed():
 def fleet_only(mirror: Mirror) -> list:
     """The registry and HF mirror ports open to the fleet's hosts only. Returns the ops."""
     installed = nftables_installed(name="nftables installed")
-    table = files.put(
-        name="mirror firewall rules (fleet hosts only)",
-        src=io.StringIO(rules(fleet_sources(mirror), [mirror.registry_port, mirror.hf_port])),
-        dest=FIREWALL_RULES, mode="644",
-    )
-    unit = files.put(name=f"systemd unit {FIREWALL_UNIT}", src=io.StringIO(UNIT_TEXT),
-                     dest=FIREWALL_UNIT_PATH, mode="644")
+    table = snapshot.file(FIREWALL_RULES, rules(fleet_sources(mirror), [mirror.registry_port, mirror.hf_port]),
+                          name="mirror firewall rules (fleet hosts only)")
+    unit = snapshot.file(FIREWALL_UNIT_PATH, UNIT_TEXT, name=f"systemd unit {FIREWALL_UNIT}")
     systemd.daemon_reload(name=f"systemd reload for {FIREWALL_UNIT}", _if=unit.did_change)
-    systemd.service(name=f"{FIREWALL_UNIT} active", service=FIREWALL_UNIT, running=True, enabled=True)
+    snapshot.service(FIREWALL_UNIT, name=f"{FIREWALL_UNIT} active")
     reloaded = systemd.service(
         name="mirror firewall rules swapped in", service=FIREWALL_UNIT, reloaded=True,
         _if=lambda: table.did_change() or unit.did_change(),

@@ -26,9 +26,8 @@ from urllib.parse import urlsplit
 from pyinfra import host
 from pyinfra.api import StringCommand, operation
 from pyinfra.api.exceptions import OperationError
-from pyinfra.facts.files import FileContents
 
-from sparkfleet import olah_wheels, remote
+from sparkfleet import olah_wheels, remote, snapshot
 from sparkfleet.facts import HostPython
 from sparkfleet.hostpaths import OLAH_DIR, OLAH_MARKER
 
@@ -109,7 +108,7 @@ def installed(requirement: str):
     The controller downloads the wheels for the host's python3 and uploads them; the host
     installs them with pip run from its wheel: it needs python3 (3.10+), no pip, no index.
     """
-    if (host.get_fact(FileContents, path=OLAH_MARKER) or [None])[0] == requirement:
+    if snapshot.first_line(OLAH_MARKER) == requirement:
         host.noop(f"{requirement} is installed")
         return
     python = host.get_fact(HostPython)

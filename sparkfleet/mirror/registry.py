@@ -21,9 +21,8 @@ from urllib.parse import urlsplit
 
 from pyinfra import host
 from pyinfra.api import operation
-from pyinfra.facts.server import Which
 
-from sparkfleet import remote
+from sparkfleet import remote, snapshot
 from sparkfleet.facts import RegistryManifest
 from sparkfleet.fleet import Mirror
 from sparkfleet.hostpaths import (
@@ -49,7 +48,7 @@ def installed(apt_repo: str | None, apt_key_url: str | None):
       (``apt_repo``/``apt_key_url``); None: the host's own archives,
       Ubuntu universe / Debian main
     """
-    if all(host.get_fact(Which, command=program) for program in ("docker-registry", "skopeo")):
+    if all(snapshot.program(program) for program in ("docker-registry", "skopeo")):
         host.noop("docker-registry and skopeo are installed")
         return
     q = shlex.quote

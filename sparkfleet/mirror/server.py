@@ -11,6 +11,7 @@ from pyinfra.api import StringCommand, operation
 from pyinfra.facts.hardware import Cpus
 from pyinfra.operations import files, systemd
 
+from sparkfleet import snapshot
 from sparkfleet.config import Settings
 from sparkfleet.facts import MirrorAnswers
 from sparkfleet.fleet import Mirror
@@ -36,6 +37,7 @@ TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
 def served(settings: Settings, mirror: Mirror) -> list:
     """The registry (image copy included) and the HF mirror on this host, the mirror.
     Returns the operations it declared (for the report)."""
+    snapshot.expect(programs=["docker-registry", "skopeo", "nft"])
     installed = registry.installed(name="docker-registry and skopeo installed", apt_repo=settings.apt_repo,
                                    apt_key_url=settings.apt_key_url)
     firewall.fleet_only(mirror)  # before either service first answers
@@ -44,13 +46,13 @@ def served(settings: Settings, mirror: Mirror) -> list:
         user=REGISTRY_USER, group=REGISTRY_USER, mode="750",
     )
     certificate = tls.on_registry(settings.mirror_tls_dir, mirror)
-    config = files.template(
-        name="registry configuration", src=str(TEMPLATES / "registry-mirror.yml.j2"),
-        dest=REGISTRY_CONFIG, mode="644", storage=mirror_registry_storage(settings.mirror_dir),
-        port=mirror.registry_port, cert=REGISTRY_CERT, key=REGISTRY_KEY,
+    config = snapshot.template(
+        REGISTRY_CONFIG, str(TEMPLATES / "registry-mirror.yml.j2"), op_args={"name": "registry configuration"},
+        storage=mirror_registry_storage(settings.mirror_dir), port=mirror.registry_port, cert=REGISTRY_CERT,
+        key=REGISTRY_KEY,
     )
     registry_feeds = (installed, storage, *certificate, config)
-    systemd.service(name=f"{REGISTRY_UNIT} running", service=REGISTRY_UNIT, running=True, enabled=True)
+    snapshot.service(REGISTRY_UNIT, name=f"{REGISTRY_UNIT} running")
     systemd.service(
         name=f"{REGISTRY_UNIT} restarted for its new configuration", service=REGISTRY_UNIT,
         restarted=True, _if=lambda: any(op.did_change() for op in registry_feeds),
@@ -58,22 +60,22 @@ def served(settings: Settings, mirror: Mirror) -> list:
 
     olah = hf.installed(name=f"HF mirror ({settings.mirror_olah}) installed", requirement=settings.mirror_olah)
     scheme, netloc, lfs_netloc = hf.upstream_hub(settings.hf_endpoint)
-    hf_config = files.template(
-        name="HF mirror configuration", src=str(TEMPLATES / "hf-mirror.toml.j2"),
-        dest=HF_MIRROR_CONFIG, mode="644", port=mirror.hf_port, repos=mirror_hf_cache(settings.mirror_dir),
+    hf_config = snapshot.template(
+        HF_MIRROR_CONFIG, str(TEMPLATES / "hf-mirror.toml.j2"), op_args={"name": "HF mirror configuration"},
+        port=mirror.hf_port, repos=mirror_hf_cache(settings.mirror_dir),
         scheme=scheme, netloc=netloc, lfs_netloc=lfs_netloc, address=mirror.netloc_host,
         listen="::" if ":" in str(mirror.address) else "0.0.0.0",
     )
-    hf_unit = files.template(
-        name=f"systemd unit {HF_MIRROR_UNIT}", src=str(TEMPLATES / "sparkfleet-hf-mirror.service.j2"),
-        dest=HF_MIRROR_UNIT_PATH, mode="644", lib=OLAH_LIB, config=HF_MIRROR_CONFIG,
+    hf_unit = snapshot.template(
+        HF_MIRROR_UNIT_PATH, str(TEMPLATES / "sparkfleet-hf-mirror.service.j2"),
+        op_args={"name": f"systemd unit {HF_MIRROR_UNIT}"}, lib=OLAH_LIB, config=HF_MIRROR_CONFIG,
         data_dir=f"{settings.mirror_dir}/hf", requirement=settings.mirror_olah,
         # olah spends ~tens of ms of CPU per request; one process per core, up to 4.
-        workers=max(1, min(4, host.get_fact(Cpus) or 1)),
+        workers=max(1, min(4, snapshot.fact(Cpus) or 1)),
     )
     hf_data = files.directory(name="HF mirror cache", path=mirror_hf_cache(settings.mirror_dir))
     systemd.daemon_reload(name="systemd reload for the HF mirror unit", _if=hf_unit.did_change)
-    systemd.service(name=f"{HF_MIRROR_UNIT} running", service=HF_MIRROR_UNIT, running=True, enabled=True)
+    snapshot.service(HF_MIRROR_UNIT, name=f"{HF_MIRROR_UNIT} running")
     hf_feeds = (olah, hf_config, hf_unit, hf_data)
     systemd.service(
         name=f"{HF_MIRROR_UNIT} restarted for its new configuration", service=HF_MIRROR_UNIT,

@@ -11,7 +11,6 @@ from pathlib import Path
 
 from pyinfra import host
 from pyinfra.api import operation
-from pyinfra.facts.files import FileContents, Sha256File
 from pyinfra.operations import files
 
 from sparkfleet import remote, secrets, snapshot
@@ -64,7 +63,7 @@ def made(tls_dir: str, mirror: Mirror):
         host.noop(f"the mirror {mirror.host} provides the registry certificate")
         return
     # Runs on the controller when the deploy executes; planning writes nothing.
-    serving = "\n".join(host.get_fact(FileContents, path=REGISTRY_CERT) or []).encode()
+    serving = (snapshot.text(REGISTRY_CERT) or "").rstrip("\n").encode()
     if serving and secrets.names_mirror(serving + b"\n", mirror):
         yield remote.callback(_adopt, tls_dir, mirror)
     else:
@@ -95,7 +94,7 @@ def key_installed(key_path: str):
     Not ``files.put``: with sudo it passes through a world-readable file in /tmp.
     """
     path = Path(key_path)
-    if path.exists() and host.get_fact(Sha256File, path=REGISTRY_KEY) == hashlib.sha256(path.read_bytes()).hexdigest():
+    if path.exists() and (snapshot.file_state(REGISTRY_KEY) or (0, "", ""))[2] == hashlib.sha256(path.read_bytes()).hexdigest():
         host.noop("the registry key is in place")
         return
     yield remote.callback(_install_key, key_path)

@@ -22,12 +22,11 @@ def test_rules_let_in_loopback_and_the_fleet_only(tmp_path) -> None:
 
 def test_the_addresses_the_rules_allow_are_read_back(monkeypatch) -> None:
     """What keeps an unreachable host's address in the rules (a host that is down changes nothing)."""
-    from types import SimpleNamespace
-
+    from sparkfleet import snapshot
     from sparkfleet.mirror import firewall
 
     text = rules(["10.0.0.12", "10.0.0.13", "fd00::12"], [5000, 8090])
-    monkeypatch.setattr(firewall, "host", SimpleNamespace(get_fact=lambda *a, **k: text.splitlines()))
+    monkeypatch.setattr(snapshot, "text", lambda path: text if path == firewall.FIREWALL_RULES else None)
     assert firewall.current_sources() == {"10.0.0.12", "10.0.0.13", "fd00::12"}
-    monkeypatch.setattr(firewall, "host", SimpleNamespace(get_fact=lambda *a, **k: None))
+    monkeypatch.setattr(snapshot, "text", lambda path: None)
     assert firewall.current_sources() == set()

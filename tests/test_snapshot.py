@@ -1,0 +1,65 @@
+"""One read of a host's state: the reader that runs on the host, run here on real files,
+agrees with what the controller expects (no fleet)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from sparkfleet import snapshot
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def read(**want) -> dict:
+    wanted = snapshot._Wanted(*(set(want.get(k, ())) for k in snapshot._KINDS))
+    command = snapshot.HostState().command(want=wanted.json())
+    done = subprocess.run(["sh", "-c", str(command.get_raw_value())], capture_output=True, text=True, check=True,
+                          env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
+    return snapshot.HostState().process(done.stdout.splitlines())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the copy is owned by root, as on a host")
+def test_a_copied_tree_reads_back_as_the_manifest_the_controller_expects(tmp_path):
+    dest = tmp_path / "runtime"
+    dest.mkdir(mode=0o755)
+    with tarfile.open(fileobj=io.BytesIO(snapshot.tarball(ROOT / "runtime")), mode="r:gz") as tar:
+        tar.extractall(dest)
+    (dest / "patches" / "__pycache__").mkdir()  # what python leaves beside the copy is not compared
+    (dest / "patches" / "__pycache__" / "x.cpython-312.pyc").write_bytes(b"\0")
+    expected = snapshot.manifest_hash(ROOT / "runtime")
+    assert read(trees=[str(dest)])["trees"][str(dest)] == expected
+    (dest / "serve.py").write_text("edited on the host\n")
+    assert read(trees=[str(dest)])["trees"][str(dest)] != expected
+    assert read(trees=[str(tmp_path / "missing")])["trees"][str(tmp_path / "missing")] == ""
+
+
+def test_files_read_with_mode_owner_and_hash_and_missing_ones_as_none(tmp_path):
+    kept = tmp_path / "serve.env"
+    kept.write_text("A=1\n")
+    kept.chmod(0o640)
+    got = read(files=[str(kept), str(tmp_path / "gone")], texts=[str(kept)], programs=["sh", "no-such-program"])
+    mode, owner, digest = got["files"][str(kept)]
+    assert mode == 0o640 and ":" in owner
+    assert digest == hashlib.sha256(b"A=1\n").hexdigest()
+    assert got["files"][str(tmp_path / "gone")] is None
+    assert got["texts"][str(kept)] == "A=1\n"
+    assert got["programs"]["sh"] and got["programs"]["no-such-program"] is None
+
+
+def test_the_tarball_is_the_same_bytes_for_the_same_tree():
+    assert snapshot.tarball(ROOT / "runtime") == snapshot.tarball(ROOT / "runtime")
+
+
+def test_the_want_list_is_json_a_fake_host_answers_empty():
+    # The @fake connector answers unknown commands with nothing: the snapshot is then empty.
+    assert snapshot.HostState().process([]) == snapshot.HostState.default()
+    assert json.loads(snapshot._Wanted(files={"/b", "/a"}).json())["files"] == ["/a", "/b"]
