@@ -31,7 +31,7 @@ from pyinfra import host as current_host
 from pyinfra import logger
 from pyinfra.api.exceptions import OperationError
 
-from sparkfleet import endpoint, remote, secrets
+from sparkfleet import endpoint, ready, remote, secrets
 from sparkfleet.bench.onhost.checks import tool_call_round_trip
 from sparkfleet.bench.onhost.client import BenchError, Client
 from sparkfleet.bench.onhost.metrics import acceptance, parse_spec_counters
@@ -149,9 +149,9 @@ def _worker_rolled(state, host, ro: Rollout, member: PairMember, revision: str) 
 def _pair_workers(state, ro: Rollout, host) -> tuple:
     """The headless members rolling with this head, once each is ready to restart."""
     workers = []
-    for name, ready in ro.workers.get(host.name, {}).items():
+    for name, turn in ro.workers.get(host.name, {}).items():
         worker = state.inventory.get_host(name)
-        while not ready.wait(timeout=2):
+        while not turn.wait(timeout=2):
             if worker in state.failed_hosts:
                 break
         if worker not in state.failed_hosts:
@@ -162,8 +162,6 @@ def _pair_workers(state, ro: Rollout, host) -> tuple:
 def rolled(state, host, settings: Settings, revision: str, member: PairMember | None = None) -> bool:
     """Wait for this host's turn, then drain, restart, gate and put it back. A pair rolls
     as one: its head drains, restarts every member, waits for READY and gates."""
-    from sparkfleet import service  # service imports this module
-
     ro = rollout_of(state, settings)
     if member is not None and member.pair.headless:
         return _worker_rolled(state, host, ro, member, revision)
@@ -192,7 +190,7 @@ def rolled(state, host, settings: Settings, revision: str, member: PairMember | 
             raise OperationError(f"rollout: systemctl restart {UNIT} failed: {' '.join(done.stderr)}")
         step = "READY"
         try:
-            service._wait_ready(state, host, *service.ready_for(settings, host), restarting=True,  # rolls back
+            ready.wait_ready(state, host, *ready.ready_for(settings, host), restarting=True,  # rolls back
                                 peers=peers)
         except OperationError as exc:
             rolled_back = "rolled back: the last good settings serve again" in str(exc)
@@ -201,11 +199,11 @@ def rolled(state, host, settings: Settings, revision: str, member: PairMember | 
         step = "gate"
         problem = gate(host, settings)
         if problem:
-            journal = service._journal_tail(host)
-            change = service._change_from_last_good(host)
+            journal = ready.journal_tail(host)
+            change = ready.change_from_last_good(host)
             host.log(f"gate failed ({problem}): rolling back to the last good settings ({change})", logger.warning)
-            restored = service.restore_last_good(host, peers)
-            again = (service._await_ready(host, *service.ready_for(settings, host)) if restored.ok
+            restored = ready.restore_last_good(host, peers)
+            again = (ready.await_ready(host, *ready.ready_for(settings, host)) if restored.ok
                      else "could not restore: " + " ".join(restored.stderr))
             _after_rollback(ep, host, settings, again is None)
             outcome = ("rolled back: the last good settings serve again" if again is None
@@ -264,13 +262,11 @@ def _back(ep, host) -> None:
 
 def _keep_running_settings(host) -> str:
     """Put back the files of a host that does not roll to what its service runs (no restart)."""
-    from sparkfleet import service
-
     running = remote.run(host, f"cat {STARTED_FILE}").stdout
     last_good = remote.run(host, f"cat {LAST_GOOD_DIR}/serving.rev").stdout
     if not running or running != last_good:
         return "its files are the new ones: no last good copy of what runs"
-    restore = service._restore_last_good().rsplit("\n", 2)[0]  # without reset-failed and restart
+    restore = ready.restore_command(restart=False)
     done = remote.run(host, restore, timeout=120)
     return "files put back to them, no restart" if done.ok else f"could not put files back: {' '.join(done.stderr)}"
 

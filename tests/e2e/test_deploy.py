@@ -13,7 +13,7 @@ import time
 import pytest
 
 from sparkfleet.hostpaths import SERVE_ENV
-from sparkfleet.service import READY_PROMPT
+from sparkfleet.ready import READY_PROMPT
 
 pytestmark = pytest.mark.e2e
 

@@ -17,7 +17,7 @@ import time
 import pytest
 import requests
 
-from sparkfleet.service import READY_PROMPT
+from sparkfleet.ready import READY_PROMPT
 from sparkfleet.testbed import login, paths
 
 pytestmark = pytest.mark.e2e
