@@ -21,6 +21,8 @@ from . import cgroups, hostkinds, login, paths, simhw
 from .proc import TestbedError, kill_wait, log, pid_alive, pid_matches, run, start_detached, wait_until
 from .state import HostState
 
+SSHD_LIMITS = "etc/ssh/sshd_config.d/00-sparkfleet-sim-limits.conf"
+
 DAEMON_JSON = {"insecure-registries": [paths.REGISTRY]}
 
 #: nspawn mounts the cgroup v1 controller hierarchies read-only; dockerd's runc must
@@ -111,6 +113,10 @@ def provision(h: HostState, rootfs: Path, pubkey: str, toolkit_deb: Path, login_
     h.user = login.user(login_kind)
     # Unique sshd host keys per host (the cached root has none).
     run(["chroot", root, "ssh-keygen", "-A"], timeout=60)
+    # sshd's limits as DGX OS ships them (OpenSSH's defaults, never raised for tests): a
+    # deploy that opens more than 10 channels on one host's connection fails here as there.
+    simhw.write_files(root, {SSHD_LIMITS: ("# As on DGX OS: OpenSSH's defaults.\nMaxSessions 10\n"
+                                           "MaxStartups 10:30:100\n", 0o644)})
     docker_dir = root / "etc/docker"
     docker_dir.mkdir(parents=True, exist_ok=True)
     (docker_dir / "daemon.json").write_text(json.dumps(DAEMON_JSON, indent=2) + "\n")

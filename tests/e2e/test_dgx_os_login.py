@@ -67,6 +67,29 @@ def test_root_has_no_ssh_login(tb):
     assert tb.exec("spark-1", "ls -A /root/.ssh 2>/dev/null").stdout.strip() == ""
 
 
+def test_sshd_keeps_dgx_os_limits_and_an_eleventh_channel_is_refused(tb):
+    # pyinfra runs every command of a host over one connection: past MaxSessions 10 a
+    # channel is refused, on DGX OS as here. The deploy keeps under it (issue 31).
+    import paramiko
+
+    spark = tb.hosts[0]
+    shown = tb.exec(spark.name, "sshd -T | grep -E '^(maxsessions|maxstartups) '", via="nsenter").stdout.split("\n")
+    assert "maxsessions 10" in shown and "maxstartups 10:30:100" in shown
+    client = paramiko.SSHClient()
+    client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
+    client.connect(spark.address, username=login.user("dgx"), key_filename=str(paths.SSH_KEY), timeout=10,
+                   allow_agent=False, look_for_keys=False)
+    try:
+        transport = client.get_transport()
+        channels = [transport.open_session() for _ in range(10)]
+        with pytest.raises(paramiko.ChannelException):
+            transport.open_session()
+        for channel in channels:
+            channel.close()
+    finally:
+        client.close()
+
+
 def test_docker_needs_sudo(tb):
     denied = ssh("spark-1.local", "docker ps")
     assert denied.returncode != 0 and "permission denied" in denied.stderr.lower(), denied.stderr
