@@ -356,6 +356,8 @@ def _runtime_shell(command: str) -> str:
 
 def runtime(endpoint, command: str) -> list[str]:
     """One HAProxy runtime-API command on the endpoint host; its answer's lines."""
+    if not endpoint.connected:  # a host this run could not reach has no connection to run on
+        raise OperationError(f"{endpoint.name}: the fleet endpoint's host is not reachable from the controller")
     done = remote.run(endpoint, _runtime_shell(command), timeout=30)
     ok, lines = done.ok, done.stdout
     if not ok:

@@ -216,7 +216,9 @@ def reached_at(target) -> str:
     else the address its SSH connection reached (curl cannot resolve an SSH alias, nor a
     ``.local`` name without mDNS), else its name."""
     given = target.data.get("ssh_hostname")
-    return str(given) if given else (ssh_address(target) or target.name)
+    if given or not target.connected:  # a host this run could not reach: its name
+        return str(given or target.name)
+    return ssh_address(target) or target.name
 
 
 def _usable(address: str) -> bool:

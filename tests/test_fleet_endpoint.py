@@ -114,3 +114,25 @@ def test_a_host_row_from_what_it_printed():
                                       **{**row, "endpoint": "via spark-01"}}], "endpoint": None})
     assert re.search(r"^spark-01\s+pair_a rank 0\s+dflash", paired, re.M), paired
     assert re.search(r"^spark-02\s+pair_a rank 1\s+dflash.*via spark-01", paired, re.M), paired
+
+
+def test_an_unreachable_endpoint_host_is_an_operation_error_not_a_traceback():
+    # A rolling change with the endpoint's host down: the drain asks its runtime API.
+    from types import SimpleNamespace
+
+    from pyinfra.api.exceptions import OperationError
+
+    from sparkfleet import endpoint
+
+    down = SimpleNamespace(name="spark-1.local", connected=False)
+    with pytest.raises(OperationError, match="spark-1.local: the fleet endpoint's host is not reachable"):
+        endpoint.members_of(down)
+
+
+def test_the_url_of_an_unreachable_host_is_its_name():
+    from types import SimpleNamespace
+
+    from sparkfleet.fleet import reached_at
+
+    down = SimpleNamespace(name="spark-9.local", connected=False, data=SimpleNamespace(get=lambda key: None))
+    assert reached_at(down) == "spark-9.local"
