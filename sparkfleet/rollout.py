@@ -37,7 +37,7 @@ from sparkfleet.bench.onhost.client import BenchError, Client
 from sparkfleet.bench.onhost.metrics import acceptance, parse_spec_counters
 from sparkfleet.bench.onhost.workloads import SMOKE_EXPECT, SMOKE_MAX_TOKENS, SMOKE_PROMPT
 from sparkfleet.config import Settings
-from sparkfleet.fleet import PairMember, reached_at
+from sparkfleet.fleet import PairMember, once, reached_at
 from sparkfleet.hostpaths import LAST_GOOD_DIR, REVISION_FILE, STARTED_FILE, UNIT
 
 # How long a host put back in rotation may take to pass the endpoint's checks (rise 2 at 1 s).
@@ -88,11 +88,8 @@ class Rollout:
                         break
 
 
-_ROLLOUTS: dict[int, Rollout] = {}
-
-
 def rollout_of(state, settings: Settings) -> Rollout:
-    return _ROLLOUTS.setdefault(id(state), Rollout(batch=settings.rollout_batch))
+    return once("rollout", lambda: Rollout(batch=settings.rollout_batch), state)  # the run's own: fleet.once
 
 
 def planned(settings: Settings, member: PairMember | None = None) -> None:
