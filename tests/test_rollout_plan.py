@@ -1,0 +1,318 @@
+"""Rolling changes without a fleet: which host rolls in which batch, a pair in its head's
+turn, rollout=all, and turns that wait for the batch before them (@fake hosts in a real
+pyinfra State; what a turn does on a host — the restart, READY, the gate — is patched)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import weakref
+
+import gevent
+import gevent.event
+import pytest
+from pyinfra.api.exceptions import OperationError
+from pyinfra.context import ctx_host
+from support.fleetdata import defaults, fake_state
+
+from sparkfleet import remote, rollout
+from sparkfleet.config import Settings, validate_host_data
+from sparkfleet.fleet import PairMember, fleet_pairs, validate_fleet
+from sparkfleet.hostpaths import LAST_GOOD_DIR, REVISION_FILE, STARTED_FILE, UNIT
+from sparkfleet.ready import restore_command
+from sparkfleet.rollout import Rollout, applies
+
+NAMES = [f"@fake/spark-{i}" for i in range(1, 6)]
+S1, S2, S3, S4, S5 = NAMES
+REV = "0123456789abcdef0123456789abcdef"
+
+
+def settings(**data) -> Settings:
+    return validate_host_data("spark-1", {**defaults(), **data})
+
+
+def members(state) -> dict[str, PairMember]:
+    """Each pair member's place in its pair, as service.running gets it."""
+    pairs = fleet_pairs(state.inventory, validate_fleet(state.inventory))[0]
+    return {name: PairMember(pair, "enp1s0f1np1", "rocep1s0f1") for name, pair in pairs.items()}
+
+
+@pytest.fixture()
+def five():
+    """spark-1..5; spark-2 and spark-3 are pair_a (spark-2 its head); spark-1 the endpoint."""
+    with fake_state(NAMES, pair_a=[S2, S3], endpoint=[S1]) as state:
+        yield state
+
+
+# --- who rolls when -----------------------------------------------------------------------------
+
+
+def test_batches_follow_the_inventory_order_whatever_order_hosts_register_in(five):
+    ro = Rollout(batch=2)
+    for name in (S4, S1, S5, S3, S2, S1):  # the order greenlets happen to get there; spark-1 twice
+        ro.register(name)
+    assert ro.batches(five) == [[S1, S2], [S3, S4], [S5]]
+    one_at_a_time = Rollout(batch=1)
+    for name in reversed(NAMES):
+        one_at_a_time.register(name)
+    assert one_at_a_time.batches(five) == [[n] for n in NAMES]
+    assert Rollout(batch=8).batches(five) == []  # nobody registered: nothing rolls
+
+
+def test_a_pair_takes_one_turn_its_heads_and_its_headless_member_rolls_with_it(five):
+    pair = members(five)
+    ro = Rollout(batch=2)
+    for name in (S5, S3, S4, S2, S1):  # the headless member registers before its head
+        ro.register(name, pair.get(name))
+    assert ro.batches(five) == [[S1, S2], [S4, S5]]  # spark-3 has no turn of its own
+    assert set(ro.ended) == {S1, S2, S4, S5}
+    assert {head: list(workers) for head, workers in ro.workers.items()} == {S2: [S3]}
+
+
+def test_planning_waits_for_every_host_then_says_once_who_rolls_in_which_batch(five, monkeypatch, caplog):
+    monkeypatch.setattr(remote, "check_sudo", lambda host: None)  # the fleet's sudo check asks the host
+    caplog.set_level(logging.INFO, logger="pyinfra")
+    s, pair = settings(rollout_batch=2), members(five)
+
+    def plan(name: str) -> None:
+        with ctx_host.use(five.inventory.get_host(name)):
+            rollout.planned(s, pair.get(name))
+
+    for name in reversed(NAMES):  # the last host of the inventory plans first
+        five.pool.spawn(plan, name)
+    five.pool.join(timeout=10, raise_error=True)
+
+    said = sorted(r.getMessage() for r in caplog.records if "rolls in batch" in r.getMessage())
+    steps = "(rollout_batch=2): drain, restart, gate, back in rotation"  # spark-1 serves the endpoint
+    assert said == [f"[{S1}] rolls in batch 1 of 2 {steps}",
+                    f"[{S2}] rolls in batch 1 of 2 with {S3} {steps}",
+                    f"[{S4}] rolls in batch 2 of 2 {steps}",
+                    f"[{S5}] rolls in batch 2 of 2 {steps}"]
+    ro = rollout.rollout_of(five, s)
+    assert ro.announced and ro.planning == 5 and ro.batches(five) == [[S1, S2], [S4, S5]]
+
+
+def test_without_an_endpoint_the_plan_says_there_is_nothing_to_drain(monkeypatch, caplog):
+    monkeypatch.setattr(remote, "check_sudo", lambda host: None)
+    caplog.set_level(logging.INFO, logger="pyinfra")
+    with fake_state([S1]) as state, ctx_host.use(state.inventory.get_host(S1)):
+        rollout.planned(settings())
+    assert [r.getMessage() for r in caplog.records if "rolls in" in r.getMessage()] == [
+        f"[{S1}] rolls in batch 1 of 1 (rollout_batch=1): restart, gate (no fleet endpoint)"]
+
+
+def test_executing_a_planned_host_registers_it_again_without_waiting_or_saying_it(five, caplog):
+    caplog.set_level(logging.INFO, logger="pyinfra")
+    five.is_executing = True
+    five.pool.spawn(gevent.sleep, 30)  # a host still planning would hold the announcement back
+    try:
+        with ctx_host.use(five.inventory.get_host(S4)), gevent.Timeout(2):
+            rollout.planned(settings())
+    finally:
+        five.pool.kill()
+    ro = rollout.rollout_of(five, settings())
+    assert ro.names == [S4] and ro.planning == 0 and not ro.announced
+    assert not [r for r in caplog.records if "rolls in" in r.getMessage()]
+
+
+def test_a_host_rolls_only_when_rollout_is_rolling_and_it_serves_now():
+    rolling, at_once = settings(), settings(rollout="all")
+    active = {"ActiveState": "active", "SubState": "running"}
+    assert applies(rolling, active, ["qwen"])
+    assert not applies(at_once, active, ["qwen"])  # rollout=all: every host restarts at once, no turns
+    assert not applies(rolling, {"ActiveState": "failed"}, ["qwen"])  # serves nothing: nothing to keep serving
+    assert not applies(rolling, {"ActiveState": "activating"}, [])  # a crash loop restarts now, not in turn
+    assert not applies(rolling, {}, [])  # a fresh host
+    assert not applies(rolling, active, ["another-model"])  # not our model: nothing of ours to drain
+
+
+def test_a_rollout_belongs_to_its_run():
+    """One Rollout per State, none kept after it: a later run (whose State may get the id
+    of an ended one) never inherits an ended run's turns or its stop."""
+    s = settings()
+    with fake_state([S1]) as first:
+        ro = rollout.rollout_of(first, s)
+        assert rollout.rollout_of(first, s) is ro
+        ro.register(S1)
+        ro.stopped = f"{S1} (gate)"
+        kept = weakref.ref(ro)
+    with fake_state([S1]) as second:
+        fresh = rollout.rollout_of(second, s)
+        assert fresh is not ro and fresh.stopped is None and fresh.names == []
+    del first, second, ro
+    gc.collect()
+    assert kept() is None
+
+
+# --- turns --------------------------------------------------------------------------------------
+
+
+def test_a_later_batch_waits_for_every_host_of_the_batches_before_it(five):
+    ro = Rollout(batch=2)
+    for name in NAMES:
+        ro.register(name)
+    with gevent.Timeout(1):
+        ro.wait_turn(five, S2)  # batch 1 goes at once
+    waiting = gevent.spawn(ro.wait_turn, five, S5)
+    gevent.sleep(0.05)
+    assert not waiting.dead
+    for name in (S1, S2, S3):
+        ro.ended[name].set()
+        gevent.sleep(0.05)
+        assert not waiting.dead, f"batch 3 went with {S4} still rolling"
+    ro.ended[S4].set()
+    waiting.join(timeout=1)
+    assert waiting.successful()
+
+
+class _Polled(gevent.event.Event):
+    """An event whose waits wake every few milliseconds, not every 2 s."""
+
+    def wait(self, timeout=None):
+        return super().wait(timeout=0.01 if timeout is not None else None)
+
+
+def test_a_host_that_failed_before_its_turn_does_not_hold_the_next_batch(five):
+    ro = Rollout(batch=1)
+    for name in (S1, S2):
+        ro.register(name)
+    ro.ended[S1] = _Polled()
+    waiting = gevent.spawn(ro.wait_turn, five, S2)
+    gevent.sleep(0.05)
+    assert not waiting.dead
+    five.failed_hosts.add(five.inventory.get_host(S1))  # e.g. its image did not pull
+    waiting.join(timeout=1)
+    assert waiting.successful()
+
+
+class Hosts:
+    """The host side of turns: every command run on a host and every READY wait, in order."""
+
+    def __init__(self, monkeypatch, ready_error: dict[str, str] | None = None, running: str = "old-rev"):
+        self.log: list[tuple[str, str]] = []
+        self.ready_error, self.running = ready_error or {}, running
+        monkeypatch.setattr(rollout, "_endpoint", lambda state, host: None)
+        monkeypatch.setattr(rollout.remote, "run", self.run)
+        monkeypatch.setattr(rollout.ready, "ready_for", lambda settings, host: ())
+        monkeypatch.setattr(rollout.ready, "wait_ready", self.wait_ready)
+        monkeypatch.setattr(rollout, "gate", lambda host, settings, acceptance_floor=True: None)
+
+    def run(self, host, command, timeout=None, **kwargs):
+        self.log.append((host.name, str(command)))
+        gevent.sleep(0.001)  # a round trip: other hosts' greenlets run meanwhile
+        if command in (f"cat {STARTED_FILE}", f"cat {LAST_GOOD_DIR}/serving.rev"):
+            return remote.Result(True, [self.running] if self.running else [], [])
+        return remote.Result(True, [], [])
+
+    def wait_ready(self, state, host, *args, restarting, peers=()):
+        assert restarting
+        gevent.sleep(0.01)
+        self.log.append((host.name, "READY" + "".join(f" with {p.name}" for p in peers)))
+        if host.name in self.ready_error:
+            raise OperationError(self.ready_error[host.name])
+        return True
+
+    def restarts(self) -> list[str]:
+        return [name for name, command in self.log if "systemctl restart" in command]
+
+
+def step(command: str) -> str:
+    """A logged command in a word: restart, rejoin (a pair member restarted by its head), revision."""
+    if command.startswith("READY"):
+        return command
+    if f"systemctl restart --no-block {UNIT}" in command:
+        return "rejoin"
+    if f"systemctl restart {UNIT}" in command:
+        return "restart"
+    return "revision" if command.startswith("echo ") else command
+
+
+def roll(state, s: Settings, names: list[str], pair: dict | None = None) -> dict[str, object]:
+    """Every host's turn, each in its own greenlet (started last host first), as pyinfra
+    executes the operation: True, or the OperationError it failed with."""
+    pair = pair or {}
+    ro = rollout.rollout_of(state, s)
+    for name in names:  # what planning registered
+        ro.register(name, pair.get(name))
+
+    def turn(name):
+        host = state.inventory.get_host(name)
+        try:
+            return rollout.rolled(state, host, s, REV, pair.get(name))
+        except OperationError as exc:
+            return exc
+
+    greenlets = {name: gevent.spawn(turn, name) for name in reversed(names)}
+    gevent.joinall(list(greenlets.values()), timeout=10, raise_error=True)
+    return {name: g.value for name, g in greenlets.items()}
+
+
+def test_hosts_restart_one_batch_after_another_each_after_the_one_before_is_ready(five, monkeypatch):
+    hosts = Hosts(monkeypatch)
+    got = roll(five, settings(rollout_batch=1), [S1, S4, S5])
+    assert got == {S1: True, S4: True, S5: True}
+    restart = f"echo {REV} > {REVISION_FILE} && systemctl reset-failed {UNIT} 2>/dev/null; systemctl restart {UNIT}"
+    assert hosts.log == [(S1, restart), (S1, "READY"), (S4, restart), (S4, "READY"), (S5, restart), (S5, "READY")]
+
+
+def test_hosts_of_one_batch_restart_together(five, monkeypatch):
+    hosts = Hosts(monkeypatch)
+    roll(five, settings(rollout_batch=2), [S1, S4, S5])
+    order = [(name, "READY" if what == "READY" else "restart") for name, what in hosts.log]
+    assert set(order[:2]) == {(S1, "restart"), (S4, "restart")}  # batch 1: both out at once
+    assert set(order[2:4]) == {(S1, "READY"), (S4, "READY")}
+    assert order[4:] == [(S5, "restart"), (S5, "READY")]
+
+
+def test_a_pair_restarts_in_its_heads_turn_its_headless_member_first(five, monkeypatch):
+    hosts = Hosts(monkeypatch)
+    got = roll(five, settings(rollout_batch=1), [S1, S2, S3], members(five))
+    assert got == {S1: True, S2: True, S3: True}
+    steps = [(name, step(command)) for name, command in hosts.log]
+    assert [s for s in steps if s[1] != "revision"] == [
+        (S1, "restart"), (S1, "READY"),
+        (S3, "rejoin"),  # restarted by its head, to rejoin the head's new engine...
+        (S2, "restart"), (S2, f"READY with {S3}"),  # ...which waits for READY and gates for both
+    ]
+    assert steps.index((S3, "revision")) < steps.index((S3, "rejoin"))  # the member's revision, by itself
+    assert (S3, f"echo {REV} > {REVISION_FILE}") in hosts.log
+
+
+def test_a_rollout_that_stops_leaves_the_later_hosts_serving_what_they_ran(five, monkeypatch):
+    hosts = Hosts(monkeypatch, ready_error={S1: "the new settings did not get READY (the engine exited); "
+                                                "rolled back: the last good settings serve again"})
+    got = roll(five, settings(rollout_batch=1), [S1, S4, S5])
+    assert str(got[S1]).startswith(f"rollout stopped at {S1}, step READY: the new settings did not get READY")
+    for name in (S4, S5):
+        assert str(got[name]) == (f"rollout: not changed — the rollout stopped at {S1} (READY); this host serves "
+                                  "what it ran (files put back to them, no restart). Fix the data and deploy "
+                                  "again: the rollout resumes here.")
+        assert (name, restore_command(restart=False)) in hosts.log
+    assert hosts.restarts() == [S1]  # nobody else was touched
+
+
+def test_a_headless_member_whose_head_did_not_roll_does_not_change(five, monkeypatch):
+    hosts = Hosts(monkeypatch, ready_error={S1: "not READY after 900 s"}, running="")
+    got = roll(five, settings(rollout_batch=1), [S1, S2, S3], members(five))
+    assert isinstance(got[S1], OperationError)
+    assert str(got[S2]).startswith(f"rollout: not changed — the rollout stopped at {S1} (READY)")
+    assert str(got[S3]).startswith(f"rollout: not changed — {S2}, the head of pair_a, did not roll "
+                                   f"({S1} (READY)); this host serves what it ran (its files are the new ones")
+    assert hosts.restarts() == [S1]
+
+
+@pytest.mark.parametrize("data,url", [
+    ({"ssh_hostname": "10.0.0.11"}, "http://10.0.0.11:8000"),
+    ({"ssh_hostname": "fd00::11"}, "http://[fd00::11]:8000"),
+    ({"ssh_hostname": "spark-1.lan"}, "http://spark-1.lan:8000"),
+    ({"bind_address": "192.168.7.2", "port": 8100}, "http://192.168.7.2:8100"),
+    ({"bind_address": "fd00::7"}, "http://[fd00::7]:8000"),
+], ids=["ssh-ipv4", "ssh-ipv6", "ssh-name", "bound-ipv4", "bound-ipv6"])
+def test_the_gate_asks_the_api_where_the_controller_reaches_it(data, url):
+    with fake_state([S1], data) as state:
+        assert rollout.api_url(state.inventory.get_host(S1), settings(**data)) == url
+
+
+def test_a_gate_cannot_reach_an_api_bound_to_loopback():
+    with fake_state([S1]) as state, pytest.raises(OperationError, match="--data rollout=all"):
+        rollout.api_url(state.inventory.get_host(S1), settings(bind_address="127.0.0.1"))
