@@ -60,7 +60,11 @@ def _current_state():
 def once(key: Any, compute: Callable[[], T], state=None) -> T:
     """``compute()``'s answer for ``key``, computed once per run: the first host to ask
     computes it while every other host's greenlet waits for that answer (or that error)."""
-    run = _RUNS.setdefault(state if state is not None else _current_state(), _Run())
+    from pyinfra.context import ContextObject
+
+    if state is None or isinstance(state, ContextObject):  # pyinfra's proxy: the State behind it
+        state = _current_state()
+    run = _RUNS.setdefault(state, _Run())
     if key not in run.answers:
         with run.locks.setdefault(key, gevent.lock.Semaphore()):
             if key not in run.answers:

@@ -22,7 +22,7 @@ from pyinfra.api.state import BaseStateCallback
 from sparkfleet import remote
 from sparkfleet.config import Settings
 from sparkfleet.facts import DirBytes
-from sparkfleet.fleet import Mirror, host_mirror
+from sparkfleet.fleet import Mirror, host_mirror, once
 from sparkfleet.hostpaths import REGISTRY_UNIT, mirror_hf_cache
 
 MIB = 1024**2
@@ -206,16 +206,15 @@ def _registry_bytes_by_client(mirror_host, since: float | None) -> dict[str, int
     return sent
 
 
-_REPORTS: dict[int, MirrorReport] = {}
-
-
 def report_of(state) -> MirrorReport:
-    """The run's report (one per pyinfra state), registered with it on first use."""
-    key = id(state)
-    if key not in _REPORTS:
-        _REPORTS[key] = MirrorReport()
-        state.add_callback_handler(_REPORTS[key])
-    return _REPORTS[key]
+    """The run's report (one per pyinfra state, in the fleet's per-run store), registered
+    with it on first use."""
+    def registered() -> MirrorReport:
+        report = MirrorReport()
+        state.add_callback_handler(report)
+        return report
+
+    return once("mirror report", registered, state)
 
 
 def track(settings: Settings, mirror_ops: list, image_op, weights_op, repo_dirs: list[str]) -> None:
