@@ -23,7 +23,6 @@ import hashlib
 import io
 import json
 import re
-import shlex
 
 from pyinfra import host
 from pyinfra.api import FileUploadCommand, deploy, operation
@@ -31,7 +30,7 @@ from pyinfra.facts.files import FileContents
 from pyinfra.facts.server import Which
 from pyinfra.operations import systemd
 
-from sparkfleet import remote, snapshot
+from sparkfleet import apt, remote, snapshot
 from sparkfleet.config import Settings
 from sparkfleet.facts import CDI_ALL, GPU_FLAGS, GPUS_ALL, GpuAccess
 from sparkfleet.hostpaths import (
@@ -92,6 +91,10 @@ def apt_keyring(nvidia_apt_repo: str, apt_repo: str | None) -> str:
     return NVIDIA_APT_KEYRING
 
 
+def _on_path(program: str) -> str | None:
+    return host.get_fact(Which, command=program)
+
+
 @operation()
 def toolkit_installed(apt_repo: str, apt_key_url: str, keyring: str, gpu_works: bool):
     """
@@ -106,18 +109,9 @@ def toolkit_installed(apt_repo: str, apt_key_url: str, keyring: str, gpu_works: 
     if gpu_works:
         host.noop("GPU containers work: nothing to install")
         return
-    if all(host.get_fact(Which, command=program) for program in TOOLKIT_PROGRAMS):
-        host.noop("nvidia-container-toolkit is installed")
-        return
-    q = shlex.quote
-    yield f"curl -fsSL --retry 3 {q(apt_key_url)} -o {keyring}"
-    yield f"echo {q(f'deb [signed-by={keyring}] {apt_repo} /')} > {NVIDIA_APT_SOURCES}"
-    # Refresh only NVIDIA's list: the rest of the host's apt state is not ours to touch.
-    yield (
-        f"apt-get update -o Dir::Etc::sourcelist={NVIDIA_APT_SOURCES} -o Dir::Etc::sourceparts=- "
-        "-o APT::Get::List-Cleanup=0"
-    )
-    yield "DEBIAN_FRONTEND=noninteractive apt-get install -y nvidia-container-toolkit"
+    yield from apt.installed._inner(["nvidia-container-toolkit"], programs=TOOLKIT_PROGRAMS, apt_repo=apt_repo,
+                                    apt_key_url=apt_key_url, keyring=keyring, sources=NVIDIA_APT_SOURCES,
+                                    which=_on_path)
 
 
 @operation()

@@ -41,11 +41,10 @@ from pyinfra.api.exceptions import OperationError
 from pyinfra.facts.files import Sha256File
 from pyinfra.operations import systemd
 
-from sparkfleet import remote, secrets
+from sparkfleet import apt, remote, secrets
 from sparkfleet.config import Settings
 from sparkfleet.facts import RouteSource
 from sparkfleet.fleet import all_pairs, all_settings, chosen_endpoint, reached_at, ssh_address
-from sparkfleet.hostpaths import ARCHIVE_APT_KEYRING, ARCHIVE_APT_SOURCES
 
 PROJECT = Path(__file__).resolve().parents[1]
 TEMPLATE = PROJECT / "templates" / "haproxy.cfg.j2"
@@ -171,29 +170,20 @@ def _targets(settings: Settings) -> list[Target]:
 # --- operations -------------------------------------------------------------------------
 
 
-@operation()
-def haproxy_installed(settings: Settings):
+def haproxy_installed(settings: Settings, **op_args):
     """
-    Install haproxy from the distribution's archives when it is missing.
+    An operation: haproxy installed from the distribution's archives when it is missing.
 
     + settings: validated settings (``apt_repo``/``apt_key_url``: a repository
       to take it from; None: the host's own archives, Debian/Ubuntu main)
     """
-    if host.get_fact(HAProxyInstalled):
-        host.noop("haproxy is installed")
-        return
-    q = shlex.quote
-    if settings.apt_repo:
-        yield f"curl -fsSL --retry 3 {q(settings.apt_key_url)} -o {ARCHIVE_APT_KEYRING}"
-        yield f"echo {q(f'deb [signed-by={ARCHIVE_APT_KEYRING}] {settings.apt_repo} /')} > {ARCHIVE_APT_SOURCES}"
-        # Only that list is refreshed: the rest of the host's apt state is not ours.
-        yield (f"apt-get update -o Dir::Etc::sourcelist={ARCHIVE_APT_SOURCES} -o Dir::Etc::sourceparts=- "
-               "-o APT::Get::List-Cleanup=0")
-    else:
-        yield "apt-get update"
     # Our haproxy.cfg replaces the package's; keep it on upgrades.
-    yield ("DEBIAN_FRONTEND=noninteractive apt-get install -y -o Dpkg::Options::=--force-confold "
-           "--no-install-recommends haproxy")
+    return apt.installed(packages=["haproxy"], apt_repo=settings.apt_repo, apt_key_url=settings.apt_key_url,
+                         keep_config=True, no_recommends=True, which=_haproxy_at, **op_args)
+
+
+def _haproxy_at(_program: str) -> bool:
+    return host.get_fact(HAProxyInstalled)
 
 
 @operation()

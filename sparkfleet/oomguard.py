@@ -24,12 +24,10 @@ from pyinfra import host, logger
 from pyinfra.api import deploy, operation
 from pyinfra.operations import systemd
 
-from sparkfleet import snapshot
+from sparkfleet import apt, snapshot
 from sparkfleet.config import Settings
 from sparkfleet.facts import NewKills
 from sparkfleet.hostpaths import (
-    ARCHIVE_APT_KEYRING,
-    ARCHIVE_APT_SOURCES,
     CONTAINER,
     EARLYOOM_DEFAULTS,
     EARLYOOM_DROPIN,
@@ -77,28 +75,16 @@ def earlyoom_args(min_available_gib: float) -> str:
     )
 
 
-@operation()
-def installed(apt_repo: str | None, apt_key_url: str | None):
+def installed(apt_repo: str | None, apt_key_url: str | None, **op_args):
     """
-    Install earlyoom from the distribution's archives when it is missing.
+    An operation: earlyoom installed from the distribution's archives when it is missing.
 
     + apt_repo, apt_key_url: a repository to take it from and its signing key
       (``apt_repo``/``apt_key_url``); None: the host's own archives (Ubuntu universe)
     """
-    if snapshot.program("earlyoom"):
-        host.noop("earlyoom is installed")
-        return
-    q = shlex.quote
-    if apt_repo:
-        yield f"curl -fsSL --retry 3 {q(apt_key_url)} -o {ARCHIVE_APT_KEYRING}"
-        yield f"echo {q(f'deb [signed-by={ARCHIVE_APT_KEYRING}] {apt_repo} /')} > {ARCHIVE_APT_SOURCES}"
-        # Only that list is refreshed: the rest of the host's apt state is not ours.
-        yield (f"apt-get update -o Dir::Etc::sourcelist={ARCHIVE_APT_SOURCES} -o Dir::Etc::sourceparts=- "
-               "-o APT::Get::List-Cleanup=0")
-    else:
-        yield "apt-get update"
     # Our /etc/default/earlyoom replaces the package's; keep it on upgrades.
-    yield "DEBIAN_FRONTEND=noninteractive apt-get install -y -o Dpkg::Options::=--force-confold earlyoom"
+    return apt.installed(packages=["earlyoom"], apt_repo=apt_repo, apt_key_url=apt_key_url, keep_config=True,
+                         **op_args)
 
 
 @operation()

@@ -22,12 +22,10 @@ from urllib.parse import urlsplit
 from pyinfra import host
 from pyinfra.api import operation
 
-from sparkfleet import remote, snapshot
+from sparkfleet import apt, remote
 from sparkfleet.facts import RegistryManifest
 from sparkfleet.fleet import Mirror
 from sparkfleet.hostpaths import (
-    ARCHIVE_APT_KEYRING,
-    ARCHIVE_APT_SOURCES,
     DOCKER_AUTH,
     REGISTRY_CERT,
     mirror_registry_storage,
@@ -38,35 +36,18 @@ from sparkfleet.mirror.report import report_of
 from sparkfleet.tasks import detached
 
 
-@operation()
-def installed(apt_repo: str | None, apt_key_url: str | None):
+def installed(apt_repo: str | None, apt_key_url: str | None, **op_args):
     """
-    Install ``docker-registry`` (the CNCF registry, "distribution") and ``skopeo`` (the
-    image copy) when one is missing.
+    An operation: ``docker-registry`` (the CNCF registry, "distribution") and ``skopeo``
+    (the image copy) installed when one is missing.
 
     + apt_repo, apt_key_url: a repository to take it from and its signing key
       (``apt_repo``/``apt_key_url``); None: the host's own archives,
       Ubuntu universe / Debian main
     """
-    if all(snapshot.program(program) for program in ("docker-registry", "skopeo")):
-        host.noop("docker-registry and skopeo are installed")
-        return
-    q = shlex.quote
-    if apt_repo:
-        yield f"curl -fsSL --retry 3 {q(apt_key_url)} -o {ARCHIVE_APT_KEYRING}"
-        yield f"echo {q(f'deb [signed-by={ARCHIVE_APT_KEYRING}] {apt_repo} /')} > {ARCHIVE_APT_SOURCES}"
-        # Only that list is refreshed: the rest of the host's apt state is not ours.
-        yield (
-            f"apt-get update -o Dir::Etc::sourcelist={ARCHIVE_APT_SOURCES} -o Dir::Etc::sourceparts=- "
-            "-o APT::Get::List-Cleanup=0"
-        )
-    else:
-        yield "apt-get update"
     # Our config.yml replaces the package's; keep it on upgrades.
-    yield (
-        "DEBIAN_FRONTEND=noninteractive apt-get install -y -o Dpkg::Options::=--force-confold "
-        "--no-install-recommends docker-registry skopeo"
-    )
+    return apt.installed(packages=["docker-registry", "skopeo"], apt_repo=apt_repo, apt_key_url=apt_key_url,
+                         keep_config=True, no_recommends=True, **op_args)
 
 
 def copy_failure(tail: list[str], image: str, upstream: str) -> str | None:
