@@ -32,8 +32,9 @@ from pyinfra.operations import files, server
 from sparkfleet import remote
 from sparkfleet.config import Settings
 from sparkfleet.facts import Answers, RoceNetdevs, RouteSource
-from sparkfleet.fleet import Pair, PairMember, host_mirror, mirror_route
+from sparkfleet.fleet import host_mirror, mirror_route
 from sparkfleet.hostpaths import NETPLAN_CX7, RDMA_DEVICES
+from sparkfleet.pairs import Pair, PairMember
 
 AUTO = "auto"
 #: IPv4 (20) and ICMP (8) headers: the largest ping payload one packet of the MTU carries.

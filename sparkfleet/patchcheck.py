@@ -31,9 +31,9 @@ from pyinfra.api import FactBase, operation
 from runtime import serve_args
 from sparkfleet import remote
 from sparkfleet.config import Settings
-from sparkfleet.fleet import PairMember
 from sparkfleet.hostpaths import RUNTIME_DIR
 from sparkfleet.mirror import local_image
+from sparkfleet.pairs import PairMember
 
 VERDICT_DIR = "/var/lib/sparkfleet/patch-verdicts"
 CONTAINER = "sparkfleet-patch-check"

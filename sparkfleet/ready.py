@@ -21,7 +21,7 @@ from sparkfleet import remote, snapshot
 from sparkfleet.bench.onhost.workloads import SMOKE_PROMPT as READY_PROMPT  # READY asks what smoke asks
 from sparkfleet.config import Settings
 from sparkfleet.facts import ServedAnswer, ServedModels, UnitState
-from sparkfleet.fleet import PairMember, reached_at
+from sparkfleet.fleet import reached_at
 from sparkfleet.hostpaths import (
     COMPILE_SIGNATURE,
     LAST_GOOD_DIR,
@@ -31,6 +31,7 @@ from sparkfleet.hostpaths import (
     UNIT,
     UNIT_PATH,
 )
+from sparkfleet.pairs import PairMember
 
 
 def local_address(bind_address: str) -> str:

@@ -37,8 +37,9 @@ from sparkfleet.bench.onhost.client import BenchError, Client
 from sparkfleet.bench.onhost.metrics import acceptance, parse_spec_counters
 from sparkfleet.bench.onhost.workloads import SMOKE_EXPECT, SMOKE_MAX_TOKENS, SMOKE_PROMPT
 from sparkfleet.config import Settings
-from sparkfleet.fleet import PairMember, once, reached_at
+from sparkfleet.fleet import once, reached_at
 from sparkfleet.hostpaths import LAST_GOOD_DIR, REVISION_FILE, STARTED_FILE, UNIT
+from sparkfleet.pairs import PairMember
 
 # How long a host put back in rotation may take to pass the endpoint's checks (rise 2 at 1 s).
 BACK_TIMEOUT_S = 30

@@ -23,7 +23,6 @@ from pyinfra.operations import server
 from sparkfleet import container_runtime, ready, remote, rollout, secrets, snapshot
 from sparkfleet.config import Settings
 from sparkfleet.facts import PortHolders, ServedModels
-from sparkfleet.fleet import PairMember
 from sparkfleet.hostpaths import (
     AUTH_HEADER,
     COMPILE_SIGNATURE,
@@ -40,6 +39,7 @@ from sparkfleet.hostpaths import (
     UNIT_PATH,
 )
 from sparkfleet.mirror import local_image
+from sparkfleet.pairs import PairMember
 
 PROJECT = Path(__file__).resolve().parents[1]
 TEMPLATES = PROJECT / "templates"

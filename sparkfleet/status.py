@@ -26,8 +26,9 @@ import gevent
 
 from sparkfleet import endpoint, remote
 from sparkfleet.config import ConfigError, Settings
-from sparkfleet.fleet import fleet_pairs, reached_at, validate_fleet
+from sparkfleet.fleet import reached_at, validate_fleet
 from sparkfleet.hostpaths import AUTH_HEADER, CONTAINER, SERVE_ENV, UNIT
+from sparkfleet.pairs import fleet_pairs
 
 METRICS = {
     "vllm:num_requests_running": "running",

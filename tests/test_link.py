@@ -9,7 +9,8 @@ import yaml
 
 from sparkfleet import link
 from sparkfleet.facts import Answers, RoceNetdevs, RouteSource
-from sparkfleet.fleet import Mirror, Pair
+from sparkfleet.fleet import Mirror
+from sparkfleet.pairs import Pair
 
 # A Spark cabled on its second QSFP port, as mlx5's ibdev2netdev prints it.
 IBDEV2NETDEV = [

@@ -17,8 +17,9 @@ from support.fleetdata import defaults, fake_state
 
 from sparkfleet import remote, rollout
 from sparkfleet.config import Settings, validate_host_data
-from sparkfleet.fleet import PairMember, fleet_pairs, validate_fleet
+from sparkfleet.fleet import validate_fleet
 from sparkfleet.hostpaths import LAST_GOOD_DIR, REVISION_FILE, STARTED_FILE, UNIT
+from sparkfleet.pairs import PairMember, fleet_pairs
 from sparkfleet.ready import restore_command
 from sparkfleet.rollout import Rollout, applies
 

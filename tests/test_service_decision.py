@@ -19,8 +19,9 @@ from support.fleetdata import defaults, fake_state
 
 from sparkfleet import rollout, service, snapshot
 from sparkfleet.config import validate_host_data
-from sparkfleet.fleet import PairMember, fleet_pairs, validate_fleet
+from sparkfleet.fleet import validate_fleet
 from sparkfleet.hostpaths import REVISION_FILE, STARTED_FILE, UNIT
+from sparkfleet.pairs import PairMember, fleet_pairs
 
 ROOT = Path(__file__).resolve().parents[1]
 REV = "0123456789abcdef0123456789abcdef"

@@ -25,7 +25,7 @@ from support.runtime_env import (
 
 from runtime import serve_args as sa
 from sparkfleet.config import Settings, validate_host_data
-from sparkfleet.fleet import Pair, PairMember
+from sparkfleet.pairs import Pair, PairMember
 
 REGENERATE = "run `python tests/support/runtime_env.py` and review the diff"
 
