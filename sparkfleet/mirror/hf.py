@@ -28,8 +28,8 @@ from pyinfra.api import StringCommand, operation
 from pyinfra.api.exceptions import OperationError
 
 from sparkfleet import olah_wheels, remote, snapshot
-from sparkfleet.facts import HostPython
 from sparkfleet.hostpaths import OLAH_DIR, OLAH_MARKER
+from sparkfleet.mirror.facts import HostPython
 
 #: On the controller: olah's wheels per requirement and host Python.
 WHEELHOUSE = Path(".sparkfleet/wheelhouse")

@@ -23,7 +23,6 @@ from pyinfra import host
 from pyinfra.api import operation
 
 from sparkfleet import apt, remote
-from sparkfleet.facts import RegistryManifest
 from sparkfleet.fleet import Mirror
 from sparkfleet.hostpaths import (
     DOCKER_AUTH,
@@ -31,6 +30,7 @@ from sparkfleet.hostpaths import (
     mirror_registry_storage,
     registry_ca_path,
 )
+from sparkfleet.mirror.facts import RegistryManifest
 from sparkfleet.mirror.names import ImageName
 from sparkfleet.mirror.report import report_of
 from sparkfleet.tasks import detached

@@ -21,9 +21,9 @@ from pyinfra.api.state import BaseStateCallback
 
 from sparkfleet import remote
 from sparkfleet.config import Settings
-from sparkfleet.facts import DirBytes
 from sparkfleet.fleet import Mirror, host_mirror, once
 from sparkfleet.hostpaths import REGISTRY_UNIT, mirror_hf_cache
+from sparkfleet.mirror.facts import DirBytes
 
 MIB = 1024**2
 #: The steps the report times, in the order it prints them.

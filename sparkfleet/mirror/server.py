@@ -13,7 +13,6 @@ from pyinfra.operations import files, systemd
 
 from sparkfleet import snapshot
 from sparkfleet.config import Settings
-from sparkfleet.facts import MirrorAnswers
 from sparkfleet.fleet import Mirror
 from sparkfleet.hostpaths import (
     HF_MIRROR_CONFIG,
@@ -29,6 +28,7 @@ from sparkfleet.hostpaths import (
     mirror_registry_storage,
 )
 from sparkfleet.mirror import firewall, hf, registry, tls
+from sparkfleet.mirror.facts import MirrorAnswers
 from sparkfleet.mirror.names import upstream_registry_url
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "templates"

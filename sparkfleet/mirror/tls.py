@@ -14,7 +14,6 @@ from pyinfra.api import operation
 from pyinfra.operations import files
 
 from sparkfleet import remote, secrets, snapshot
-from sparkfleet.facts import MirrorTrust
 from sparkfleet.fleet import Mirror
 from sparkfleet.hostpaths import (
     DOCKER_CERTS_DIR,
@@ -24,6 +23,7 @@ from sparkfleet.hostpaths import (
     REGISTRY_USER,
     registry_ca_path,
 )
+from sparkfleet.mirror.facts import MirrorTrust
 
 
 def _make(state, host, tls_dir: str, mirror: Mirror) -> bool:  # pyinfra passes state, host
