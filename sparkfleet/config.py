@@ -15,10 +15,12 @@ import hashlib
 import ipaddress
 import logging
 import re
+import runpy
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -46,7 +48,7 @@ CONTAINER_MODEL_DIR = "/model"
 # Data keys that belong to pyinfra's connectors, not to sparkfleet.
 _CONNECTOR_PREFIXES = ("ssh_", "_", "docker_", "chroot_", "local_", "winrm_", "vagrant_", "terraform_", "fake_")
 
-_SAFE_PATH = re.compile(r"^/[A-Za-z0-9._/+-]*$")
+_SAFE_PATH = re.compile(r"^(?!.*/\.\.(?:/|$))/[A-Za-z0-9._/+-]*$")  # no /../
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
 # registry[:port]/path[:tag][@sha256:digest] — lower-case path, as registries require.
@@ -54,11 +56,37 @@ _IMAGE_REF = re.compile(
     r"^(?:[a-zA-Z0-9.-]+(?::[0-9]+)?/)?[a-z0-9]+(?:[._/-][a-z0-9]+)*"
     r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[0-9a-f]{64})?$"
 )
-_WORD = re.compile(r"^[A-Za-z0-9_.-]*$")
-_URL = re.compile(r"^https?://[A-Za-z0-9.:\[\]_-]+(?:/[A-Za-z0-9._~/$()%+-]*)?$")
 _HOSTNAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252}[A-Za-z0-9])?$")
+
+
+def _matching(pattern: re.Pattern, message: str) -> AfterValidator:
+    """A value check: ``pattern`` matches the whole value, or ValueError(``message``)."""
+    def check(value: str) -> str:
+        if not pattern.match(value):
+            raise ValueError(message)
+        return value
+    return AfterValidator(check)
+
+
+RepoId = Annotated[str, _matching(_REPO_ID, "not a Hugging Face repo id (org/name)")]
+ImageRef = Annotated[str, _matching(_IMAGE_REF, "not an image reference")]
+Url = Annotated[str, _matching(re.compile(r"^https?://[A-Za-z0-9.:\[\]_-]+(?:/[A-Za-z0-9._~/$()%+-]*)?$"),
+                                "must be an http(s) URL")]
+Word = Annotated[str, _matching(re.compile(r"^[A-Za-z0-9_.-]*$"), "only letters, digits and ._- are allowed")]
 # A pip requirement without spaces, markers or shell characters, e.g. olah==0.5.4.
-_REQUIREMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(?:\[[A-Za-z0-9,._-]+\])?(?:(?:==|>=|<=|~=|!=|>|<)[A-Za-z0-9.*+!_-]+)?$")
+Requirement = Annotated[str, _matching(re.compile(
+    r"^[A-Za-z0-9][A-Za-z0-9._-]*(?:\[[A-Za-z0-9,._-]+\])?(?:(?:==|>=|<=|~=|!=|>|<)[A-Za-z0-9.*+!_-]+)?$"),
+    "not a pip requirement (name, optionally ==version)")]
+HostPath = Annotated[str, _matching(_SAFE_PATH, "must be an absolute path of letters, digits and ._/+-")]
+ControllerPath = Annotated[str, _matching(re.compile(r"^[^\n\x00]+$"), "must be a directory on the controller")]
+ProfileName = Annotated[str, _matching(re.compile(f"^({'|'.join(map(re.escape, PROFILES))})$"),
+                                       f"unknown profile; valid profiles: {', '.join(sorted(PROFILES))}")]
+NetdevNames = Annotated[str, _matching(re.compile(r"^[A-Za-z0-9_.:-]+(?:,[A-Za-z0-9_.:-]+)*$"),
+                                       "must be 'auto' or device names (comma-separated)")]
+RunId = Annotated[str, _matching(re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"),
+                                 "names a results directory: use letters, digits and ._-")]
+IpAddress = Annotated[str, AfterValidator(lambda value: ipaddress.ip_address(value) and value)]  # ValueError if not
+
 #: fleet_mirror values that turn the mirror off.
 MIRROR_OFF = (None, "", "none", "off", "false")
 
@@ -96,27 +124,27 @@ class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     # What to serve
-    profile: str
-    model: str | None
+    profile: ProfileName
+    model: RepoId | None
     model_revisions: dict[str, str]
-    model_dir: str | None
+    model_dir: HostPath | None
     build_hybrid: bool
     verify_weights: bool
-    hybrid_dir: str
+    hybrid_dir: HostPath
     # Where it comes from
-    image: str
-    hf_home: str
-    hf_endpoint: str | None
+    image: ImageRef
+    hf_home: HostPath
+    hf_endpoint: Url | None
     hf_token: SecretStr | None
     # The mirror: one host serves the others the image and the weights (sparkfleet/mirror/)
     fleet_mirror: str | None
     mirror_address: str | None
     mirror_hf_port: int = Field(ge=1, le=65535)
     mirror_registry_port: int = Field(ge=1, le=65535)
-    mirror_dir: str
-    mirror_olah: str
-    mirror_tls_dir: str
-    image_registry_url: str | None
+    mirror_dir: HostPath
+    mirror_olah: Requirement
+    mirror_tls_dir: ControllerPath
+    image_registry_url: Url | None
     # The fleet endpoint: HAProxy over every serving host (sparkfleet/endpoint.py)
     fleet_endpoint: str | None
     endpoint_port: int = Field(ge=1, le=65535)
@@ -125,12 +153,12 @@ class Settings(BaseModel):
     # Pairs: an inventory group pair_* serves one model over the ConnectX-7 link (sparkfleet/link.py)
     pair_subnet: str
     pair_mtu: int = Field(ge=1280, le=9216)
-    pair_interface: str
-    pair_hcas: str
+    pair_interface: NetdevNames
+    pair_hcas: NetdevNames
     pair_master_port: int = Field(ge=1, le=65535)
     # Serving settings (the reference recipe's validated stack)
-    served_model_name: str
-    bind_address: str
+    served_model_name: Word
+    bind_address: IpAddress
     port: int = Field(ge=1, le=65535)
     max_model_len: int = Field(ge=1, le=MAX_CONTEXT)
     max_num_seqs: int = Field(ge=1, le=256)
@@ -138,11 +166,11 @@ class Settings(BaseModel):
     gpu_memory_utilization: float = Field(ge=0.10, le=0.95)
     engine_startup_memory_gib: float = Field(ge=0)
     oom_guard_min_available_gib: float = Field(gt=0)
-    load_format: str
-    attention_backend: str
-    drafter_attention_backend: str
-    tool_call_parser: str
-    reasoning_parser: str
+    load_format: Word
+    attention_backend: Word
+    drafter_attention_backend: Word
+    tool_call_parser: Word
+    reasoning_parser: Word
     chunked_prefill: bool
     prefix_caching: bool
     num_speculative_tokens: int | None = Field(ge=0, le=16)
@@ -162,10 +190,10 @@ class Settings(BaseModel):
     drain_timeout_s: int = Field(ge=0, le=86400)
     rollout_min_acceptance: float = Field(ge=1.0, le=17.0)
     # Host preparation
-    nvidia_apt_repo: str
-    nvidia_apt_key_url: str
-    apt_repo: str | None
-    apt_key_url: str | None
+    nvidia_apt_repo: Url
+    nvidia_apt_key_url: Url
+    apt_repo: Url | None
+    apt_key_url: Url | None
     image_size_gib: float = Field(gt=0)
     image_unpack_ratio: float = Field(ge=1)
     artifact_sizes_gib: dict[str, float]
@@ -183,25 +211,11 @@ class Settings(BaseModel):
     bench_prompt: str | None
     bench_timeout_s: int = Field(ge=10, le=7200)
     bench_runner: Literal["docker", "host"]
-    bench_dir: str
-    run_id: str | None = Field(coerce_numbers_to_str=True)
+    bench_dir: HostPath
+    run_id: RunId | None = Field(coerce_numbers_to_str=True)
     results_dir: str
 
     # --- field checks -------------------------------------------------------------
-
-    @field_validator("profile")
-    @classmethod
-    def _known_profile(cls, value: str) -> str:
-        if value not in PROFILES:
-            raise ValueError(f"unknown profile; valid profiles: {', '.join(sorted(PROFILES))}")
-        return value
-
-    @field_validator("model")
-    @classmethod
-    def _repo_id(cls, value: str | None) -> str | None:
-        if value is not None and not _REPO_ID.match(value):
-            raise ValueError("not a Hugging Face repo id (org/name)")
-        return value
 
     @field_validator("model_revisions")
     @classmethod
@@ -246,65 +260,6 @@ class Settings(BaseModel):
             raise ValueError("too small for a pair: use a /30 or larger")
         return str(net)
 
-    @field_validator("pair_interface", "pair_hcas")
-    @classmethod
-    def _netdev_names(cls, value: str) -> str:
-        if not re.match(r"^[A-Za-z0-9_.:-]+(?:,[A-Za-z0-9_.:-]+)*$", value):
-            raise ValueError("must be 'auto' or device names (comma-separated)")
-        return value
-
-    @field_validator("mirror_olah")
-    @classmethod
-    def _requirement(cls, value: str) -> str:
-        if not _REQUIREMENT.match(value):
-            raise ValueError("not a pip requirement (name, optionally ==version)")
-        return value
-
-    @field_validator("mirror_tls_dir")
-    @classmethod
-    def _controller_path(cls, value: str) -> str:
-        if not value or "\n" in value or "\x00" in value:
-            raise ValueError("must be a directory on the controller")
-        return value
-
-    @field_validator("model_dir", "hybrid_dir", "hf_home", "bench_dir", "mirror_dir")
-    @classmethod
-    def _host_path(cls, value: str | None) -> str | None:
-        if value is not None and (not _SAFE_PATH.match(value) or "/../" in value + "/"):
-            raise ValueError("must be an absolute path of letters, digits and ._/+-")
-        return value
-
-    @field_validator("image")
-    @classmethod
-    def _image_ref(cls, value: str) -> str:
-        if not _IMAGE_REF.match(value):
-            raise ValueError("not an image reference")
-        return value
-
-    @field_validator("hf_endpoint", "nvidia_apt_repo", "nvidia_apt_key_url", "apt_repo",
-                     "apt_key_url", "image_registry_url")
-    @classmethod
-    def _url(cls, value: str | None) -> str | None:
-        if value is not None and not _URL.match(value):
-            raise ValueError("must be an http(s) URL")
-        return value
-
-    @field_validator("bind_address")
-    @classmethod
-    def _address(cls, value: str) -> str:
-        ipaddress.ip_address(value)
-        return value
-
-    @field_validator(
-        "served_model_name", "load_format", "attention_backend", "drafter_attention_backend",
-        "tool_call_parser", "reasoning_parser",
-    )
-    @classmethod
-    def _word(cls, value: str) -> str:
-        if not _WORD.match(value):
-            raise ValueError("only letters, digits and ._- are allowed")
-        return value
-
     @field_validator("extra_serve_args")
     @classmethod
     def _extra_args(cls, value: list[str]) -> list[str]:
@@ -334,13 +289,6 @@ class Settings(BaseModel):
             raise ValueError("must be 'auto', 'none' or 16+ characters of letters, digits and ._~+-")
         return value
 
-    @field_validator("run_id")
-    @classmethod
-    def _run_id(cls, value: str | None) -> str | None:
-        if value is not None and not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$", str(value)):
-            raise ValueError("names a results directory: use letters, digits and ._-")
-        return value
-
     @field_validator("checks", "bench", "patches", mode="before")
     @classmethod
     def _comma_list(cls, value: Any) -> Any:
@@ -365,11 +313,8 @@ class Settings(BaseModel):
         if self.build_hybrid and self.model_dir:
             raise ValueError("set either model_dir or build_hybrid, not both")
         if "agent" in self.checks + self.bench and not self.agent_state_db:
-            raise ValueError(
-                "the agent bench replays turns from an agent's session database (Hermes' state.db): "
-                "set agent_state_db "
-                "(e.g. --data agent_state_db=~/.hermes/state.db)"
-            )
+            raise ValueError("the agent bench replays turns from an agent's session database (Hermes' state.db): "
+                             "set agent_state_db (e.g. --data agent_state_db=~/.hermes/state.db)")
         if (self.apt_repo is None) != (self.apt_key_url is None):
             raise ValueError("set both apt_repo and apt_key_url, or neither")
         if (self.apt_repo and self.apt_repo.rstrip("/") == self.nvidia_apt_repo.rstrip("/")
@@ -377,10 +322,8 @@ class Settings(BaseModel):
             # apt takes one Signed-By per URL: both lists name one keyring (container_runtime.py).
             raise ValueError("apt_repo is nvidia_apt_repo: give it the same key (apt_key_url = nvidia_apt_key_url)")
         if self.num_speculative_tokens and not self.profile_spec.speculative_method:
-            raise ValueError(
-                f"profile {self.profile} has no speculative decoder; "
-                "use profile dflash, dense or mtp, or num_speculative_tokens=0"
-            )
+            raise ValueError(f"profile {self.profile} has no speculative decoder; "
+                             "use profile dflash, dense or mtp, or num_speculative_tokens=0")
         # The serving command is built here too, by the same code the container runs, so
         # a flag it refuses (e.g. a secret in extra_serve_args) fails now, not after a restart.
         try:
@@ -500,7 +443,7 @@ class Settings(BaseModel):
         return self.artifact_sizes_gib.get(name, 0.0)
 
 
-# --- fleet-wide validation ----------------------------------------------------------
+# --- one host's data, validated ------------------------------------------------------
 
 
 def sparkfleet_keys(raw: dict[str, Any]) -> dict[str, Any]:
@@ -544,14 +487,11 @@ def validate_host_data(host_name: str, raw: dict[str, Any]) -> Settings:
 
 
 def _show(key: str, value: Any) -> str:
-    if key in ("hf_token", "api_key") and value not in (None, "auto", "none"):
-        return "'***'"
-    return repr(value)
+    secret = key in ("hf_token", "api_key") and value not in (None, "auto", "none")
+    return "'***'" if secret else repr(value)
 
 
 def project_defaults() -> dict[str, Any]:
     """group_data/all.py of this project, for code that runs outside a pyinfra run."""
-    import runpy
-
     path = Path(__file__).resolve().parents[1] / "group_data" / "all.py"
     return {k: v for k, v in runpy.run_path(str(path)).items() if not k.startswith("__")}
