@@ -1,9 +1,9 @@
 """sparkfleet's own facts: what pyinfra's built-in facts do not read.
 
 Where pyinfra has a fact the steps use it directly (``server.Arch``, ``server.Which``,
-``hardware.Cpus``, ``files.File``, ``files.FileContents``, ``systemd.SystemdStatus``,
-``systemd.SystemdEnabled``, ``docker.DockerSystemInfo``, ``docker.DockerImage``,
-``hardware.NetworkDevices``, ``files.Directory``). Each fact here answers one question,
+``files.File``, ``docker.DockerSystemInfo``, ``docker.DockerImage``,
+``hardware.NetworkDevices``, ``files.Directory``); the files, units and trees the deploy
+manages are read through :mod:`sparkfleet.snapshot`, one command per host and run. Each fact here answers one question,
 cheaply; a program it needs that is missing makes it its default (``requires_command``),
 not an error.
 """

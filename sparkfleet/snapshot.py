@@ -44,14 +44,17 @@ def owner(st):
 def sha(path):
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
-out = {"files": {}, "texts": {}, "trees": {}, "units": {}, "programs": {}}
+out = {"files": {}, "texts": {}, "trees": {}, "units": {}, "programs": {}, "sizes": {}, "cpus": os.cpu_count()}
+for p in want["sizes"]:
+    du = subprocess.run(["du", "-sb", p], capture_output=True, text=True).stdout.split()
+    out["sizes"][p] = int(du[0]) if du and du[0].isdigit() else 0
 import shutil
 for name in want["programs"]:
     out["programs"][name] = shutil.which(name, path=os.environ.get("PATH", "") + ":/usr/local/sbin:/usr/sbin:/sbin")
 for p in want["files"]:
     try:
         st = os.stat(p)
-        out["files"][p] = [st.st_mode & 0o7777, owner(st), sha(p)]
+        out["files"][p] = [st.st_mode & 0o7777, owner(st), "directory" if os.path.isdir(p) else sha(p)]
     except OSError:
         out["files"][p] = None
 for p in want["texts"]:
@@ -94,7 +97,7 @@ class HostState(FactBase["dict"]):
 
     @staticmethod
     def default():
-        return {"files": {}, "texts": {}, "trees": {}, "units": {}, "programs": {}}
+        return {"files": {}, "texts": {}, "trees": {}, "units": {}, "programs": {}, "sizes": {}, "cpus": None}
 
     def command(self, want: str) -> StringCommand:
         return StringCommand("python3", "-c", shlex.quote(_READER), shlex.quote(want))
@@ -111,18 +114,19 @@ class _Wanted:
     trees: set[str] = field(default_factory=set)
     units: set[str] = field(default_factory=set)
     programs: set[str] = field(default_factory=set)
+    sizes: set[str] = field(default_factory=set)
 
     def json(self) -> str:
         return json.dumps({"files": sorted(self.files), "texts": sorted(self.texts), "trees": sorted(self.trees),
                            "units": sorted(self.units), "programs": sorted(self.programs),
-                           "props": list(UNIT_PROPERTIES)})
+                           "sizes": sorted(self.sizes), "props": list(UNIT_PROPERTIES)})
 
 
 def _wanted(name: str) -> _Wanted:
     return once(("snapshot wanted", name), _Wanted)
 
 
-def expect(*, files=(), texts=(), trees=(), units=(), programs=()) -> None:
+def expect(*, files=(), texts=(), trees=(), units=(), programs=(), sizes=()) -> None:
     """Declare, while the deploy plans, what the current host's operations will compare."""
     wanted = _wanted(host.name)
     wanted.files.update(files)
@@ -130,9 +134,10 @@ def expect(*, files=(), texts=(), trees=(), units=(), programs=()) -> None:
     wanted.trees.update(trees)
     wanted.units.update(units)
     wanted.programs.update(programs)
+    wanted.sizes.update(sizes)
 
 
-_KINDS = ("files", "texts", "trees", "units", "programs")
+_KINDS = ("files", "texts", "trees", "units", "programs", "sizes")
 
 
 class _Forget(BaseStateCallback):
@@ -148,11 +153,12 @@ class _Forget(BaseStateCallback):
                 continue
             if meta.is_complete() and meta.did_change():
                 for known in _known(target.name, state).values():
-                    known.clear()
+                    if isinstance(known, dict):
+                        known.clear()
 
 
 def _known(name: str, state=None) -> dict[str, dict]:
-    return once(("snapshot", name), lambda: {k: {} for k in (*_KINDS, "facts")}, state)
+    return once(("snapshot", name), lambda: {**{k: {} for k in (*_KINDS, "facts")}, "cpus": None}, state)
 
 
 def fact(cls, **kwargs):
@@ -176,6 +182,7 @@ def _read(kind: str, key: str):
     if key not in known[kind]:
         missing = _Wanted(*(getattr(wanted, k) - known[k].keys() for k in _KINDS))
         found = host.get_fact(HostState, want=missing.json())
+        known["cpus"] = found.get("cpus")
         for k in _KINDS:
             known[k].update({name: found.get(k, {}).get(name) for name in getattr(missing, k)})
     return known[kind][key]
@@ -206,6 +213,18 @@ def program(name: str) -> str | None:
     """Where the command ``name`` is on the host's PATH (sbin included), None if nowhere:
     pyinfra's ``server.Which``, read from the snapshot."""
     return _read("programs", name)
+
+
+def size(path: str) -> int:
+    """Bytes under ``path`` as ``du -sb`` counts them (0 when missing)."""
+    return _read("sizes", path) or 0
+
+
+def cpus() -> int:
+    """The host's online processors (read with the rest of the snapshot)."""
+    if _known(host.name)["cpus"] is None:
+        _read("programs", "nproc")
+    return int(_known(host.name)["cpus"] or 1)
 
 
 def tree_hash(path: str) -> str:
@@ -244,6 +263,21 @@ def template(path: str, src: str, mode: str = "644", owner: str = "root:root", o
     from pyinfra.api.util import get_template
 
     return file(path, get_template(src).render(context), mode=mode, owner=owner, **(op_args or {}))
+
+
+@operation()
+def _directory(path: str, mode: int, owner: str):
+    if file_state(path) == (mode, owner, "directory"):
+        host.noop(f"{path} is in place")
+        return
+    q = shlex.quote
+    yield f"mkdir -p {q(path)} && chmod {mode:04o} {q(path)} && chown {q(owner)} {q(path)}"
+
+
+def directory(path: str, mode: str = "755", owner: str = "root:root", **op_args):
+    """An operation: directory ``path`` exists with ``mode`` and ``owner`` (not recursive)."""
+    expect(files=[path])
+    return _directory(path=path, mode=int(mode, 8), owner=owner, **op_args)
 
 
 @operation()
@@ -292,11 +326,13 @@ def manifest_hash(root: Path) -> str:
 
 def tarball(root: Path) -> bytes:
     """``root`` as a gzipped tar with the modes and owner the manifest expects."""
+    import gzip
     import io
     import tarfile
 
     buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+    # mtime=0 in the gzip header too: the same tree makes the same bytes.
+    with gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0) as packed, tarfile.open(fileobj=packed, mode="w") as tar:
         for path in _entries(root):
             info = tar.gettarinfo(str(path), arcname=path.relative_to(root).as_posix())
             info.uid = info.gid = 0

@@ -55,8 +55,22 @@ def test_files_read_with_mode_owner_and_hash_and_missing_ones_as_none(tmp_path):
     assert got["programs"]["sh"] and got["programs"]["no-such-program"] is None
 
 
-def test_the_tarball_is_the_same_bytes_for_the_same_tree():
-    assert snapshot.tarball(ROOT / "runtime") == snapshot.tarball(ROOT / "runtime")
+def test_a_directory_reads_as_one_and_sizes_as_du_counts_them(tmp_path):
+    (tmp_path / "cache").mkdir(mode=0o750)
+    (tmp_path / "cache" / "blob").write_bytes(b"x" * 5000)
+    got = read(files=[str(tmp_path / "cache")], sizes=[str(tmp_path / "cache"), str(tmp_path / "none")])
+    assert got["files"][str(tmp_path / "cache")][0] == 0o750
+    assert got["files"][str(tmp_path / "cache")][2] == "directory"
+    du = subprocess.run(["du", "-sb", str(tmp_path / "cache")], capture_output=True, text=True).stdout.split()[0]
+    assert got["sizes"][str(tmp_path / "cache")] == int(du) >= 5000
+    assert got["sizes"][str(tmp_path / "none")] == 0 and got["cpus"] >= 1
+
+
+def test_the_tarball_is_the_same_bytes_for_the_same_tree(monkeypatch):
+    first = snapshot.tarball(ROOT / "runtime")
+    later = __import__("time").time() + 3600
+    monkeypatch.setattr("time.time", lambda: later)  # an hour on: gzip's header has no clock in it
+    assert snapshot.tarball(ROOT / "runtime") == first
 
 
 def test_the_want_list_is_json_a_fake_host_answers_empty():

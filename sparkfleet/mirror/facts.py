@@ -83,17 +83,3 @@ class MirrorTrust(FactBase["list[str]"]):
 
     def process(self, output):
         return [line.strip() for line in output if line.strip()]
-
-
-class DirBytes(FactBase[int]):
-    """Bytes under ``path`` (0 when absent)."""
-
-    @staticmethod
-    def default():
-        return 0
-
-    def command(self, path: str) -> str:
-        return f"if [ -e {shlex.quote(path)} ]; then du -sb {shlex.quote(path)} | cut -f1; fi"
-
-    def process(self, output):
-        return int(output[0]) if output and output[0].strip().isdigit() else 0

@@ -19,11 +19,10 @@ from dataclasses import dataclass, field
 from pyinfra import host, logger
 from pyinfra.api.state import BaseStateCallback
 
-from sparkfleet import remote
+from sparkfleet import remote, snapshot
 from sparkfleet.config import Settings
 from sparkfleet.fleet import Mirror, host_mirror, once
 from sparkfleet.hostpaths import REGISTRY_UNIT, mirror_hf_cache
-from sparkfleet.mirror.facts import DirBytes
 
 MIB = 1024**2
 #: The steps the report times, in the order it prints them.
@@ -227,9 +226,9 @@ def track(settings: Settings, mirror_ops: list, image_op, weights_op, repo_dirs:
     record = _HostRecord(mirror=mirror, image_op=image_op, weights_op=weights_op, repo_dirs=repo_dirs,
                          address=mirror.address if mirror and mirror.is_self else "")
     if repo_dirs and weights_op is not None and weights_op.will_change:
-        record.repo_bytes_before = sum(host.get_fact(DirBytes, path=p) for p in repo_dirs)
+        record.repo_bytes_before = sum(snapshot.size(p) for p in repo_dirs)
     rep.hosts[host.name] = record
     rep.mirrors[host.name] = mirror
     if mirror and mirror.is_self:
         rep.mirror_dir = settings.mirror_dir
-        rep.hf_cache_before = host.get_fact(DirBytes, path=mirror_hf_cache(settings.mirror_dir))
+        rep.hf_cache_before = snapshot.size(mirror_hf_cache(settings.mirror_dir))

@@ -8,8 +8,7 @@ from pathlib import Path
 
 from pyinfra import host
 from pyinfra.api import StringCommand, operation
-from pyinfra.facts.hardware import Cpus
-from pyinfra.operations import files, systemd
+from pyinfra.operations import systemd
 
 from sparkfleet import snapshot
 from sparkfleet.config import Settings
@@ -41,10 +40,8 @@ def served(settings: Settings, mirror: Mirror) -> list:
     installed = registry.installed(name="docker-registry and skopeo installed", apt_repo=settings.apt_repo,
                                    apt_key_url=settings.apt_key_url)
     firewall.fleet_only(mirror)  # before either service first answers
-    storage = files.directory(
-        name="registry storage", path=mirror_registry_storage(settings.mirror_dir),
-        user=REGISTRY_USER, group=REGISTRY_USER, mode="750",
-    )
+    storage = snapshot.directory(mirror_registry_storage(settings.mirror_dir), mode="750",
+                                 owner=f"{REGISTRY_USER}:{REGISTRY_USER}", name="registry storage")
     certificate = tls.on_registry(settings.mirror_tls_dir, mirror)
     config = snapshot.template(
         REGISTRY_CONFIG, str(TEMPLATES / "registry-mirror.yml.j2"), op_args={"name": "registry configuration"},
@@ -71,9 +68,9 @@ def served(settings: Settings, mirror: Mirror) -> list:
         op_args={"name": f"systemd unit {HF_MIRROR_UNIT}"}, lib=OLAH_LIB, config=HF_MIRROR_CONFIG,
         data_dir=f"{settings.mirror_dir}/hf", requirement=settings.mirror_olah,
         # olah spends ~tens of ms of CPU per request; one process per core, up to 4.
-        workers=max(1, min(4, snapshot.fact(Cpus) or 1)),
+        workers=max(1, min(4, snapshot.cpus())),
     )
-    hf_data = files.directory(name="HF mirror cache", path=mirror_hf_cache(settings.mirror_dir))
+    hf_data = snapshot.directory(mirror_hf_cache(settings.mirror_dir), name="HF mirror cache")
     systemd.daemon_reload(name="systemd reload for the HF mirror unit", _if=hf_unit.did_change)
     snapshot.service(HF_MIRROR_UNIT, name=f"{HF_MIRROR_UNIT} running")
     hf_feeds = (olah, hf_config, hf_unit, hf_data)
