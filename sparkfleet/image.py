@@ -33,6 +33,12 @@ def pinned_digest(reference: str) -> str | None:
     return reference.split("@", 1)[1] if "@" in reference else None
 
 
+def reads(settings: Settings) -> list[tuple]:
+    """The facts this step reads while the deploy plans (read in the preflight's batch)."""
+    return [(DockerImage, {"object_id": local_image(settings)}), (DockerImage, {"object_id": settings.image}),
+            (DockerSystemInfo, {})]
+
+
 def _present(ref: str) -> bool:
     images = snapshot.fact(DockerImage, object_id=ref) or []
     if not images:

@@ -19,14 +19,14 @@ from pyinfra import host, logger, state
 from pyinfra.api import State, operation
 from pyinfra.context import ctx_host, ctx_state
 from pyinfra.facts.docker import DockerSystemInfo
-from pyinfra.facts.files import File, Sha256File
+from pyinfra.facts.files import File
 from pyinfra.facts.server import Arch
 
 from sparkfleet import hybrid, image, link, mirror, remote, secrets, service, snapshot, weights
 from sparkfleet.config import Settings
-from sparkfleet.facts import FreeSpace, Gpu, Memory
+from sparkfleet.facts import FreeSpace, Gpu, Memory, PortHolders
 from sparkfleet.fleet import fleet_settings, host_pair
-from sparkfleet.hostpaths import SECRETS_ENV
+from sparkfleet.hostpaths import CONTAINER, SECRETS_ENV, UNIT
 
 EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 
@@ -77,17 +77,22 @@ def still_needed(settings: Settings) -> dict[str, float]:
 def host_findings(settings: Settings) -> Findings:
     """Read this host's facts and judge them against what the steps say they still need:
     disk (``still_needed``) and the memory the service claims when it starts."""
+    # Every question below, and the steps' own, in one read of the host (sparkfleet.snapshot).
+    snapshot.expect(facts=[(Arch, {}), (Gpu, {}), (Memory, {}),
+                           (PortHolders, {"port": settings.port, "container": CONTAINER}),
+                           *image.reads(settings), *weights.reads(settings)],
+                    files=[SECRETS_ENV], units=[UNIT])
     needs = still_needed(settings)
     memory_share = service.memory_needed(settings)
     found = Findings()
     gate = found.warnings if settings.force else found.problems
     force_hint = " (or --data force=true to try anyway)"
 
-    arch = host.get_fact(Arch)
+    arch = snapshot.fact(Arch)
     if arch != SPARK_ARCH:
         gate.append(f"processor is {arch or 'unknown'}, a DGX Spark is {SPARK_ARCH}{force_hint}")
 
-    gpu = host.get_fact(Gpu)
+    gpu = snapshot.fact(Gpu)
     if gpu is None:
         found.problems.append(
             "nvidia-smi does not answer: install the NVIDIA driver (DGX OS ships it) and reboot"
@@ -109,10 +114,11 @@ def host_findings(settings: Settings) -> Findings:
 
     # Sum what lands on each filesystem: the image, the cache and a hybrid build may share one.
     per_mount: dict[str, tuple[int, float, list[str]]] = {}
+    snapshot.expect(facts=[(FreeSpace, {"path": path}) for path, gib in needs.items() if gib > 0])
     for path, gib in needs.items():
         if gib <= 0:
             continue
-        space = host.get_fact(FreeSpace, path=path)
+        space = snapshot.fact(FreeSpace, path=path)
         free, total, paths = per_mount.get(space["mount"], (space["free"], 0.0, []))
         per_mount[space["mount"]] = (free, total + gib, paths + [path])
     for mount, (free, gib, paths) in per_mount.items():
@@ -141,7 +147,7 @@ def host_findings(settings: Settings) -> Findings:
     except secrets.NotYetMade:
         # A second checkout without the key would make a new one and re-key the fleet,
         # cutting off every client: stop instead.
-        if host.get_fact(Sha256File, path=SECRETS_ENV) not in (None, EMPTY_SHA256):
+        if (snapshot.file_state(SECRETS_ENV) or (0, "", None))[2] not in (None, EMPTY_SHA256):
             found.problems.append(
                 f"this host already serves with an API key, and this checkout has none ({key_file} "
                 "is missing): copy that file (0600) from the checkout that deployed the fleet, or "
@@ -156,7 +162,7 @@ def host_findings(settings: Settings) -> Findings:
     if pair:  # the ConnectX-7 cable, its netdevs and RoCE devices
         found.problems += link.problems(settings, pair)
 
-    memory = host.get_fact(Memory)
+    memory = snapshot.fact(Memory)
     if memory_share and memory:
         # vLLM takes its own start-up memory before it checks for its share (GB10: ~8-9 GiB).
         claim = memory_share * memory["MemTotal"]

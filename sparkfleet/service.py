@@ -56,7 +56,7 @@ def memory_needed(settings: Settings) -> float:
 def port_problem(settings: Settings) -> str | None:
     """Why the service could not bind its port here, or None: the port is free or held
     by our own serving container."""
-    holders = host.get_fact(PortHolders, port=settings.port, container=CONTAINER)
+    holders = snapshot.fact(PortHolders, port=settings.port, container=CONTAINER)
     if not holders:
         return None
     return (f"port {settings.port} is held by {', '.join(holders)}: stop that process, or choose "

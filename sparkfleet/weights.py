@@ -42,6 +42,12 @@ def _missing(repos: dict[str, str], hf_home: str, verify: bool = False) -> list[
             if snapshot.fact(CachedSnapshot, hf_home=hf_home, repo_id=repo, revision=revision) is None]
 
 
+def reads(settings: Settings) -> list[tuple]:
+    """The facts this step reads while the deploy plans (read in the preflight's batch)."""
+    return [(CachedSnapshot, {"hf_home": settings.hf_home, "repo_id": repo, "revision": revision})
+            for repo, revision in wanted(settings).items()]
+
+
 def wanted(settings: Settings) -> dict[str, str]:
     """The repositories this host's profile needs in its HF cache, with their revisions."""
     return {repo: settings.revision(repo) for repo in settings.repos_to_fetch}

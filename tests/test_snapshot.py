@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def read(**want) -> dict:
-    wanted = snapshot._Wanted(*(set(want.get(k, ())) for k in snapshot._KINDS))
+    wanted = snapshot._Wanted(*(set(want.get(k, ())) for k in snapshot._KINDS if k != "facts"),
+                              facts=dict(want.get("facts", {})))
     command = snapshot.HostState().command(want=wanted.json())
     done = subprocess.run(["sh", "-c", str(command.get_raw_value())], capture_output=True, text=True, check=True,
                           env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
@@ -77,3 +78,18 @@ def test_the_want_list_is_json_a_fake_host_answers_empty():
     # The @fake connector answers unknown commands with nothing: the snapshot is then empty.
     assert snapshot.HostState().process([]) == snapshot.HostState.default()
     assert json.loads(snapshot._Wanted(files={"/b", "/a"}).json())["files"] == ["/a", "/b"]
+
+
+def test_pyinfra_facts_are_read_in_the_batch_as_pyinfra_reads_them():
+    from pyinfra.facts.server import Arch
+
+    from sparkfleet.facts import Memory, PortHolders
+
+    entries = dict(snapshot._fact_entry(cls, kwargs) for cls, kwargs in
+                   ((Arch, {}), (Memory, {}), (PortHolders, {"port": 1, "container": "x", "_sudo": True})))
+    got = read(facts=entries)["facts"]
+    arch, memory, holders = (got[key] for key in entries)
+    assert Arch().process(arch) == os.uname().machine
+    assert Memory().process(memory)["MemTotal"] > 0
+    assert "_sudo" not in "".join(entries)  # pyinfra's own arguments are not the fact's
+    assert holders is not None  # ss or its missing-command marker: never a failed command
