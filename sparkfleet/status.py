@@ -23,12 +23,14 @@ from pathlib import Path
 from typing import Any
 
 import gevent
+from prometheus_client.parser import text_string_to_metric_families
 
 from sparkfleet import endpoint, remote
 from sparkfleet.config import ConfigError, Settings
 from sparkfleet.fleet import reached_at, validate_fleet
 from sparkfleet.hostpaths import AUTH_HEADER, CONTAINER, SERVE_ENV, UNIT
 from sparkfleet.pairs import fleet_pairs
+from sparkfleet.ready import local_address
 
 METRICS = {
     "vllm:num_requests_running": "running",
@@ -118,9 +120,10 @@ def _host_command(s: Settings) -> str:
         f"docker image inspect --format '{{{{range .RepoDigests}}}}{{{{println .}}}}{{{{end}}}}' "
         f"$(docker inspect --format '{{{{.Image}}}}' {CONTAINER} 2>/dev/null) 2>/dev/null",
         "echo '== models'",
-        f"curl -s -m 5 -H @{AUTH_HEADER} http://127.0.0.1:{s.port}/v1/models 2>/dev/null; echo",
+        f"curl -s -m 5 -H @{AUTH_HEADER} http://{local_address(s.bind_address)}:{s.port}/v1/models 2>/dev/null; echo",
         "echo '== metrics'",
-        f"curl -s -m 5 -H @{AUTH_HEADER} http://127.0.0.1:{s.port}/metrics 2>/dev/null | grep -E {q('^(' + metric_names + ')')}",
+        f"curl -s -m 5 -H @{AUTH_HEADER} http://{local_address(s.bind_address)}:{s.port}/metrics 2>/dev/null "
+        f"| grep -E {q('^(' + metric_names + ')')}",
         "echo '== refs'",
         f"for f in {q(s.hf_home)}/hub/models--*/refs/*; do [ -f \"$f\" ] && echo \"$f $(cat \"$f\")\"; done 2>/dev/null",
         "true",
@@ -167,14 +170,13 @@ def parse_host(lines: list[str], s: Settings) -> dict[str, Any]:
         served = []
     row["ready"] = s.served_model_name in served
     values: dict[str, float] = {}
-    for line in sec.get("metrics", []):
-        m = re.match(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{[^}]*\})?\s+(\S+)", line)
-        if m and m.group(1) in METRICS:
-            key = METRICS[m.group(1)]
-            try:
-                values[key] = values.get(key, 0.0) + float(m.group(2))
-            except ValueError:
-                pass
+    try:  # Prometheus' own parser, as the checks read /metrics; summed over label sets
+        for family in text_string_to_metric_families("\n".join(sec.get("metrics", [])) + "\n"):
+            for sample in family.samples:
+                if sample.name in METRICS:
+                    values[METRICS[sample.name]] = values.get(METRICS[sample.name], 0.0) + sample.value
+    except ValueError:
+        pass
     row["running"] = int(values["running"]) if "running" in values else None
     row["waiting"] = int(values["waiting"]) if "waiting" in values else None
     row["kv_cache"] = values.get("kv_cache")

@@ -56,3 +56,23 @@ def test_a_fleet_where_no_host_answers_is_a_table_of_unreachable_hosts(tmp_path)
     assert done.returncode == 1, done.stdout + done.stderr
     out = done.stdout
     assert out.splitlines()[1].split()[:2] == ["spark-gone.invalid", "unreachable"], out
+
+
+def test_a_host_row_reads_metrics_with_prometheus_parser_and_asks_its_bound_address():
+    from support.fleetdata import defaults
+
+    from sparkfleet.config import validate_host_data
+    from sparkfleet.status import _host_command, parse_host
+
+    s = validate_host_data("spark-1", {**defaults(), "bind_address": "10.0.0.5"})
+    assert "http://10.0.0.5:8000/v1/models" in _host_command(s)  # bound to one address: asked there
+    lines = ["== unit", "ActiveState=active", "== models", '{"data": [{"id": "%s"}]}' % s.served_model_name,
+             "== metrics",
+             'vllm:num_requests_running{engine="0",model_name="m"} 2.0',
+             'vllm:num_requests_running{engine="1",model_name="m"} 1.0',
+             'vllm:num_requests_waiting{engine="0",model_name="m"} 4.0',
+             'vllm:spec_decode_num_drafts_total{engine="0"} 10.0',
+             'vllm:spec_decode_num_accepted_tokens_total{engine="0"} 25.0']
+    row = parse_host(lines, s)
+    assert row["ready"] and row["running"] == 3 and row["waiting"] == 4
+    assert row["acceptance_length"] == 3.5
