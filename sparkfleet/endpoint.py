@@ -24,7 +24,6 @@ The runtime API, for a rollout (controller side, over SSH, sudo honoured)::
 
 from __future__ import annotations
 
-import csv
 import hashlib
 import io
 import re
@@ -41,37 +40,16 @@ from pyinfra.api.exceptions import OperationError
 from pyinfra.facts.files import Sha256File
 from pyinfra.operations import systemd
 
-from sparkfleet import apt, remote, secrets
+from sparkfleet import apt, haproxy, remote, secrets
 from sparkfleet.config import Settings
 from sparkfleet.facts import RouteSource
 from sparkfleet.fleet import all_pairs, all_settings, chosen_endpoint, reached_at, ssh_address
 
 PROJECT = Path(__file__).resolve().parents[1]
 TEMPLATE = PROJECT / "templates" / "haproxy.cfg.j2"
-UNIT = "haproxy.service"
+UNIT = haproxy.UNIT
 CONFIG = "/etc/haproxy/haproxy.cfg"
-ADMIN_SOCKET = "/run/haproxy/admin.sock"
-STATE_FILE = "/var/lib/haproxy/server-state"
-BACKEND = "members"
 MARKER = "The sparkfleet fleet endpoint"
-
-# One runtime-API command on the endpoint host: HAProxy answers and closes the socket.
-_SOCKET_CLIENT = (
-    "import socket,sys\n"
-    "s=socket.socket(socket.AF_UNIX);s.settimeout(10);s.connect(sys.argv[1]);s.sendall(sys.argv[2].encode()+b'\\n')\n"
-    "b=b''\n"
-    "while True:\n"
-    " d=s.recv(65536)\n"
-    " if not d: break\n"
-    " b+=d\n"
-    "sys.stdout.write(b.decode())\n"
-)
-
-
-def server_name(inventory_name: str) -> str:
-    """The member's name in HAProxy (its inventory name, in HAProxy's alphabet)."""
-    return re.sub(r"[^A-Za-z0-9_.:-]", "_", inventory_name)
-
 
 # --- facts ------------------------------------------------------------------------------
 
@@ -121,7 +99,7 @@ def render(settings: Settings, members: list[Target], key: str | None) -> str:
     """The HAProxy configuration (templates/haproxy.cfg.j2)."""
     template = jinja2.Template(TEMPLATE.read_text(), keep_trailing_newline=True, undefined=jinja2.StrictUndefined)
     return template.render(
-        admin_socket=ADMIN_SOCKET, state_file=STATE_FILE, timeout_s=settings.endpoint_timeout_s,
+        admin_socket=haproxy.ADMIN_SOCKET, state_file=haproxy.STATE_FILE, timeout_s=settings.endpoint_timeout_s,
         port=settings.endpoint_port, metrics_port=settings.endpoint_metrics_port, key=key,
         model_regex=re.escape(settings.served_model_name),
         members=[{"server": m.server, "address": f"[{m.address}]" if ":" in m.address else m.address, "port": m.port}
@@ -148,7 +126,7 @@ def _targets(settings: Settings) -> list[Target]:
             continue
         if member.name in pairs and not pairs[member.name].is_head:  # its pair is one member: the head
             continue
-        server = server_name(member.name)
+        server = haproxy.server_name(member.name)
         address = None
         if member is host:
             address = own
@@ -213,7 +191,7 @@ def reloaded():
     the old one finishes its requests (no connection is refused or cut). Admin states
     (drained members) are saved first and read back by the new worker.
     """
-    yield StringCommand("sh", "-c", shlex.quote(save_state_command()))
+    yield StringCommand("sh", "-c", shlex.quote(haproxy.save_state_command()))
     yield "systemctl reload haproxy"
 
 
@@ -235,10 +213,10 @@ def announced(settings: Settings, members: list[Target], changed: bool):
 
 def _announce_after_checks(state, host, settings: Settings, members: list[Target]) -> bool:  # noqa: ARG001
     deadline = time.monotonic() + 15  # a member answers (rise 2: 2 s) or is marked down
-    states: dict[str, Member] = {}
+    states: dict[str, haproxy.Member] = {}
     while time.monotonic() < deadline:
         try:
-            states = members_of(host)
+            states = haproxy.members_of(host)
         except OperationError:
             states = {}
         if states and all(m.checked for m in states.values()):
@@ -248,14 +226,14 @@ def _announce_after_checks(state, host, settings: Settings, members: list[Target
     return True
 
 
-def _states_now(target_host) -> dict[str, "Member"]:
+def _states_now(target_host) -> dict[str, haproxy.Member]:
     try:
-        return members_of(target_host)
+        return haproxy.members_of(target_host)
     except OperationError:
         return {}
 
 
-def _hint(target_host, settings: Settings, members: list[Target], states: dict[str, "Member"]) -> str:
+def _hint(target_host, settings: Settings, members: list[Target], states: dict[str, haproxy.Member]) -> str:
     url = f"http://{reached_at(target_host)}:{settings.endpoint_port}"
     mode = settings.api_key.get_secret_value()
     auth = (f'-H "Authorization: Bearer $(cat {settings.api_key_file})" ' if mode == "auto"
@@ -295,30 +273,6 @@ def served(settings: Settings) -> None:
               changed=config.will_change or started.will_change)
 
 
-# --- the runtime API (controller side) --------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Member:
-    """A member as HAProxy sees it now."""
-
-    name: str  # inventory name (the HAProxy server name)
-    address: str
-    state: str  # UP, DOWN, DRAIN, MAINT, NOLB, "UP 1/2" (going down), "DOWN 1/2" (coming up)...
-    sessions: int  # requests in flight through the endpoint
-    requests: int  # requests sent to it since HAProxy started
-    errors: int  # connection and response errors
-    check: str  # last check's result (e.g. L7OK, L4CON, L7STS)
-
-    @property
-    def in_rotation(self) -> bool:
-        return self.state == "UP" or self.state.startswith("UP ")
-
-    @property
-    def checked(self) -> bool:
-        return bool(self.check) and not self.check.startswith("INI")
-
-
 def endpoint_name(state, settings: dict[str, Settings] | None = None) -> str | None:
     """The inventory name of the fleet endpoint's host, or None (fleet_endpoint=none).
 
@@ -333,73 +287,3 @@ def endpoint_host(state, settings: dict[str, Settings] | None = None):
     return state.inventory.get_host(name) if name else None
 
 
-def save_state_command() -> str:
-    """Save the members' states where the next worker reads them (nothing when HAProxy
-    does not answer, e.g. before its first start)."""
-    return (_runtime_shell("show servers state") + f" > {STATE_FILE}.new && mv -f {STATE_FILE}.new {STATE_FILE} "
-            f"|| rm -f {STATE_FILE}.new")
-
-
-def _runtime_shell(command: str) -> str:
-    return f"python3 -c {shlex.quote(_SOCKET_CLIENT)} {ADMIN_SOCKET} {shlex.quote(command)}"
-
-
-def runtime(endpoint, command: str) -> list[str]:
-    """One HAProxy runtime-API command on the endpoint host; its answer's lines."""
-    if not endpoint.connected:  # a host this run could not reach has no connection to run on
-        raise OperationError(f"{endpoint.name}: the fleet endpoint's host is not reachable from the controller")
-    done = remote.run(endpoint, _runtime_shell(command), timeout=30)
-    ok, lines = done.ok, done.stdout
-    if not ok:
-        raise OperationError(f"{endpoint.name}: the HAProxy runtime API did not answer `{command}` "
-                             f"(is {UNIT} running? systemctl status haproxy)")
-    return lines
-
-
-def show_stat(endpoint) -> list[dict[str, str]]:
-    """HAProxy's `show stat`: one row per frontend, backend and member."""
-    return list(csv.DictReader(io.StringIO("\n".join(runtime(endpoint, "show stat")).lstrip("# "))))
-
-
-def members_of(endpoint, stat: list[dict[str, str]] | None = None) -> dict[str, Member]:
-    """Every member of the endpoint and its state, by HAProxy server name (the inventory
-    name; see server_name)."""
-    found = {}
-    for row in stat if stat is not None else show_stat(endpoint):
-        if row.get("pxname") != BACKEND or row.get("svname") in ("BACKEND", "FRONTEND"):
-            continue
-        found[row["svname"]] = Member(
-            name=row["svname"], address=row.get("addr", ""), state=row.get("status", ""),
-            sessions=int(row.get("scur") or 0), requests=int(row.get("stot") or 0),
-            errors=int(row.get("econ") or 0) + int(row.get("eresp") or 0),
-            check=row.get("check_status", "").lstrip("* "),  # "* " marks a check in progress
-        )
-    return found
-
-
-def drain(endpoint, name: str, timeout_s: float = 600, poll_s: float = 1.0) -> int:
-    """Take member ``name`` out of rotation: no new requests; wait (up to ``timeout_s``)
-    for its in-flight ones to finish. Returns how many are still in flight (0: drained)."""
-    runtime(endpoint, f"set server {BACKEND}/{server_name(name)} state drain")
-    deadline = time.monotonic() + timeout_s
-    while True:
-        member = members_of(endpoint).get(server_name(name))
-        if member is None:
-            raise OperationError(f"{endpoint.name}: {name} is not a member of the fleet endpoint")
-        if member.sessions == 0 or time.monotonic() >= deadline:
-            return member.sessions
-        gevent.sleep(poll_s)
-
-
-def ready(endpoint, name: str, timeout_s: float = 0, poll_s: float = 1.0) -> bool:
-    """Put member ``name`` back in rotation: it serves again once its checks pass. Waits
-    up to ``timeout_s`` for that; returns whether it is in rotation."""
-    runtime(endpoint, f"set server {BACKEND}/{server_name(name)} state ready")
-    deadline = time.monotonic() + timeout_s
-    while True:
-        member = members_of(endpoint).get(server_name(name))
-        if member is None:
-            raise OperationError(f"{endpoint.name}: {name} is not a member of the fleet endpoint")
-        if member.in_rotation or time.monotonic() >= deadline:
-            return member.in_rotation
-        gevent.sleep(poll_s)

@@ -31,7 +31,7 @@ from pyinfra import host as current_host
 from pyinfra import logger
 from pyinfra.api.exceptions import OperationError
 
-from sparkfleet import endpoint, ready, remote, secrets
+from sparkfleet import endpoint, haproxy, ready, remote, secrets
 from sparkfleet.bench.onhost.checks import tool_call_round_trip
 from sparkfleet.bench.onhost.client import BenchError, Client
 from sparkfleet.bench.onhost.metrics import acceptance, parse_spec_counters
@@ -175,7 +175,7 @@ def rolled(state, host, settings: Settings, revision: str, member: PairMember | 
         ep = _endpoint(state, host)
         out_since = time.monotonic()
         if ep is not None:
-            left = endpoint.drain(ep, host.name, settings.drain_timeout_s)
+            left = haproxy.drain(ep, host.name, settings.drain_timeout_s)
             host.log(f"drained from the fleet endpoint in {time.monotonic() - out_since:.0f} s"
                      + (f" ({left} request(s) still in flight after drain_timeout_s)" if left else ""), logger.info)
         step = "restart"
@@ -245,15 +245,15 @@ def _endpoint(state, host):
     if ep is None:
         return None
     try:
-        members = endpoint.members_of(ep)
+        members = haproxy.members_of(ep)
     except OperationError as exc:
         host.log(f"the fleet endpoint does not answer ({exc}): rolling without draining", logger.warning)
         return None
-    return ep if endpoint.server_name(host.name) in members else None
+    return ep if haproxy.server_name(host.name) in members else None
 
 
 def _back(ep, host) -> None:
-    if not endpoint.ready(ep, host.name, timeout_s=BACK_TIMEOUT_S):
+    if not haproxy.ready(ep, host.name, timeout_s=BACK_TIMEOUT_S):
         raise OperationError(f"rollout stopped at {host.name}, step back in rotation: the fleet endpoint's "
                              f"checks did not pass within {BACK_TIMEOUT_S} s (see the endpoint's metrics)")
 

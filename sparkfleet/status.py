@@ -25,7 +25,7 @@ from typing import Any
 import gevent
 from prometheus_client.parser import text_string_to_metric_families
 
-from sparkfleet import endpoint, remote
+from sparkfleet import endpoint, haproxy, remote
 from sparkfleet.config import ConfigError, Settings
 from sparkfleet.fleet import reached_at, validate_fleet
 from sparkfleet.hostpaths import AUTH_HEADER, CONTAINER, SERVE_ENV, UNIT
@@ -206,7 +206,7 @@ def collect(state, settings: dict[str, Settings]) -> dict[str, Any]:
     ep_name = endpoint.endpoint_name(state, settings)
     ep_host = state.inventory.get_host(ep_name) if ep_name else None
     ep: dict[str, Any] | None = None
-    members: dict[str, endpoint.Member] = {}
+    members: dict[str, haproxy.Member] = {}
     if ep_host is not None:
         ep = {"host": ep_name, "url": None, "reachable": ep_host in state.active_hosts}
         es = settings[ep_name]
@@ -214,8 +214,8 @@ def collect(state, settings: dict[str, Settings]) -> dict[str, Any]:
         ep["metrics"] = f"http://{reached_at(ep_host)}:{es.endpoint_metrics_port}/metrics"
         if ep["reachable"]:
             try:
-                stat = endpoint.show_stat(ep_host)
-                members = endpoint.members_of(ep_host, stat)
+                stat = haproxy.show_stat(ep_host)
+                members = haproxy.members_of(ep_host, stat)
                 front = next((r for r in stat if r.get("pxname") == "fleet" and r.get("svname") == "FRONTEND"), {})
                 ep.update(
                     state="running",
@@ -243,7 +243,7 @@ def collect(state, settings: dict[str, Settings]) -> dict[str, Any]:
         if pair is not None:
             row["pair"] = f"{pair.group} rank {pair.rank}"
         if ep is not None:
-            member = members.get(endpoint.server_name(h.name))
+            member = members.get(haproxy.server_name(h.name))
             headless = pair is not None and not pair.is_head
             row["endpoint"] = (member.state if member else "-" if settings[h.name].serving and not headless
                                else f"via {pair.head}" if headless else "not a member")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from support.fleetdata import defaults, fleet
 
-from sparkfleet import endpoint, status
+from sparkfleet import endpoint, haproxy, status
 from sparkfleet.config import ConfigError, validate_host_data
 from sparkfleet.fleet import chosen_endpoint, validate_fleet
 
@@ -43,7 +43,7 @@ def test_an_unknown_or_disputed_endpoint_is_refused_before_anything_runs():
 
 def members():
     return [endpoint.Target("spark-01", "spark-01", "10.0.0.11", 8000),
-            endpoint.Target("spark 02", endpoint.server_name("spark 02"), "fd00::12", 8001)]
+            endpoint.Target("spark 02", haproxy.server_name("spark 02"), "fd00::12", 8001)]
 
 
 def test_the_config_asks_for_the_key_everywhere_and_checks_with_it():
@@ -122,11 +122,10 @@ def test_an_unreachable_endpoint_host_is_an_operation_error_not_a_traceback():
 
     from pyinfra.api.exceptions import OperationError
 
-    from sparkfleet import endpoint
 
     down = SimpleNamespace(name="spark-1.local", connected=False)
     with pytest.raises(OperationError, match="spark-1.local: the fleet endpoint's host is not reachable"):
-        endpoint.members_of(down)
+        haproxy.members_of(down)
 
 
 def test_the_url_of_an_unreachable_host_is_its_name():

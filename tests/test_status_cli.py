@@ -7,6 +7,7 @@ forever on a module lock that another greenlet held."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -66,7 +67,7 @@ def test_a_host_row_reads_metrics_with_prometheus_parser_and_asks_its_bound_addr
 
     s = validate_host_data("spark-1", {**defaults(), "bind_address": "10.0.0.5"})
     assert "http://10.0.0.5:8000/v1/models" in _host_command(s)  # bound to one address: asked there
-    lines = ["== unit", "ActiveState=active", "== models", '{"data": [{"id": "%s"}]}' % s.served_model_name,
+    lines = ["== unit", "ActiveState=active", "== models", json.dumps({"data": [{"id": s.served_model_name}]}),
              "== metrics",
              'vllm:num_requests_running{engine="0",model_name="m"} 2.0',
              'vllm:num_requests_running{engine="1",model_name="m"} 1.0',

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sparkfleet import endpoint
+from sparkfleet import haproxy
 
 MAX_RUN_S = 1800
 #: The endpoint's ports and backend as sparkfleet configures them (group_data/all.py).
@@ -81,8 +81,8 @@ class Endpoint:
 
     def set_state(self, member: str, state: str) -> None:
         """Set a member's admin state (ready, drain, maint) on the router, as the deploy does."""
-        server = endpoint.server_name(self.tb.inventory_name(member))
-        self.tb.exec(self.router, endpoint._runtime_shell(f"set server {endpoint.BACKEND}/{server} state {state}"),
+        server = haproxy.server_name(self.tb.inventory_name(member))
+        self.tb.exec(self.router, haproxy.runtime_shell(f"set server {haproxy.BACKEND}/{server} state {state}"),
                      check=True)
 
 

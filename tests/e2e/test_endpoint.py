@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from sparkfleet.endpoint import save_state_command
+from sparkfleet.haproxy import save_state_command
 from sparkfleet.testbed import login, paths, traffic
 
 pytestmark = pytest.mark.e2e
@@ -84,7 +84,7 @@ def api(script: str) -> dict:
     own: pyinfra's CLI modules patch the interpreter with gevent); its last line is JSON."""
     code = (
         "import json\n"
-        "from sparkfleet import endpoint, status\n"
+        "from sparkfleet import endpoint, haproxy, status\n"
         f"state, settings = status.connect({INVENTORY!r}, {{'fleet_endpoint': {ROUTER_NAME!r}}})\n"
         "ep = endpoint.endpoint_host(state, settings)\n" + script
     )
@@ -201,11 +201,11 @@ def test_drain_waits_for_in_flight_requests_and_ready_puts_it_back(testbed, ep):
         time.sleep(1.5)
         result = api(
             "import time\n"
-            "before = endpoint.members_of(ep)\n"
+            "before = haproxy.members_of(ep)\n"
             "t = time.monotonic()\n"
-            f"left = endpoint.drain(ep, {name!r}, timeout_s=120)\n"
+            f"left = haproxy.drain(ep, {name!r}, timeout_s=120)\n"
             "took = time.monotonic() - t\n"
-            "after = endpoint.members_of(ep)\n"
+            "after = haproxy.members_of(ep)\n"
             f"print(json.dumps({{'left': left, 'took': took, 'in_flight_before': before[{name!r}].sessions, "
             f"'state': after[{name!r}].state, 'requests': after[{name!r}].requests}}))\n"
         )
@@ -221,7 +221,7 @@ def test_drain_waits_for_in_flight_requests_and_ready_puts_it_back(testbed, ep):
     testbed.exec(ROUTER, f"{save_state_command()}; systemctl reload haproxy")
     time.sleep(2)
     assert ep.states()[member] == "DRAIN"
-    back = api(f"print(json.dumps({{'up': endpoint.ready(ep, {name!r}, timeout_s=10)}}))\n")
+    back = api(f"print(json.dumps({{'up': haproxy.ready(ep, {name!r}, timeout_s=10)}}))\n")
     assert back == {"up": True} and ep.states()[member] == "UP"
 
 
