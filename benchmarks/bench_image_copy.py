@@ -87,11 +87,11 @@ def certificate(tb) -> None:
     """A mirror certificate for DEST, made as the deploy makes one, on the host."""
     import tempfile
 
-    from sparkfleet import secrets
+    from sparkfleet import credentials
     from sparkfleet.fleet import Mirror
 
     with tempfile.TemporaryDirectory() as tls_dir:
-        cert, key = secrets.mirror_tls(tls_dir, Mirror(HOST, DEST.split(":")[0], 1, int(DEST.split(":")[1]), True))
+        cert, key = credentials.mirror_tls(tls_dir, Mirror(HOST, DEST.split(":")[0], 1, int(DEST.split(":")[1]), True))
         sh(tb, f"mkdir -p {CERT_DIR} && printf %s {shlex.quote(cert.read_text())} > {CERT_DIR}/ca.crt && "
                f"(umask 077; printf %s {shlex.quote(key.read_text())} > {CERT_DIR}/key.pem)")
 

@@ -40,7 +40,7 @@ from pyinfra.api.exceptions import OperationError
 from pyinfra.facts.files import Sha256File
 from pyinfra.operations import systemd
 
-from sparkfleet import apt, haproxy, remote, secrets
+from sparkfleet import apt, credentials, haproxy, remote
 from sparkfleet.config import Settings
 from sparkfleet.facts import RouteSource
 from sparkfleet.fleet import all_pairs, all_settings, chosen_endpoint, reached_at, ssh_address
@@ -264,7 +264,7 @@ def served(settings: Settings) -> None:
     members = _targets(settings)
     haproxy_installed(name="fleet endpoint: haproxy installed", settings=settings)
     config = config_written(name="fleet endpoint: haproxy configuration",
-                            text=render(settings, members, secrets.api_key(settings)))
+                            text=render(settings, members, credentials.api_key(settings)))
     started = systemd.service(name="fleet endpoint: haproxy enabled and running", service=UNIT, running=True,
                               enabled=True)
     # Membership and settings change by a reload, never a restart.

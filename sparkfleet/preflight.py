@@ -22,7 +22,7 @@ from pyinfra.facts.docker import DockerSystemInfo
 from pyinfra.facts.files import File
 from pyinfra.facts.server import Arch
 
-from sparkfleet import hybrid, image, link, mirror, remote, secrets, service, snapshot, weights
+from sparkfleet import credentials, hybrid, image, link, mirror, remote, service, snapshot, weights
 from sparkfleet.config import Settings
 from sparkfleet.facts import FreeSpace, Gpu, Memory, PortHolders
 from sparkfleet.fleet import fleet_settings, host_pair
@@ -141,10 +141,10 @@ def host_findings(settings: Settings) -> Findings:
         if size.source.startswith("image_size_gib"):
             found.warnings.append(f"image size from {size.source}: {size.unpacked_gib:.1f} GiB unpacked assumed")
 
-    key_file = secrets.api_key_path(settings)
+    key_file = credentials.api_key_path(settings)
     try:
-        secrets.existing_api_key(settings.api_key, key_file)
-    except secrets.NotYetMade:
+        credentials.existing_api_key(settings.api_key, key_file)
+    except credentials.NotYetMade:
         # A second checkout without the key would make a new one and re-key the fleet,
         # cutting off every client: stop instead.
         if (snapshot.file_state(SECRETS_ENV) or (0, "", None))[2] not in (None, EMPTY_SHA256):

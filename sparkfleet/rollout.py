@@ -31,7 +31,7 @@ from pyinfra import host as current_host
 from pyinfra import logger
 from pyinfra.api.exceptions import OperationError
 
-from sparkfleet import endpoint, haproxy, ready, remote, secrets
+from sparkfleet import credentials, endpoint, haproxy, ready, remote
 from sparkfleet.bench.onhost.checks import tool_call_round_trip
 from sparkfleet.bench.onhost.client import BenchError, Client
 from sparkfleet.bench.onhost.metrics import acceptance, parse_spec_counters
@@ -296,7 +296,7 @@ def _is_ip(text: str) -> bool:
 
 def gate(host, settings: Settings, acceptance_floor: bool = True) -> str | None:
     """Smoke, tool-call round trip and (speculative profiles) acceptance: None, or what failed."""
-    client = Client(api_url(host, settings), settings.served_model_name, secrets.api_key(settings), timeout=120)
+    client = Client(api_url(host, settings), settings.served_model_name, credentials.api_key(settings), timeout=120)
     speculative = acceptance_floor and settings.speculative_method is not None
     try:
         before = parse_spec_counters(client.metrics_text()) if speculative else None

@@ -20,7 +20,7 @@ from pyinfra.api import StringCommand, deploy, operation
 from pyinfra.api.util import get_template
 from pyinfra.operations import server
 
-from sparkfleet import container_runtime, ready, remote, rollout, secrets, snapshot
+from sparkfleet import container_runtime, credentials, ready, remote, rollout, snapshot
 from sparkfleet.config import Settings
 from sparkfleet.facts import PortHolders, ServedModels
 from sparkfleet.hostpaths import (
@@ -87,7 +87,7 @@ def _api_key_files(api_key: str | None) -> dict[str, str]:
 
 def _write_new_api_key(state, host, api_key: SecretStr, key_file: Path) -> bool:  # pyinfra passes state, host
     """At execute time: make the project's ``auto`` key (once), then its 0600 host files."""
-    key = secrets.make_api_key(api_key, key_file)
+    key = credentials.make_api_key(api_key, key_file)
     for path, content in _api_key_files(key).items():
         directory = path.rsplit("/", 1)[0]
         remote.run(host, f"install -d -m 0755 {directory} && install -m 0600 /dev/null {path}")
@@ -105,8 +105,8 @@ def api_key_written(api_key: SecretStr, key_file: Path):
     + key_file: where the controller keeps the ``auto`` key
     """
     try:
-        key = secrets.existing_api_key(api_key, key_file)
-    except secrets.NotYetMade:  # made when the deploy executes, never while it plans
+        key = credentials.existing_api_key(api_key, key_file)
+    except credentials.NotYetMade:  # made when the deploy executes, never while it plans
         yield remote.callback(_write_new_api_key, api_key, key_file)
         return
     for path, content in _api_key_files(key).items():
@@ -209,11 +209,11 @@ def host_files(settings: Settings) -> tuple:
     """
     snapshot.expect(files=[SECRETS_ENV, AUTH_HEADER, HF_ENV])
     runtime = snapshot.tree(name="runtime files on the host", src=str(PROJECT / "runtime"), dest=RUNTIME_DIR)
-    token = secrets.hf_token(settings)
+    token = credentials.hf_token(settings)
     hf_token_written(name="HF token in a 0600 file", token=SecretStr(token) if token else None,
                      removed=settings.hf_token is not None and not token)
     api_key = api_key_written(name="API key in 0600 files", api_key=settings.api_key,
-                              key_file=secrets.api_key_path(settings))
+                              key_file=credentials.api_key_path(settings))
     return runtime, api_key
 
 

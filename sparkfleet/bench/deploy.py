@@ -37,6 +37,7 @@ from pyinfra.operations import files, python
 
 from sparkfleet import remote as host_commands  # "remote" names the result path below
 from sparkfleet.fleet import all_pairs, fleet_settings
+from sparkfleet.hostpaths import CONTAINER, SECRETS_ENV
 
 from .onhost.schema import ProgramSettings, failed_result, now_iso
 from .results import result_path, run_dir, write_json
@@ -45,8 +46,6 @@ from .settings import BenchSettings, bench_settings, parse_check_names, run_id_f
 ONHOST_SRC = Path(__file__).resolve().parent / "onhost"
 # The package name the program has on the host (its directory name there).
 REMOTE_PACKAGE = "sparkfleet_onhost"
-SERVE_CONTAINER = "sparkfleet-serve"
-SECRETS_ENV = "/etc/sparkfleet/secrets.env"
 CONTAINER_SECRETS = "/run/sparkfleet/secrets.env"
 CONTAINER_CODE_ROOT = "/opt/sparkfleet-bench"
 COLLECT_OP_NAME = "sparkfleet checks: run on the host and collect the result"
@@ -109,14 +108,14 @@ def bench_command(s: BenchSettings, names: Sequence[str], run_id: str, host_name
         lines.append(_LOCK_MESSAGE)
         return "\n".join(lines)
     doc = program_settings(s, names, run_id, host_name, p["result"], state_db, CONTAINER_SECRETS).to_json()
-    container = q(SERVE_CONTAINER)
+    container = q(CONTAINER)
     lines += [
         # The image the serving container runs, by ID: it has python3 and prometheus_client,
         # and a mutable tag cannot swap it under us.
         f"IMAGE=$(docker inspect --format '{{{{.Image}}}}' {container} 2>/dev/null) || "
-        f"{{ echo 'no {SERVE_CONTAINER} container on this host: deploy first (pyinfra INVENTORY deploy.py)' >&2; exit 3; }}",
+        f"{{ echo 'no {CONTAINER} container on this host: deploy first (pyinfra INVENTORY deploy.py)' >&2; exit 3; }}",
         f"[ \"$(docker inspect --format '{{{{.State.Running}}}}' {container})\" = true ] || "
-        f"{{ echo '{SERVE_CONTAINER} is not running: see systemctl status {SERVE_CONTAINER}' >&2; exit 3; }}",
+        f"{{ echo '{CONTAINER} is not running: see systemctl status {CONTAINER}' >&2; exit 3; }}",
         # The key reaches the bench as a read-only file, never through argv.
         f"if [ -f {q(SECRETS_ENV)} ]; then set -- -v {q(SECRETS_ENV + ':' + CONTAINER_SECRETS + ':ro')}; else set --; fi",
         # root in the container: it reads the 0600 secrets file, whatever USER the image sets

@@ -13,7 +13,7 @@ from pyinfra import host
 from pyinfra.api import operation
 from pyinfra.operations import files
 
-from sparkfleet import remote, secrets, snapshot
+from sparkfleet import credentials, remote, snapshot
 from sparkfleet.fleet import Mirror
 from sparkfleet.hostpaths import (
     DOCKER_CERTS_DIR,
@@ -27,7 +27,7 @@ from sparkfleet.mirror.facts import MirrorTrust
 
 
 def _make(state, host, tls_dir: str, mirror: Mirror) -> bool:  # pyinfra passes state, host
-    secrets.mirror_tls(tls_dir, mirror)
+    credentials.mirror_tls(tls_dir, mirror)
     return True
 
 
@@ -35,7 +35,7 @@ def _adopt(state, host, tls_dir: str, mirror: Mirror) -> bool:  # pyinfra passes
     cert, key = io.BytesIO(), io.BytesIO()
     remote.get(host, REGISTRY_CERT, cert)
     remote.get(host, REGISTRY_KEY, key)
-    secrets.keep_mirror_tls(tls_dir, mirror, cert.getvalue(), key.getvalue())
+    credentials.keep_mirror_tls(tls_dir, mirror, cert.getvalue(), key.getvalue())
     return True
 
 
@@ -49,7 +49,7 @@ def made(tls_dir: str, mirror: Mirror):
     + tls_dir: the controller's directory for them (``mirror_tls_dir``)
     + mirror: the mirror (its address is the certificate's name)
     """
-    cert, key = secrets.mirror_tls_paths(tls_dir, mirror)
+    cert, key = credentials.mirror_tls_paths(tls_dir, mirror)
     if cert.exists() and key.exists():
         host.noop(f"the mirror registry's certificate is in {cert.parent}")
         return
@@ -64,7 +64,7 @@ def made(tls_dir: str, mirror: Mirror):
         return
     # Runs on the controller when the deploy executes; planning writes nothing.
     serving = (snapshot.text(REGISTRY_CERT) or "").rstrip("\n").encode()
-    if serving and secrets.names_mirror(serving + b"\n", mirror):
+    if serving and credentials.names_mirror(serving + b"\n", mirror):
         yield remote.callback(_adopt, tls_dir, mirror)
     else:
         yield remote.callback(_make, tls_dir, mirror)
@@ -72,7 +72,7 @@ def made(tls_dir: str, mirror: Mirror):
 
 def on_registry(tls_dir: str, mirror: Mirror) -> list:
     """The certificate and its key where the registry on the mirror host reads them."""
-    cert, key = secrets.mirror_tls_paths(tls_dir, mirror)
+    cert, key = credentials.mirror_tls_paths(tls_dir, mirror)
     # src: `made` creates them when the deploy executes, before these run.
     return [
         snapshot.file(REGISTRY_CERT, src=str(cert), name="registry certificate"),
@@ -102,7 +102,7 @@ def key_installed(key_path: str):
 
 def trusted(tls_dir: str, mirror: Mirror):
     """Docker on this host trusts the mirror registry's certificate (read per pull: no restart)."""
-    cert, _ = secrets.mirror_tls_paths(tls_dir, mirror)
+    cert, _ = credentials.mirror_tls_paths(tls_dir, mirror)
     # src: `made` creates it when the deploy executes, before this runs.
     trust = snapshot.file(registry_ca_path(mirror.registry), src=str(cert), name="its registry certificate trusted by docker")
     snapshot.file(f"{DOCKER_CERTS_DIR}/{mirror.registry}/{MIRROR_TRUST_MARKER}",

@@ -16,7 +16,7 @@ import time
 import pytest
 from support.fleetdata import free_port
 
-from sparkfleet import secrets
+from sparkfleet import credentials
 from sparkfleet.fleet import Mirror
 from sparkfleet.mirror.names import ImageName
 from sparkfleet.mirror.registry import copy_command, copy_failure
@@ -37,7 +37,7 @@ def registries(tmp_path):
         port = free_port()
         http: dict = {"addr": f"127.0.0.1:{port}"}
         if name == "mirror":
-            cert, key = secrets.mirror_tls(str(tmp_path / "tls"), Mirror("m", "127.0.0.1", 1, port, True))
+            cert, key = credentials.mirror_tls(str(tmp_path / "tls"), Mirror("m", "127.0.0.1", 1, port, True))
             http["tls"] = {"certificate": str(cert), "key": str(key)}
             (tmp_path / "certs.d").mkdir()
             shutil.copy(cert, tmp_path / "certs.d" / "ca.crt")

@@ -608,9 +608,9 @@ def test_client_disconnect_aborts_the_request(dflash: Server) -> None:
 # The real chain: synthetic checkpoints → hub → huggingface_hub cache → engine
 # ---------------------------------------------------------------------------------------
 def test_serves_synthetic_checkpoints_downloaded_from_the_hub(tmp_path: Path, start: Any) -> None:
-    checkpoints = pytest.importorskip("sparkfleet.testbed.checkpoints")
     from huggingface_hub import snapshot_download
 
+    from sparkfleet.testbed import checkpoints
     from sparkfleet.testbed.hub import HubServer
 
     revs = checkpoints.write_synthetic_repos(tmp_path / "repos")

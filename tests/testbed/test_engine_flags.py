@@ -17,7 +17,6 @@ import ast
 import re
 from functools import lru_cache
 
-import pytest
 from support.vllm_source import VLLM_IMAGE_VERSION, vllm_members, vllm_source_file
 
 from sparkfleet.testbed.engine import flags as engine
@@ -197,7 +196,8 @@ def test_parser_names_match_vllm() -> None:
 def test_deploy_argv_of_every_profile_is_accepted() -> None:
     """The argv runtime/serve_args.py builds for each profile parses here and passes the
     startup checks that need no model (parsers, speculative config)."""
-    support = pytest.importorskip("support.runtime_env")
+    import support.runtime_env as support
+
     from runtime import serve_args
     real = real_serve_flags()
     for profile in support.PROFILES:

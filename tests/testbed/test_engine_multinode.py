@@ -341,10 +341,37 @@ def test_sigterm_before_every_node_joined_is_a_clean_stop(hf_home):
                  pair_flags(1, free_port(HEAD_IP))):  # nobody listens there
         proc = engine(hf_home, *argv)
         try:
-            time.sleep(1.0)
-            assert proc.poll() is None
+            # Signalled once it waits for its peers (a fixed sleep loses on a loaded machine:
+            # a SIGTERM before Python even imported the engine is no clean stop).
+            seen = _line_matching(proc, ("waiting for 1 node(s)", "headless multiproc executor"), timeout=30)
+            assert seen and proc.poll() is None
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(5) == 0
             assert "Shutting down before startup completed." in proc.communicate()[0]
         finally:
             stop(proc)
+
+
+def _line_matching(proc: subprocess.Popen, needles: tuple[str, ...], timeout: float) -> str | None:
+    """The first line of ``proc``'s output holding one of ``needles`` (None after ``timeout``)."""
+    import queue
+    import threading
+
+    lines: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        for line in iter(proc.stdout.readline, ""):
+            lines.put(line)
+            if any(n in line for n in needles):
+                return
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            return None
+        if any(n in line for n in needles):
+            return line
+    return None

@@ -288,7 +288,8 @@ def test_ref_resolution_without_refs_file(tmp_path: Path) -> None:
 
 
 def test_synthetic_checkpoints_round_trip(tmp_path: Path) -> None:
-    checkpoints = pytest.importorskip("sparkfleet.testbed.checkpoints")
+    from sparkfleet.testbed import checkpoints
+
     revs = checkpoints.write_synthetic_repos(tmp_path / "repos")
     with HubServer(tmp_path / "repos") as hub:
         for repo, rev in revs.items():
