@@ -12,12 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from weakref import WeakKeyDictionary
 
-from gevent.event import AsyncResult
 from pyinfra import host, logger, state
-from pyinfra.api import State, operation
-from pyinfra.context import ctx_host, ctx_state
+from pyinfra.api import operation
+from pyinfra.context import ctx_host
 from pyinfra.facts.docker import DockerSystemInfo
 from pyinfra.facts.files import File
 from pyinfra.facts.server import Arch
@@ -25,7 +23,7 @@ from pyinfra.facts.server import Arch
 from sparkfleet import credentials, hybrid, image, link, mirror, remote, service, snapshot, weights
 from sparkfleet.config import Settings
 from sparkfleet.facts import FreeSpace, Gpu, Memory, PortHolders
-from sparkfleet.fleet import fleet_settings, host_pair
+from sparkfleet.fleet import fleet_settings, host_pair, once
 from sparkfleet.hostpaths import CONTAINER, SECRETS_ENV, UNIT
 
 EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
@@ -183,21 +181,16 @@ def host_findings(settings: Settings) -> Findings:
 
 
 Judge = Callable[[Settings], Findings]
-_JUDGED: WeakKeyDictionary[State, dict[tuple[str, Judge], AsyncResult]] = WeakKeyDictionary()
 
 
 def _judged(name: str, judge: Judge) -> Findings:
     """``judge`` on the host ``name``, with its own settings and facts, once per run: the
     first member to ask reads them, a peer asking meanwhile waits for that answer."""
-    judged = _JUDGED.setdefault(ctx_state.get(), {})
-    if (name, judge) not in judged:
-        judged[name, judge] = result = AsyncResult()
-        try:
-            with ctx_host.use(state.inventory.get_host(name)):
-                result.set(judge(fleet_settings()))
-        except BaseException as exc:
-            result.set_exception(exc)
-    return judged[name, judge].get()
+    def judged() -> Findings:
+        with ctx_host.use(state.inventory.get_host(name)):
+            return judge(fleet_settings())
+
+    return once(("preflight", name, judge), judged)
 
 
 def _peer_problems(name: str, judge: Judge) -> list[str]:
