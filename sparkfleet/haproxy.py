@@ -112,25 +112,23 @@ def drain(endpoint, name: str, timeout_s: float = 600, poll_s: float = 1.0) -> i
     """Take member ``name`` out of rotation: no new requests; wait (up to ``timeout_s``)
     for its in-flight ones to finish. Returns how many are still in flight (0: drained)."""
     runtime(endpoint, f"set server {BACKEND}/{server_name(name)} state drain")
-    deadline = time.monotonic() + timeout_s
-    while True:
-        member = members_of(endpoint).get(server_name(name))
-        if member is None:
-            raise OperationError(f"{endpoint.name}: {name} is not a member of the fleet endpoint")
-        if member.sessions == 0 or time.monotonic() >= deadline:
-            return member.sessions
-        gevent.sleep(poll_s)
+    return _member_until(endpoint, name, lambda m: m.sessions == 0, timeout_s, poll_s).sessions
 
 
 def ready(endpoint, name: str, timeout_s: float = 0, poll_s: float = 1.0) -> bool:
     """Put member ``name`` back in rotation: it serves again once its checks pass. Waits
     up to ``timeout_s`` for that; returns whether it is in rotation."""
     runtime(endpoint, f"set server {BACKEND}/{server_name(name)} state ready")
+    return _member_until(endpoint, name, lambda m: m.in_rotation, timeout_s, poll_s).in_rotation
+
+
+def _member_until(endpoint, name: str, done, timeout_s: float, poll_s: float) -> Member:
+    """Member ``name`` once ``done(member)``, or as it is after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while True:
         member = members_of(endpoint).get(server_name(name))
         if member is None:
             raise OperationError(f"{endpoint.name}: {name} is not a member of the fleet endpoint")
-        if member.in_rotation or time.monotonic() >= deadline:
-            return member.in_rotation
+        if done(member) or time.monotonic() >= deadline:
+            return member
         gevent.sleep(poll_s)

@@ -208,13 +208,18 @@ def _read(kind: str, key: str):
         getattr(wanted, kind).add(key)  # one nobody declared is read too
     known = _known(host.name)
     if key not in known[kind]:
-        missing = _Wanted(*(getattr(wanted, k) - known[k].keys() for k in _KINDS if k != "facts"),
-                          facts={k: c for k, c in wanted.facts.items() if k not in known["facts"]})
-        found = host.get_fact(HostState, want=missing.json())
-        known["cpus"] = found.get("cpus")
-        for k in _KINDS:
-            known[k].update({name: found.get(k, {}).get(name) for name in getattr(missing, k)})
+        _read_unread(wanted, known)
     return known[kind][key]
+
+
+def _read_unread(wanted: _Wanted, known: dict) -> None:
+    """Everything declared and not read yet, in one command, into ``known``."""
+    missing = _Wanted(*(getattr(wanted, k) - known[k].keys() for k in _KINDS if k != "facts"),
+                      facts={k: c for k, c in wanted.facts.items() if k not in known["facts"]})
+    found = host.get_fact(HostState, want=missing.json())
+    known["cpus"] = found.get("cpus")
+    for k in _KINDS:
+        known[k].update({name: found.get(k, {}).get(name) for name in getattr(missing, k)})
 
 
 def file_state(path: str) -> tuple[int, str, str] | None:
@@ -251,9 +256,10 @@ def size(path: str) -> int:
 
 def cpus() -> int:
     """The host's online processors (read with the rest of the snapshot)."""
-    if _known(host.name)["cpus"] is None:
-        _read("programs", "nproc")
-    return int(_known(host.name)["cpus"] or 1)
+    known = _known(host.name)
+    if known["cpus"] is None:
+        _read_unread(_wanted(host.name), known)
+    return int(known["cpus"] or 1)
 
 
 def tree_hash(path: str) -> str:
