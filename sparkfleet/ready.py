@@ -2,8 +2,8 @@
 
 READY is a real completion from the served model (not only ``/health``), polled until it
 answers or the engine dies; a (re)start of ours that does not get there goes back to the
-last settings that did (``LAST_GOOD_DIR``: serve.env, the unit, the runtime copy, the
-revision and the compile signature), on every member of a pair.
+last settings that did (``LAST_GOOD_DIR``: serve.env, the unit, the runtime copy, the API
+key files, the revision and the compile signature), on every member of a pair.
 """
 
 from __future__ import annotations
@@ -23,10 +23,12 @@ from sparkfleet.config import Settings
 from sparkfleet.facts import ServedAnswer, ServedModels, UnitState
 from sparkfleet.fleet import reached_at
 from sparkfleet.hostpaths import (
+    AUTH_HEADER,
     COMPILE_SIGNATURE,
     LAST_GOOD_DIR,
     REVISION_FILE,
     RUNTIME_DIR,
+    SECRETS_ENV,
     SERVE_ENV,
     UNIT,
     UNIT_PATH,
@@ -52,6 +54,8 @@ def wait_ready(state, host, address: str, port: int, model: str, timeout_s: int,
     failure = await_ready(host, address, port, model, timeout_s, hint)
     if failure is None:
         return True
+    if lost(host):  # nothing to read or roll back on a host that does not answer
+        raise OperationError(failure)
     journal = journal_tail(host)
     if not restarting:  # not our change: report, touch nothing
         raise OperationError(f"{failure} — its journal says why (below); fix that and deploy again\n"
@@ -87,6 +91,8 @@ def await_ready(host, address: str, port: int, model: str, timeout_s: int, hint:
     restarts_before = host.get_fact(UnitState, unit=UNIT).get("NRestarts", "0")
     while True:
         answer = host.get_fact(ServedAnswer, address=address, port=port, model=model, prompt=READY_PROMPT)
+        if lost(host):
+            return LOST
         elapsed = time.monotonic() - started
         if answer is not None:
             host.log(f"READY in {elapsed:.0f} s — {hint}", logger.info)
@@ -105,6 +111,15 @@ def await_ready(host, address: str, port: int, model: str, timeout_s: int, hint:
         gevent.sleep(2)
 
 
+LOST = ("the host stopped answering over SSH (powered off, rebooted or cut off from the controller): "
+        "bring it back and deploy again")
+
+
+def lost(target_host) -> bool:
+    """Whether this run lost ``target_host``: a fact that could not reach it failed it."""
+    return target_host in target_host.state.failed_hosts or not target_host.connected
+
+
 def change_from_last_good(host) -> str:
     """What differs between the last good settings and the failing ones, in words."""
     def env(path: str) -> dict[str, str]:
@@ -118,7 +133,9 @@ def change_from_last_good(host) -> str:
         changes.append(f"the unit ({UNIT_PATH}: image or mounts)")
     if not remote.run(host, f"diff -rq {LAST_GOOD_DIR}/runtime {RUNTIME_DIR}").ok:
         changes.append(f"the runtime copy ({RUNTIME_DIR})")
-    return "; ".join(changes) or "the API key or the compile cache"
+    if not remote.run(host, f"cmp -s {LAST_GOOD_DIR}/secrets.env {SECRETS_ENV}").ok:
+        changes.append("the API key")
+    return "; ".join(changes) or "the compile cache"
 
 
 def keep_command(cache: str) -> str:
@@ -128,6 +145,8 @@ def keep_command(cache: str) -> str:
         f"rm -rf {new}", f"mkdir -p {new}",
         f"cp {SERVE_ENV} {new}/serve.env", f"cp {UNIT_PATH} {new}/unit", f"cp {REVISION_FILE} {new}/serving.rev",
         f"cp -a {RUNTIME_DIR} {new}/runtime",
+        # The key is part of what serves: a rollback must restore the key clients and checks use.
+        f"install -m 0600 {SECRETS_ENV} {new}/secrets.env", f"install -m 0600 {AUTH_HEADER} {new}/api-auth.header",
         f"echo {shlex.quote(cache)} > {new}/compile.path",
         f"{{ cp {shlex.quote(cache)}/{COMPILE_SIGNATURE} {new}/compile-signature 2>/dev/null || true; }}",
         f"rm -rf {LAST_GOOD_DIR}", f"mv {new} {LAST_GOOD_DIR}",
@@ -153,6 +172,8 @@ def restore_command(restart: bool = True) -> str:
         f"systemctl daemon-reload; systemctl reenable {UNIT}; fi",
         f"rm -rf {RUNTIME_DIR}.restore && cp -a {lg}/runtime {RUNTIME_DIR}.restore",
         f"rm -rf {RUNTIME_DIR} && mv {RUNTIME_DIR}.restore {RUNTIME_DIR}",
+        f"if [ -f {lg}/secrets.env ]; then install -m 0600 {lg}/secrets.env {SECRETS_ENV}; "
+        f"install -m 0600 {lg}/api-auth.header {AUTH_HEADER}; fi",
         # The failed start may have compiled for its own graph: clear what no longer matches.
         f'cache=$(cat {lg}/compile.path); if ! cmp -s {lg}/compile-signature "$cache/{COMPILE_SIGNATURE}"; then '
         f'rm -rf "$cache/torch_compile_cache"; cp {lg}/compile-signature "$cache/{COMPILE_SIGNATURE}" || true; fi',

@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from paramiko import SSHException
 from pyinfra.api import FunctionCommand, StringCommand
 from pyinfra.api.arguments import CONNECTOR_ARGUMENT_KEYS, pop_global_arguments
 from pyinfra.api.exceptions import OperationError
@@ -94,7 +95,11 @@ def run(host, command: str | StringCommand, timeout: int | None = 60, success_ex
     arguments["_timeout"] = timeout
     if success_exit_codes is not None:
         arguments["_success_exit_codes"] = success_exit_codes
-    ok, output = host.run_shell_command(command, print_output=print_output, **arguments)
+    try:
+        ok, output = host.run_shell_command(command, print_output=print_output, **arguments)
+    except (OSError, EOFError, SSHException) as exc:  # the connection broke: the host is down or cut off
+        raise OperationError(f"{host.name}: lost the SSH connection ({type(exc).__name__}: {exc}) — "
+                             "is the host up and reachable?") from None
     return Result(ok, output.stdout_lines, output.stderr_lines)
 
 

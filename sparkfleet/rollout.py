@@ -62,6 +62,7 @@ class Rollout:
     #: each with an event set once it is ready to be restarted.
     workers: dict[str, dict[str, gevent.event.Event]] = field(default_factory=dict)
     restarted: set[str] = field(default_factory=set)  # heads whose pair was restarted
+    begun: set[str] = field(default_factory=set)  # hosts whose turn began: waited for until it ends
 
     def register(self, name: str, member: PairMember | None = None) -> int:
         slot = member.pair.head if member is not None else name
@@ -78,14 +79,19 @@ class Rollout:
         return [names[i:i + self.batch] for i in range(0, len(names), self.batch)]
 
     def wait_turn(self, state, name: str) -> None:
-        """Until every host of the earlier batches has ended its turn (or failed before it)."""
+        """Until every host of the earlier batches has ended its turn (or failed before it).
+
+        A host whose turn began is waited for even once pyinfra counts it failed (a fact
+        that lost its SSH connection fails the host while its turn still runs): its turn
+        ends, and says whether the rollout stops, before the next host leaves the rotation.
+        """
         for earlier in self.batches(state):
             if name in earlier:
                 return
             for other in earlier:
                 while not self.ended[other].wait(timeout=2):
                     other_host = state.inventory.get_host(other)
-                    if other_host in state.failed_hosts:  # failed before its turn: no turn to wait for
+                    if other not in self.begun and other_host in state.failed_hosts:  # failed before its turn
                         break
 
 
@@ -164,9 +170,10 @@ def rolled(state, host, settings: Settings, revision: str, member: PairMember | 
     if member is not None and member.pair.headless:
         return _worker_rolled(state, host, ro, member, revision)
     ro.wait_turn(state, host.name)
-    peers = _pair_workers(state, ro, host) if member is not None else ()
     step = "drain"
     try:
+        ro.begun.add(host.name)
+        peers = _pair_workers(state, ro, host) if member is not None else ()
         if ro.stopped:
             kept = _keep_running_settings(host)
             raise OperationError(
@@ -325,8 +332,13 @@ def gate(host, settings: Settings, acceptance_floor: bool = True) -> str | None:
     return None
 
 
-def applies(settings: Settings, unit: dict[str, str], served: list[str]) -> bool:
-    """Whether this host's restart rolls: rollout=rolling and the host serves now."""
-    return (settings.rollout == "rolling" and unit.get("ActiveState") == "active"
-            and settings.served_model_name in served)
+def applies(settings: Settings, unit: dict[str, str], started: str | None, last_good: str | None) -> bool:
+    """Whether this host's restart rolls: rollout=rolling and the host serves now.
 
+    "Serves now" is the host's own record, not an API call with the new settings: the unit
+    is active on the settings it started with (``started``), and those once got READY
+    (``last_good``). Asked with a new key, port, bind address or served name, a serving
+    engine would look dead and restart at once, with no drain and no gate.
+    """
+    return (settings.rollout == "rolling" and unit.get("ActiveState") == "active"
+            and started is not None and started == last_good)

@@ -22,7 +22,7 @@ from pyinfra.operations import server
 
 from sparkfleet import container_runtime, credentials, ready, remote, rollout, snapshot
 from sparkfleet.config import Settings
-from sparkfleet.facts import PortHolders, ServedModels
+from sparkfleet.facts import PortHolders
 from sparkfleet.hostpaths import (
     AUTH_HEADER,
     COMPILE_SIGNATURE,
@@ -264,8 +264,8 @@ def running(settings: Settings, also_restart_for: tuple = (), member: PairMember
     # A host that serves now restarts in its turn of the rollout, which waits for READY
     # and gates it itself (rollout.py); rollout=all restarts every host at once.
     address = ready.ready_address(settings, member)
-    rolling = rollout.applies(settings, snapshot.unit(UNIT),
-                              snapshot.fact(ServedModels, address=address, port=settings.port))
+    rolling = rollout.applies(settings, snapshot.unit(UNIT), snapshot.first_line(STARTED_FILE),
+                              snapshot.first_line(f"{LAST_GOOD_DIR}/serving.rev"))
     started = serving(
         name=f"{UNIT} runs the settings on disk",
         revision=wanted,

@@ -19,10 +19,12 @@ from support.fleetdata import fake_state
 from sparkfleet import ready, snapshot
 from sparkfleet.facts import ServedModels
 from sparkfleet.hostpaths import (
+    AUTH_HEADER,
     COMPILE_SIGNATURE,
     LAST_GOOD_DIR,
     REVISION_FILE,
     RUNTIME_DIR,
+    SECRETS_ENV,
     SERVE_ENV,
     UNIT,
     UNIT_PATH,
@@ -40,6 +42,7 @@ def test_keep_copies_into_a_new_directory_and_moves_it_in_place_last():
         f"rm -rf {LG}.new", f"mkdir -p {LG}.new",
         f"cp {SERVE_ENV} {LG}.new/serve.env", f"cp {UNIT_PATH} {LG}.new/unit",
         f"cp {REVISION_FILE} {LG}.new/serving.rev", f"cp -a {RUNTIME_DIR} {LG}.new/runtime",
+        f"install -m 0600 {SECRETS_ENV} {LG}.new/secrets.env", f"install -m 0600 {AUTH_HEADER} {LG}.new/api-auth.header",
         f"echo {CACHE} > {LG}.new/compile.path",
         f"{{ cp {CACHE}/{COMPILE_SIGNATURE} {LG}.new/compile-signature 2>/dev/null || true; }}",
         f"rm -rf {LG}", f"mv {LG}.new {LG}",
@@ -67,9 +70,11 @@ class Host:
 
     def __init__(self, root: Path, monkeypatch):
         self.root = root
-        self.paths = {name: root / name.lstrip("/") for name in (SERVE_ENV, UNIT_PATH, REVISION_FILE, RUNTIME_DIR, LG)}
+        self.paths = {name: root / name.lstrip("/")
+                      for name in (SERVE_ENV, UNIT_PATH, REVISION_FILE, RUNTIME_DIR, LG, SECRETS_ENV, AUTH_HEADER)}
         for constant, path in [("SERVE_ENV", SERVE_ENV), ("UNIT_PATH", UNIT_PATH), ("REVISION_FILE", REVISION_FILE),
-                               ("RUNTIME_DIR", RUNTIME_DIR), ("LAST_GOOD_DIR", LG)]:
+                               ("RUNTIME_DIR", RUNTIME_DIR), ("LAST_GOOD_DIR", LG), ("SECRETS_ENV", SECRETS_ENV),
+                               ("AUTH_HEADER", AUTH_HEADER)]:
             monkeypatch.setattr(ready, constant, str(self.paths[path]))
         self.cache = root / "hf" / ".vllm_cache"
         bin_dir = root / "bin"
@@ -78,8 +83,10 @@ class Host:
         (bin_dir / "systemctl").chmod(0o755)
         self.env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
 
-    def write(self, env: str, unit: str, rev: str, serve_py: str, signature: str, **extra: str) -> None:
+    def write(self, env: str, unit: str, rev: str, serve_py: str, signature: str, key: str = "k1",
+              **extra: str) -> None:
         files = {SERVE_ENV: env, UNIT_PATH: unit, REVISION_FILE: rev, f"{RUNTIME_DIR}/serve.py": serve_py,
+                 SECRETS_ENV: f"VLLM_API_KEY={key}\n", AUTH_HEADER: f"Authorization: Bearer {key}\n",
                  f"{CACHE}/{COMPILE_SIGNATURE}": signature, f"{CACHE}/torch_compile_cache/graph": signature, **extra}
         for name, text in files.items():
             path = self.root / name.lstrip("/") if not name.startswith(CACHE) else self.cache / name[len(CACHE) + 1:]
@@ -107,12 +114,14 @@ def test_what_was_kept_is_put_back_and_the_service_restarted_on_it(spark):
     assert spark.sh(ready.keep_command(str(spark.cache))).returncode == 0
     kept = spark.paths[LG]
     assert sorted(p.name for p in kept.iterdir()) == [
-        "compile-signature", "compile.path", "runtime", "serve.env", "serving.rev", "unit"]
+        "api-auth.header", "compile-signature", "compile.path", "runtime", "secrets.env", "serve.env", "serving.rev",
+        "unit"]
+    assert (kept / "secrets.env").stat().st_mode & 0o077 == 0  # the key stays root's alone
     assert (kept / "compile.path").read_text() == f"{spark.cache}\n" and (kept / "runtime" / "serve.py").exists()
     assert not Path(f"{kept}.new").exists()
 
     # A new start: every file changed, one more in the runtime copy, a new compile cache.
-    spark.write("SF_PROFILE=dflash\n", "[Service]\nv2\n", "rev-2\n", "v2\n", "sig-2",
+    spark.write("SF_PROFILE=dflash\n", "[Service]\nv2\n", "rev-2\n", "v2\n", "sig-2", key="k2",
                 **{f"{RUNTIME_DIR}/added.py": "new\n"})
     done = spark.sh(ready.restore_command())
     assert done.returncode == 0, done.stderr
@@ -120,6 +129,8 @@ def test_what_was_kept_is_put_back_and_the_service_restarted_on_it(spark):
         "SF_PROFILE=base\n", "[Service]\nv1\n", "rev-1\n")
     assert sorted(p.name for p in spark.paths[RUNTIME_DIR].iterdir()) == ["serve.py"]
     assert spark.text(f"{RUNTIME_DIR}/serve.py") == "v1\n"
+    # The key goes back with the settings: clients and checks use the one the engine runs.
+    assert (spark.text(SECRETS_ENV), spark.text(AUTH_HEADER)) == ("VLLM_API_KEY=k1\n", "Authorization: Bearer k1\n")
     assert (spark.cache / COMPILE_SIGNATURE).read_text() == "sig-1"
     assert not (spark.cache / "torch_compile_cache").exists()  # compiled for the failed start's graph
     assert spark.systemctl() == ["daemon-reload", f"reenable {UNIT}", f"reset-failed {UNIT}", f"restart {UNIT}"]

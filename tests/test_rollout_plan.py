@@ -119,12 +119,21 @@ def test_executing_a_planned_host_registers_it_again_without_waiting_or_saying_i
 def test_a_host_rolls_only_when_rollout_is_rolling_and_it_serves_now():
     rolling, at_once = settings(), settings(rollout="all")
     active = {"ActiveState": "active", "SubState": "running"}
-    assert applies(rolling, active, ["qwen"])
-    assert not applies(at_once, active, ["qwen"])  # rollout=all: every host restarts at once, no turns
-    assert not applies(rolling, {"ActiveState": "failed"}, ["qwen"])  # serves nothing: nothing to keep serving
-    assert not applies(rolling, {"ActiveState": "activating"}, [])  # a crash loop restarts now, not in turn
-    assert not applies(rolling, {}, [])  # a fresh host
-    assert not applies(rolling, active, ["another-model"])  # not our model: nothing of ours to drain
+    assert applies(rolling, active, "rev1", "rev1")
+    assert not applies(at_once, active, "rev1", "rev1")  # rollout=all: every host restarts at once, no turns
+    assert not applies(rolling, {"ActiveState": "failed"}, "rev1", "rev1")  # serves nothing: nothing to keep serving
+    assert not applies(rolling, {"ActiveState": "activating"}, "rev1", "rev1")  # a crash loop restarts now
+    assert not applies(rolling, {}, None, None)  # a fresh host
+    assert not applies(rolling, active, "rev2", "rev1")  # runs settings that never got READY: nothing to keep
+
+
+def test_a_new_key_port_or_name_still_rolls():
+    """The judgement reads the host's record, not its API with the new settings: a key,
+    port or served-name change would make a serving engine look dead (401, nothing on the
+    port, another model) and restart it at once, with no drain and no gate."""
+    active = {"ActiveState": "active", "SubState": "running"}
+    for changed in ({"port": 9001}, {"served_model_name": "renamed"}, {"api_key": "ROTATEDkey0123456789abcdef0123"}):
+        assert applies(settings(**changed), active, "rev1", "rev1"), changed
 
 
 def test_a_rollout_belongs_to_its_run():
