@@ -25,17 +25,17 @@ The runtime API, for a rollout (controller side, over SSH, sudo honoured)::
 from __future__ import annotations
 
 import hashlib
-import io
 import re
 import shlex
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import gevent
+import gevent.lock
 import jinja2
 from pyinfra import host, logger
-from pyinfra.api import FactBase, FileUploadCommand, StringCommand, operation
+from pyinfra.api import FactBase, operation
 from pyinfra.api.exceptions import OperationError
 from pyinfra.facts.files import Sha256File
 from pyinfra.operations import systemd
@@ -43,7 +43,7 @@ from pyinfra.operations import systemd
 from sparkfleet import apt, credentials, haproxy, remote
 from sparkfleet.config import Settings
 from sparkfleet.facts import RouteSource
-from sparkfleet.fleet import all_pairs, all_settings, chosen_endpoint, reached_at, ssh_address
+from sparkfleet.fleet import all_pairs, all_settings, chosen_endpoint, once, reached_at, ssh_address
 
 PROJECT = Path(__file__).resolve().parents[1]
 TEMPLATE = PROJECT / "templates" / "haproxy.cfg.j2"
@@ -87,29 +87,72 @@ class OurConfig(FactBase["dict[str, str]"]):
 
 @dataclass(frozen=True)
 class Target:
-    """One member as HAProxy reaches it."""
+    """One member as HAProxy reaches it, with what it serves."""
 
     name: str  # inventory name
     server: str  # name in HAProxy
     address: str
     port: int
+    model: str = ""  # the served model name
+    key: str | None = field(default=None, repr=False)  # the API key it runs (a secret: never shown)
+
+
+def key_id(key: str | None) -> str:
+    """A key's short name in the configuration (its backend and ACL)."""
+    return hashlib.sha256(key.encode()).hexdigest()[:8] if key else ""
+
+
+def backend_of(key: str | None) -> str:
+    return f"{haproxy.BACKEND}_{key_id(key)}" if key else haproxy.BACKEND
 
 
 def render(settings: Settings, members: list[Target], key: str | None) -> str:
-    """The HAProxy configuration (templates/haproxy.cfg.j2)."""
+    """The HAProxy configuration (templates/haproxy.cfg.j2): one backend per API key the
+    members run, the fleet's own (``key``) first, each checked with its key."""
     template = jinja2.Template(TEMPLATE.read_text(), keep_trailing_newline=True, undefined=jinja2.StrictUndefined)
+    keys = list(dict.fromkeys([key, *(m.key for m in members)]))
+    groups = []
+    for k in keys:
+        own = [m for m in members if m.key == k]
+        models = sorted({m.model for m in own if m.model} or {settings.served_model_name})
+        groups.append({
+            "key": k, "id": key_id(k), "backend": backend_of(k),
+            "model_regex": "|".join(re.escape(name) for name in models),
+            "members": [{"server": m.server, "address": f"[{m.address}]" if ":" in m.address else m.address,
+                         "port": m.port, "model": m.model or settings.served_model_name} for m in own],
+        })
     return template.render(
         admin_socket=haproxy.ADMIN_SOCKET, state_file=haproxy.STATE_FILE, timeout_s=settings.endpoint_timeout_s,
         port=settings.endpoint_port, metrics_port=settings.endpoint_metrics_port, key=key,
-        model_regex=re.escape(settings.served_model_name),
-        members=[{"server": m.server, "address": f"[{m.address}]" if ":" in m.address else m.address, "port": m.port}
-                 for m in members],
+        keyed=any(k for k in keys), any_key=" || ".join(f"key_{g['id']}" for g in groups if g["key"]),
+        groups=groups,
     )
+
+
+def running_members(text: str, names: dict[str, str]) -> dict[str, Target]:
+    """The members a configuration of ours holds, by server name, with the key each is
+    checked with: what they ran when it was written.
+
+    + names: server name -> inventory name
+    """
+    found: dict[str, Target] = {}
+    key = None
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("backend "):
+            key = None
+        if said := re.search(r'hdr Authorization "Bearer ([^"]*)"', line):
+            key = said.group(1)
+        if server := re.match(r"server (\S+) (\[[^\]]+\]|[^\s:\[]+):(\d+)(?:\s+#\s*serves (\S+))?", line):
+            name, address, port, model = server.groups()
+            address = address.strip("[]")
+            found[name] = Target(names.get(name, name), name, address, int(port), model or "", key)
+    return found
 
 
 def _targets(settings: Settings) -> list[Target]:
     """Every serving host of the inventory (of a pair, its head), at the address it has on
-    its route to this host.
+    its route to this host, as the deploy declares it.
 
     A host that cannot be asked (unreachable now) keeps the address it has in the current
     configuration: an unreachable host does not change the membership.
@@ -139,10 +182,15 @@ def _targets(settings: Settings) -> list[Target]:
             address = current[server].rsplit(":", 1)[0].strip("[]")
         address = address or reached_at(member)
         if ms.served_model_name != settings.served_model_name:
-            logger.warning(f"{member.name}: serves `{ms.served_model_name}`, the fleet endpoint checks for "
-                           f"`{settings.served_model_name}`: it stays out of rotation")
-        targets.append(Target(member.name, server, address, ms.port))
+            logger.warning(f"{member.name}: serves `{ms.served_model_name}`, the fleet's clients ask for "
+                           f"`{settings.served_model_name}`: requests for it there are answered 404")
+        targets.append(Target(member.name, server, address, ms.port, ms.served_model_name, credentials.api_key(ms)))
     return targets
+
+
+def declared(state) -> dict[str, Target]:
+    """This run's declared members, by inventory name (planned on the endpoint host)."""
+    return once("endpoint members", dict, state)
 
 
 # --- operations -------------------------------------------------------------------------
@@ -165,64 +213,141 @@ def _haproxy_at(_program: str) -> bool:
 
 
 @operation()
-def config_written(text: str):
+def config_written(settings: Settings, members: list[Target], key: str | None):
     """
-    Write the HAProxy configuration, root:haproxy 0640, only once HAProxy accepts it.
+    HAProxy's configuration for what the members run, reloaded when it changed.
 
-    + text: the rendered configuration (it holds the API key: compared by hash, never shown)
+    + settings: validated settings
+    + members: the members as this run declares them
+    + key: the fleet's API key (the configuration holds it: compared by hash, never shown)
+
+    Written when the deploy executes, from what each member runs by then: a member this
+    run failed keeps its entry as it is (its old key and port), one that never had an
+    entry is left out.
     """
-    if host.get_fact(Sha256File, path=CONFIG) == hashlib.sha256(text.encode()).hexdigest():
+    if host.get_fact(Sha256File, path=CONFIG) == hashlib.sha256(render(settings, members, key).encode()).hexdigest():
         return
+    yield remote.callback(_configured, settings, members, key)
+
+
+def _configured(state, host, settings: Settings, members: list[Target], key: str | None) -> bool:  # pyinfra's
+    current = _current(host)
+    running = running_members(current, {m.server: m.name for m in members})
+    targets = []
+    for member in members:
+        if _ran(state, state.inventory.get_host(member.name)):
+            targets.append(member)
+        elif member.server in running:
+            targets.append(running[member.server])
+    apply(host, settings, targets, key, current)
+    return True
+
+
+def _ran(state, member_host) -> bool:
+    """Whether ``member_host`` took part in this run and got through it so far."""
+    return member_host in state.activated_hosts and member_host not in state.failed_hosts
+
+
+def _current(ep) -> str:
+    """The configuration on the endpoint host ('' before the first)."""
+    done = remote.run(ep, f"cat {CONFIG} 2>/dev/null || true")
+    return "\n".join(done.stdout) + "\n" if done.stdout else ""
+
+
+def apply(ep, settings: Settings, members: list[Target], key: str | None, current: str | None = None) -> list[str]:
+    """Make the endpoint host's configuration serve ``members``: written only once HAProxy
+    accepts it, then a reload that keeps the admin states (drains) of the members that did
+    not move. Returns the members that moved (address, port or key), [] when nothing changed."""
+    current = _current(ep) if current is None else current
+    text = render(settings, members, key)
+    if text == current:
+        return []
+    before = running_members(current, {})
+    after = running_members(text, {})
+    moved = [t.name for s, t in after.items() if s in before and
+             (before[s].address, before[s].port, before[s].key) != (t.address, t.port, t.key)]
     new = f"{CONFIG}.sparkfleet-new"
-    yield f"install -m 0640 -o root -g haproxy /dev/null {new}"
-    yield FileUploadCommand(io.BytesIO(text.encode()), new)
+    remote.put(ep, text.encode(), new, mode="0640", owner="root:haproxy")
     # A configuration HAProxy refuses never replaces the running one.
-    yield StringCommand(
-        "sh", "-c",
-        shlex.quote(f"chown root:haproxy {new} && chmod 0640 {new} && haproxy -c -q -f {new} && mv -f {new} {CONFIG} "
-                    f"|| {{ rc=$?; rm -f {new}; echo 'haproxy refused the new configuration' >&2; exit $rc; }}"),
-    )
+    checked = remote.run(ep, f"haproxy -c -q -f {new} && mv -f {new} {CONFIG}")
+    if not checked.ok:
+        remote.run(ep, f"rm -f {new}")
+        raise OperationError(f"haproxy refused the new configuration: {' '.join(checked.stdout + checked.stderr)}")
+    # Seamless: the new worker takes the sockets, the old one finishes its requests.
+    reload = remote.run(ep, f"if systemctl is-active -q {UNIT}; then {haproxy.save_state_command(tuple(moved))}; "
+                            f"systemctl reload {UNIT}; fi")
+    if not reload.ok:
+        raise OperationError(f"systemctl reload {UNIT} failed: {' '.join(reload.stderr)}")
+    return moved
 
 
-@operation(is_idempotent=False)
-def reloaded():
-    """
-    Reload HAProxy for its new configuration: the new worker takes the listening sockets,
-    the old one finishes its requests (no connection is refused or cut). Admin states
-    (drained members) are saved first and read back by the new worker.
-    """
-    yield StringCommand("sh", "-c", shlex.quote(haproxy.save_state_command()))
-    yield "systemctl reload haproxy"
+def follows(state, member_host) -> None:
+    """The endpoint's entry for ``member_host`` moves to what it runs now (its address,
+    port, key and model), in its turn: after its gate, before it is put back in rotation.
+    The other members keep theirs."""
+    ep = endpoint_host(state)
+    target = declared(state).get(member_host.name)
+    if ep is None or target is None:
+        return
+    with once("endpoint writer", gevent.lock.Semaphore, state):  # one writer of the configuration at a time
+        current = _current(ep)
+        names = {t.server: t.name for t in declared(state).values()}
+        running = running_members(current, names)
+        if running.get(target.server) == target:
+            return
+        members = [target if server == target.server else t for server, t in running.items()]
+        if target.server not in running:
+            members.append(target)
+        ep_settings = all_settings()[ep.name]
+        moved = apply(ep, ep_settings, members, credentials.api_key(ep_settings), current)
+        if moved:
+            member_host.log("the fleet endpoint now reaches it as it runs (address, port, key)", logger.info)
 
 
 @operation(is_idempotent=False)
 def announced(settings: Settings, members: list[Target], changed: bool):
     """
-    Print the endpoint, how to call it, and its members' states.
+    Print the endpoint, how to call it, and its members' states; put back a member an
+    earlier run drained and never put back (a turn cut off with its controller).
 
     + settings: validated settings
     + members: the members of the configuration
-    + changed: whether this run (re)configures or starts it: wait for each member's first check
+    + changed: whether this run (re)configures or starts it: wait for each member's checks
     """
-    if not changed:
+    states = _states_now(host)
+    drained = sorted(name for name, m in states.items() if m.state == "DRAIN")
+    if not changed and not drained:
         # Printed on every run (a noop's text shows only with -v): the user's way in.
-        host.log(_hint(host, settings, members, _states_now(host)), logger.info)
+        host.log(_hint(host, settings, members, states), logger.info)
         return
-    yield remote.callback(_announce_after_checks, settings, members)
+    yield remote.callback(_settled, settings, members, drained)
 
 
-def _announce_after_checks(state, host, settings: Settings, members: list[Target]) -> bool:  # noqa: ARG001
-    deadline = time.monotonic() + 15  # a member answers (rise 2: 2 s) or is marked down
+def _settled(state, host, settings: Settings, members: list[Target], drained: list[str]) -> bool:
+    by_server = {m.server: m for m in members}
+    for server in drained:
+        member = by_server.get(server)
+        if member is None or not _ran(state, state.inventory.get_host(member.name)):
+            continue  # not this run's to judge: left as it is
+        haproxy.set_state(host, member.name, "ready")
+        host.log(f"{member.name}: put back in rotation — an earlier run drained it and never ended its turn",
+                 logger.warning)
+    expected = [m for m in members if _ran(state, state.inventory.get_host(m.name))]
+    deadline = time.monotonic() + 15  # a member answers (rise 2: 2 s) or is marked down (fall 2)
     states: dict[str, haproxy.Member] = {}
-    while time.monotonic() < deadline:
-        try:
-            states = haproxy.members_of(host)
-        except OperationError:
-            states = {}
-        if states and all(m.checked for m in states.values()):
+    while True:
+        states = _states_now(host)
+        late = [m for m in expected if not (m.server in states and states[m.server].in_rotation)]
+        if not late or time.monotonic() > deadline:
             break
         gevent.sleep(1)
     host.log(_hint(host, settings, members, states), logger.info)
+    if late:
+        raise OperationError(
+            "not in rotation: " + ", ".join(
+                f"{m.name} ({states[m.server].state}, check {states[m.server].check or '?'})" if m.server in states
+                else f"{m.name} (not a member)" for m in late)
+            + " — the endpoint's checks of these hosts fail; `sparkfleet status` shows them")
     return True
 
 
@@ -263,12 +388,12 @@ def served(settings: Settings) -> None:
         return
     members = _targets(settings)
     haproxy_installed(name="fleet endpoint: haproxy installed", settings=settings)
-    config = config_written(name="fleet endpoint: haproxy configuration",
-                            text=render(settings, members, credentials.api_key(settings)))
+    declared(host.state).update({m.name: m for m in members})  # for the rollout's turns (follows)
+    # Membership and settings change by a reload, never a restart.
+    config = config_written(name="fleet endpoint: haproxy configuration", settings=settings, members=members,
+                            key=credentials.api_key(settings))
     started = systemd.service(name="fleet endpoint: haproxy enabled and running", service=UNIT, running=True,
                               enabled=True)
-    # Membership and settings change by a reload, never a restart.
-    reloaded(name="fleet endpoint: haproxy reloaded for its new configuration", _if=config.did_change)
     announced(name="fleet endpoint", settings=settings, members=members,
               changed=config.will_change or started.will_change)
 

@@ -22,6 +22,8 @@ from sparkfleet import remote
 UNIT = "haproxy.service"
 ADMIN_SOCKET = "/run/haproxy/admin.sock"
 STATE_FILE = "/var/lib/haproxy/server-state"
+#: The members' backends: ``members``, or with an API key ``members_<key id>``, one per key
+#: the members run (more than one only while a key change rolls through the fleet).
 BACKEND = "members"
 
 # One runtime-API command on the endpoint host: HAProxy answers and closes the socket.
@@ -48,6 +50,7 @@ class Member:
     """A member as HAProxy sees it now."""
 
     name: str  # inventory name (the HAProxy server name)
+    backend: str  # the backend of the key it runs
     address: str
     state: str  # UP, DOWN, DRAIN, MAINT, NOLB, "UP 1/2" (going down), "DOWN 1/2" (coming up)...
     sessions: int  # requests in flight through the endpoint
@@ -64,11 +67,16 @@ class Member:
         return bool(self.check) and not self.check.startswith("INI")
 
 
-def save_state_command() -> str:
+def save_state_command(forget: tuple[str, ...] = ()) -> str:
     """Save the members' states where the next worker reads them (nothing when HAProxy
-    does not answer, e.g. before its first start)."""
-    return (runtime_shell("show servers state") + f" > {STATE_FILE}.new && mv -f {STATE_FILE}.new {STATE_FILE} "
-            f"|| rm -f {STATE_FILE}.new")
+    does not answer, e.g. before its first start). The states of the servers named in
+    ``forget`` are left out: HAProxy would restore their old address and port over the
+    new configuration's (a member that moved starts afresh from its checks)."""
+    # The file's first lines (its version, the column names) have fewer than 4 fields.
+    drop = " && ".join(f'$4 != "{server_name(name)}"' for name in forget)
+    keep = f" | awk {shlex.quote(f'NF < 4 || ({drop})')}"
+    return (runtime_shell("show servers state") + (keep if forget else "")
+            + f" > {STATE_FILE}.new && mv -f {STATE_FILE}.new {STATE_FILE} || rm -f {STATE_FILE}.new")
 
 
 def runtime_shell(command: str) -> str:
@@ -97,10 +105,11 @@ def members_of(endpoint, stat: list[dict[str, str]] | None = None) -> dict[str, 
     name; see server_name)."""
     found = {}
     for row in stat if stat is not None else show_stat(endpoint):
-        if row.get("pxname") != BACKEND or row.get("svname") in ("BACKEND", "FRONTEND"):
+        backend = row.get("pxname", "")
+        if not is_members(backend) or row.get("svname") in ("BACKEND", "FRONTEND"):
             continue
         found[row["svname"]] = Member(
-            name=row["svname"], address=row.get("addr", ""), state=row.get("status", ""),
+            name=row["svname"], backend=backend, address=row.get("addr", ""), state=row.get("status", ""),
             sessions=int(row.get("scur") or 0), requests=int(row.get("stot") or 0),
             errors=int(row.get("econ") or 0) + int(row.get("eresp") or 0),
             check=row.get("check_status", "").lstrip("* "),  # "* " marks a check in progress
@@ -108,17 +117,29 @@ def members_of(endpoint, stat: list[dict[str, str]] | None = None) -> dict[str, 
     return found
 
 
+def is_members(backend: str) -> bool:
+    return backend == BACKEND or backend.startswith(BACKEND + "_")
+
+
+def set_state(endpoint, name: str, state: str) -> None:
+    """``set server <its backend>/<name> state <state>`` (ready, drain, maint)."""
+    member = members_of(endpoint).get(server_name(name))
+    if member is None:
+        raise OperationError(f"{endpoint.name}: {name} is not a member of the fleet endpoint")
+    runtime(endpoint, f"set server {member.backend}/{member.name} state {state}")
+
+
 def drain(endpoint, name: str, timeout_s: float = 600, poll_s: float = 1.0) -> int:
     """Take member ``name`` out of rotation: no new requests; wait (up to ``timeout_s``)
     for its in-flight ones to finish. Returns how many are still in flight (0: drained)."""
-    runtime(endpoint, f"set server {BACKEND}/{server_name(name)} state drain")
+    set_state(endpoint, name, "drain")
     return _member_until(endpoint, name, lambda m: m.sessions == 0, timeout_s, poll_s).sessions
 
 
 def ready(endpoint, name: str, timeout_s: float = 0, poll_s: float = 1.0) -> bool:
     """Put member ``name`` back in rotation: it serves again once its checks pass. Waits
     up to ``timeout_s`` for that; returns whether it is in rotation."""
-    runtime(endpoint, f"set server {BACKEND}/{server_name(name)} state ready")
+    set_state(endpoint, name, "ready")
     return _member_until(endpoint, name, lambda m: m.in_rotation, timeout_s, poll_s).in_rotation
 
 

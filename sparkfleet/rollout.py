@@ -218,6 +218,7 @@ def rolled(state, host, settings: Settings, revision: str, member: PairMember | 
                 f"and deploy again\n    last lines of journalctl -u {UNIT} from the new settings:\n{journal}")
         step = "back in rotation"
         if ep is not None:
+            endpoint.follows(state, host)  # its new address, port or key: the endpoint moves with its turn
             _back(ep, host)
             host.log(f"gate passed; back in rotation after {time.monotonic() - out_since:.0f} s out", logger.info)
         else:

@@ -41,9 +41,9 @@ def test_an_unknown_or_disputed_endpoint_is_refused_before_anything_runs():
         validate_host_data("spark-1", {**defaults(), "endpoint_timeout_s": 5})
 
 
-def members():
-    return [endpoint.Target("spark-01", "spark-01", "10.0.0.11", 8000),
-            endpoint.Target("spark 02", haproxy.server_name("spark 02"), "fd00::12", 8001)]
+def members(key=KEY, model="qwen.v2"):
+    return [endpoint.Target("spark-01", "spark-01", "10.0.0.11", 8000, model, key),
+            endpoint.Target("spark 02", haproxy.server_name("spark 02"), "fd00::12", 8001, model, key)]
 
 
 def test_the_config_asks_for_the_key_everywhere_and_checks_with_it():
@@ -52,8 +52,10 @@ def test_the_config_asks_for_the_key_everywhere_and_checks_with_it():
     assert text.count(f'req.hdr(authorization) -m str "Bearer {KEY}"') == 2  # the API and the metrics
     assert text.count("http-request return status 401") == 2
     assert f'http-check send meth GET uri /v1/models ver HTTP/1.1 hdr Host sparkfleet-endpoint hdr Authorization "Bearer {KEY}"' in text
-    assert "http-check expect rstring '\"id\": ?\"qwen\\.v2\"'" in text
-    assert "    server spark-01 10.0.0.11:8000\n" in text and "    server spark_02 [fd00::12]:8001\n" in text
+    assert "http-check expect rstring '\"id\": ?\"(qwen\\.v2)\"'" in text
+    assert "    server spark-01 10.0.0.11:8000  # serves qwen.v2\n" in text
+    assert "    server spark_02 [fd00::12]:8001  # serves qwen.v2\n" in text
+    assert text.count("\nbackend ") == 1
     assert "balance leastconn" in text and "default-server check inter 1s fall 2 rise 2" in text
     assert "timeout server 14400s" in text and "timeout client 14400s" in text and "hard-stop-after 14400s" in text
     assert endpoint.MARKER in text.splitlines()[0]
@@ -61,8 +63,53 @@ def test_the_config_asks_for_the_key_everywhere_and_checks_with_it():
 
 def test_without_a_key_nothing_asks_for_one():
     s = validate_host_data("spark-01", {**defaults(), "api_key": "none"})
-    text = endpoint.render(s, members(), None)
+    text = endpoint.render(s, members(key=None), None)
     assert "Authorization" not in text and "status 401" not in text and "Bearer" not in text
+    assert "backend members\n" in text
+
+
+def test_a_key_change_in_flight_routes_each_key_to_the_members_that_run_it():
+    """Mid-rotation: spark-01 runs the new key, spark 02 the old one. Each key's clients
+    reach the members that accept it, each backend checks with its own key: nobody is
+    taken out of rotation for the key they do not run yet."""
+    s = validate_host_data("spark-01", {**defaults(), "served_model_name": "qwen.v2"})
+    old, new = "OLDkey-0123456789abcdef0123456789", KEY
+    mixed = [members(new)[0], members(old)[1]]
+    text = endpoint.render(s, mixed, new)
+    new_be, old_be = endpoint.backend_of(new), endpoint.backend_of(old)
+    assert text.count("\nbackend ") == 2
+    assert f"use_backend {new_be} if key_{endpoint.key_id(new)}" in text
+    assert f"use_backend {old_be} if key_{endpoint.key_id(old)}" in text
+    assert f"default_backend {new_be}" in text  # the fleet's own key first
+    assert f"unless key_{endpoint.key_id(new)} || key_{endpoint.key_id(old)}" in text
+    sections = {part.split("\n", 1)[0]: part for part in re.split(r"\n(?=backend |frontend )", text)}
+    new_part, old_part = sections[f"backend {new_be}"], sections[f"backend {old_be}"]
+    assert f'"Bearer {new}"' in new_part and "server spark-01 " in new_part and old not in new_part
+    assert f'"Bearer {old}"' in old_part and "server spark_02 " in old_part and new not in old_part
+    # The metrics answer the fleet's key only.
+    assert text.split("frontend metrics")[1].count("Bearer") == 1 and new in text.split("frontend metrics")[1]
+
+
+def test_what_a_configuration_says_its_members_run_reads_back():
+    s = validate_host_data("spark-01", {**defaults(), "served_model_name": "qwen.v2"})
+    mixed = [members()[0], endpoint.Target("spark 02", "spark_02", "fd00::12", 9001, "renamed", "OLD-key-0123456789")]
+    found = endpoint.running_members(endpoint.render(s, mixed, KEY), {"spark_02": "spark 02"})
+    assert found == {m.server: m for m in mixed}
+    assert "OLD-key" not in repr(found)  # a Target never shows its key
+
+
+def test_a_moved_members_saved_state_is_left_out_of_the_next_reload():
+    """HAProxy restores a saved member's address and port over the new configuration's:
+    a member that moved (port, address, key) must start from its checks instead."""
+    import subprocess
+
+    command = haproxy.save_state_command(("spark 02",))
+    program = re.search(r"awk '([^']*)'", command).group(1)
+    state = ("1\n# be_id be_name srv_id srv_name srv_addr\n"
+             "3 members 1 spark-01 10.0.0.11 2 0 1 1\n3 members 2 spark_02 fd00::12 2 1 1 1\n")
+    kept = subprocess.run(["awk", program], input=state, capture_output=True, text=True, check=True).stdout
+    assert kept.splitlines() == state.splitlines()[:3]
+    assert "awk" not in haproxy.save_state_command()
 
 
 HOST_OUTPUT = """== unit
@@ -99,7 +146,7 @@ def test_a_host_row_from_what_it_printed():
         "unit": "active", "restarts": 1, "uptime_s": 3900, "profile": "dflash", "image_digest": "sha256:abc123",
         "model": "Intel/Qwen3.5-122B-A10B-int4-AutoRound", "revision": "main",
         "commit": "0123456789abcdef0123456789abcdef01234567", "ready": True, "running": 2, "waiting": 1,
-        "kv_cache": 0.25, "acceptance_length": 4.5,
+        "kv_cache": 0.25, "acceptance_length": 4.5, "pending": None,
     }
     down = status.parse_host("== unit\nActiveState=failed\n== models\n\n== metrics\n".splitlines(), s)
     assert down["ready"] is False and down["uptime_s"] is None and down["acceptance_length"] is None
@@ -108,6 +155,11 @@ def test_a_host_row_from_what_it_printed():
     assert re.search(r"^spark-01\s+dflash\s+sha256:abc123\s+main@0123456789\s+active\s+1h05m\s+yes\s+DRAIN"
                      r"\s+2\s+1\s+25%\s+4\.50$", table, re.M), table
     assert re.search(r"^spark-02\s+unreachable", table, re.M) and "fleet endpoint: none" in table
+    # What runs, not what is on disk: a rollout that stopped left dense files under a dflash engine.
+    behind = status.parse_host((HOST_OUTPUT + "== on disk\nSF_PROFILE=dense\n").splitlines(), s)
+    assert (behind["profile"], behind["pending"]) == ("dflash", "dense")
+    assert "dflash (on disk: dense)" in status.table({"hosts": [{"host": "spark-01", "reachable": True, **behind}],
+                                                      "endpoint": None})
     # A pair: its column, the head's READY for the headless member.
     paired = status.table({"hosts": [{"host": "spark-01", "reachable": True, "pair": "pair_a rank 0", **row},
                                      {"host": "spark-02", "reachable": True, "pair": "pair_a rank 1",

@@ -25,7 +25,8 @@ from sparkfleet import haproxy
 MAX_RUN_S = 1800
 #: The endpoint's ports and backend as sparkfleet configures them (group_data/all.py).
 PORT, METRICS_PORT = 8080, 8405
-STATUS = re.compile(r'^haproxy_server_status\{proxy="members",server="([^"]+)",state="([A-Z]+)"\} 1$', re.M)
+#: A member's backend is ``members``, or ``members_<key id>`` per API key the members run.
+STATUS = re.compile(r'^haproxy_server_status\{proxy="(members[^"]*)",server="([^"]+)",state="([A-Z]+)"\} 1$', re.M)
 
 
 def _httpx():
@@ -63,11 +64,16 @@ class Endpoint:
 
     def states(self) -> dict[str, str]:
         """Each member's state (UP, DOWN, DRAIN, MAINT...) by testbed name."""
-        return {self._host.get(server, server): state for server, state in STATUS.findall(self.metrics())}
+        return {self._host.get(server, server): state for _, server, state in STATUS.findall(self.metrics())}
+
+    def backends(self) -> dict[str, str]:
+        """Each member's backend (the key it runs) by testbed name."""
+        return {self._host.get(server, server): proxy for proxy, server, _ in STATUS.findall(self.metrics())}
 
     def counters(self, name: str = "haproxy_server_sessions_total") -> dict[str, float]:
         """A per-member counter of the exporter, by testbed name."""
-        found = re.findall(rf'^{re.escape(name)}\{{proxy="members",server="([^"]+)"\}} (\S+)$', self.metrics(), re.M)
+        found = re.findall(rf'^{re.escape(name)}\{{proxy="members[^"]*",server="([^"]+)"\}} (\S+)$', self.metrics(),
+                           re.M)
         return {self._host.get(server, server): float(value) for server, value in found}
 
     def wait_state(self, member: str, want: set[str], timeout: float) -> float:
@@ -82,8 +88,8 @@ class Endpoint:
     def set_state(self, member: str, state: str) -> None:
         """Set a member's admin state (ready, drain, maint) on the router, as the deploy does."""
         server = haproxy.server_name(self.tb.inventory_name(member))
-        self.tb.exec(self.router, haproxy.runtime_shell(f"set server {haproxy.BACKEND}/{server} state {state}"),
-                     check=True)
+        backend = self.backends()[member]
+        self.tb.exec(self.router, haproxy.runtime_shell(f"set server {backend}/{server} state {state}"), check=True)
 
 
 @dataclass
