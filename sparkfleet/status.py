@@ -28,9 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from sparkfleet import endpoint, haproxy, remote
 from sparkfleet.config import ConfigError, Settings
 from sparkfleet.fleet import reached_at, validate_fleet
-from sparkfleet.hostpaths import AUTH_HEADER, CONTAINER, SERVE_ENV, UNIT
+from sparkfleet.hostpaths import AUTH_HEADER, CONTAINER, LAST_GOOD_DIR, SERVE_ENV, STARTED_FILE, UNIT
 from sparkfleet.pairs import fleet_pairs
-from sparkfleet.ready import local_address
 
 METRICS = {
     "vllm:num_requests_running": "running",
@@ -109,21 +108,41 @@ def connect(inventory_path: str, data: dict[str, Any] | None = None):
 
 
 def _host_command(s: Settings) -> str:
+    """One shell command that prints every section of a host's row.
+
+    What runs is what the serving container was started with (its environment, as Docker
+    keeps it), not serve.env, which a stopped rollout or a change to come may have
+    rewritten since. The API is asked at the port the engine runs on, with the key of its
+    start: the last good copy when it started on the last good settings.
+    """
     q = shlex.quote
+    lg = LAST_GOOD_DIR
     metric_names = "|".join(re.escape(name) for name in METRICS)
+    api = "http://$addr:$port"
     return "; ".join([
+        f"run=$(mktemp); docker inspect -f '{{{{range .Config.Env}}}}{{{{println .}}}}{{{{end}}}}' {CONTAINER} "
+        f">$run 2>/dev/null && grep -q '^SF_PORT=' $run || cp {SERVE_ENV} $run 2>/dev/null",
+        f"auth={AUTH_HEADER}; started=$(cat {STARTED_FILE} 2>/dev/null)",
+        f'[ -n "$started" ] && [ "$started" = "$(cat {lg}/serving.rev 2>/dev/null)" ] && [ -f {lg}/api-auth.header ] '
+        f"&& auth={lg}/api-auth.header",
+        "port=$(sed -n 's/^SF_PORT=//p' $run); bind=$(sed -n 's/^SF_HOST=//p' $run)",
+        'case "$bind" in ""|0.0.0.0|127.*) addr=127.0.0.1;; ::|::1) addr="[::1]";; *:*) addr="[$bind]";; '
+        '*) addr=$bind;; esac',
         "echo '== unit'",
         f"systemctl show {UNIT} -p ActiveState -p SubState -p ActiveEnterTimestampMonotonic -p NRestarts",
         "echo '== uptime'", "cut -d' ' -f1 /proc/uptime",
-        "echo '== env'", f"cat {SERVE_ENV} 2>/dev/null",
+        "echo '== env'", "grep -E '^(SF|HF)_' $run",
+        "echo '== on disk'",
+        f"grep -E '^(SF|HF)_' {SERVE_ENV} >$run.disk 2>/dev/null; grep -E '^(SF|HF)_' $run | cmp -s - $run.disk "
+        f"|| grep '^SF_PROFILE=' {SERVE_ENV} 2>/dev/null || echo changed",
+        "rm -f $run $run.disk",
         "echo '== image'",
         f"docker image inspect --format '{{{{range .RepoDigests}}}}{{{{println .}}}}{{{{end}}}}' "
         f"$(docker inspect --format '{{{{.Image}}}}' {CONTAINER} 2>/dev/null) 2>/dev/null",
         "echo '== models'",
-        f"curl -s -m 5 -H @{AUTH_HEADER} http://{local_address(s.bind_address)}:{s.port}/v1/models 2>/dev/null; echo",
+        f'curl -s -m 5 -H @$auth "{api}/v1/models" 2>/dev/null; echo',
         "echo '== metrics'",
-        f"curl -s -m 5 -H @{AUTH_HEADER} http://{local_address(s.bind_address)}:{s.port}/metrics 2>/dev/null "
-        f"| grep -E {q('^(' + metric_names + ')')}",
+        f'curl -s -m 5 -H @$auth "{api}/metrics" 2>/dev/null | grep -E {q("^(" + metric_names + ")")}',
         "echo '== refs'",
         f"for f in {q(s.hf_home)}/hub/models--*/refs/*; do [ -f \"$f\" ] && echo \"$f $(cat \"$f\")\"; done 2>/dev/null",
         "true",
@@ -155,6 +174,10 @@ def parse_host(lines: list[str], s: Settings) -> dict[str, Any]:
     except ValueError:
         row["uptime_s"] = None
     row["profile"] = env.get("SF_PROFILE")
+    # Settings on disk the engine does not run yet (a rollout that stopped, a change to come).
+    on_disk = dict(line.split("=", 1) for line in sec.get("on disk", []) if "=" in line)
+    pending = on_disk.get("SF_PROFILE") or ("changed" if sec.get("on disk") else None)
+    row["pending"] = "other settings" if pending in ("changed", row["profile"]) else pending
     digests = [d.strip() for d in sec.get("image", []) if "@sha256:" in d]
     row["image_digest"] = digests[0].split("@", 1)[1] if digests else None
     model, revision = env.get("SF_MODEL"), env.get("SF_REVISION") or None
@@ -168,7 +191,7 @@ def parse_host(lines: list[str], s: Settings) -> dict[str, Any]:
         served = [m["id"] for m in json.loads("\n".join(sec.get("models", [])).strip() or "{}").get("data", [])]
     except (ValueError, AttributeError, TypeError, KeyError):
         served = []
-    row["ready"] = s.served_model_name in served
+    row["ready"] = (env.get("SF_SERVED_MODEL_NAME") or s.served_model_name) in served
     values: dict[str, float] = {}
     try:  # Prometheus' own parser, as the checks read /metrics; summed over label sets
         for family in text_string_to_metric_families("\n".join(sec.get("metrics", [])) + "\n"):
@@ -279,7 +302,8 @@ def table(doc: dict[str, Any]) -> str:
         elif r.get("commit"):
             rev = r["commit"][:12]
         lines.append([
-            r["host"], r.get("pair", "-"), r.get("profile") or "-",
+            r["host"], r.get("pair", "-"),
+            (r.get("profile") or "-") + (f" (on disk: {r['pending']})" if r.get("pending") else ""),
             (r["image_digest"] or "-")[:19] if r.get("image_digest") else "-",
             rev, r["unit"], _uptime(r.get("uptime_s")), "yes" if r.get("ready") else "no",
             r.get("endpoint", "-"),

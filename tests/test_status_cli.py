@@ -59,14 +59,13 @@ def test_a_fleet_where_no_host_answers_is_a_table_of_unreachable_hosts(tmp_path)
     assert out.splitlines()[1].split()[:2] == ["spark-gone.invalid", "unreachable"], out
 
 
-def test_a_host_row_reads_metrics_with_prometheus_parser_and_asks_its_bound_address():
+def test_a_host_row_reads_metrics_with_prometheus_parser():
     from support.fleetdata import defaults
 
     from sparkfleet.config import validate_host_data
-    from sparkfleet.status import _host_command, parse_host
+    from sparkfleet.status import parse_host
 
     s = validate_host_data("spark-1", {**defaults(), "bind_address": "10.0.0.5"})
-    assert "http://10.0.0.5:8000/v1/models" in _host_command(s)  # bound to one address: asked there
     lines = ["== unit", "ActiveState=active", "== models", json.dumps({"data": [{"id": s.served_model_name}]}),
              "== metrics",
              'vllm:num_requests_running{engine="0",model_name="m"} 2.0',
@@ -77,3 +76,46 @@ def test_a_host_row_reads_metrics_with_prometheus_parser_and_asks_its_bound_addr
     row = parse_host(lines, s)
     assert row["ready"] and row["running"] == 3 and row["waiting"] == 4
     assert row["acceptance_length"] == 3.5
+
+
+def test_a_host_is_asked_where_and_with_the_key_its_engine_runs(tmp_path, monkeypatch):
+    """The status command, run by sh with stub docker/curl/systemctl: the API is asked at
+    the address and port of the running container's environment (not serve.env, which a
+    change to come rewrote) and with the last good key when the engine started on it."""
+    import subprocess
+
+    from support.fleetdata import defaults
+
+    from sparkfleet import status as st
+    from sparkfleet.config import validate_host_data
+
+    lg = tmp_path / "last-good"
+    lg.mkdir()
+    paths = {"SERVE_ENV": tmp_path / "serve.env", "STARTED_FILE": tmp_path / "started.rev",
+             "LAST_GOOD_DIR": lg, "AUTH_HEADER": tmp_path / "api-auth.header"}
+    for name, path in paths.items():
+        monkeypatch.setattr(st, name, str(path))
+    paths["SERVE_ENV"].write_text("SF_PROFILE=dense\nSF_HOST=0.0.0.0\nSF_PORT=9001\n")  # the change to come
+    paths["STARTED_FILE"].write_text("rev-1\n")
+    (lg / "serving.rev").write_text("rev-1\n")
+    (lg / "api-auth.header").write_text("Authorization: Bearer old\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stubs = {
+        # The running container: started with dflash, bound to one address, on 8000.
+        "docker": "[ \"$1\" = inspect ] && printf 'PATH=/usr/bin\\nSF_PROFILE=dflash\\nSF_HOST=10.0.0.5\\n"
+                  "SF_PORT=8000\\n' || exit 1",
+        "curl": f'echo "$@" >> {tmp_path}/curl.log',
+        "systemctl": "echo ActiveState=active",
+    }
+    for name, body in stubs.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    s = validate_host_data("spark-1", {**defaults(), "port": 9001})
+    done = subprocess.run(["sh", "-c", st._host_command(s)], capture_output=True, text=True, timeout=30,
+                          env={"PATH": f"{bin_dir}:/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
+    asked = (tmp_path / "curl.log").read_text()
+    assert f"-H @{lg}/api-auth.header http://10.0.0.5:8000/v1/models" in asked, asked
+    row = st.parse_host(done.stdout.splitlines(), s)
+    assert (row["profile"], row["pending"]) == ("dflash", "dense")
