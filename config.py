@@ -1,0 +1,49 @@
+"""How a pyinfra run from this directory ends: pyinfra's own config file.
+
+pyinfra executes ``config.py`` of its working directory (``--config``) before it loads the
+inventory, in every run: also in one whose ``--limit`` selects no host, where deploy.py
+never runs (pyinfra loads a deploy file once per selected host). So the exit status is
+decided here, where pyinfra 3 reports two failures as success:
+
+* Ctrl-C: pyinfra prints "Exiting upon user request!" and exits 0, so a script or CI takes
+  an interrupted rollout for a finished one. Here it exits 130 (128 + SIGINT, as a shell).
+* ``--limit``/``--exclude`` that leave no host of the inventory: pyinfra warns, runs
+  nothing and exits 0. Here it exits 2, naming the patterns and the inventory's hosts.
+
+It holds for every deploy file run from here (deploy.py, checks/bench.py) and imports
+nothing of sparkfleet.
+"""
+
+import signal
+import sys
+
+import click
+from pyinfra import state
+
+_interrupted: list[int] = []
+
+
+def _on_interrupt(signum, frame):
+    _interrupted.append(signum)
+    click.secho("Interrupted (Ctrl-C): the run stopped part-way and a host may be mid-change; "
+                "deploy again to converge.", fg="red", err=True)
+    sys.exit(128 + signum)
+
+
+def _end_of_run():
+    if _interrupted or not state.initialised or state.limit_hosts is None or state.limit_hosts:
+        return
+    params = click.get_current_context().params
+    patterns = " ".join(f"--{option} {','.join(params.get(option) or ())}" for option in ("limit", "exclude")
+                        if params.get(option))
+    hosts = ", ".join(host.name for host in state.inventory) or "none"
+    click.secho(f"{patterns} leaves no host of the inventory, so nothing ran. Fix: name hosts or groups of the "
+                f"inventory (its hosts: {hosts})", fg="red", err=True)
+    sys.exit(2)
+
+
+# Set here, after pyinfra's own handler: the whole run, connecting and planning included.
+signal.signal(signal.SIGINT, _on_interrupt)
+_context = click.get_current_context(silent=True)
+if _context is not None:  # the pyinfra command line; its context closes after the run
+    _context.call_on_close(_end_of_run)

@@ -1,0 +1,47 @@
+"""How a pyinfra run from the project ends (config.py): an interrupted run and one that
+selects no host exit non-zero. Real pyinfra runs,
+against @local or hosts it never connects to (no fleet)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pyinfra(cwd: Path, *args: str, **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "pyinfra", "-y", *args], cwd=cwd, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, **popen)
+
+
+def test_a_limit_that_selects_no_host_fails_naming_it_and_the_hosts(tmp_path):
+    inventory = tmp_path / "two.py"
+    inventory.write_text('sparks = ["spark-a.local", "spark-b.local"]\n')  # never connected to
+    for option in ("--limit", "--exclude"):
+        pattern = "spark-9" if option == "--limit" else "spark-*"
+        run = pyinfra(ROOT, str(inventory), "deploy.py", option, pattern)
+        out, _ = run.communicate(timeout=120)
+        assert run.returncode == 2, out
+        assert f"{option} {pattern} leaves no host of the inventory" in out, out
+        assert "its hosts: spark-a.local, spark-b.local" in out, out
+
+
+def test_ctrl_c_exits_130_not_0(tmp_path):
+    (tmp_path / "local.py").write_text('hosts = ["@local"]\n')
+    (tmp_path / "slow.py").write_text('from pyinfra.operations import server\n'
+                                      'server.shell(name="a long step", commands=["sleep 4"])\n')
+    run = pyinfra(ROOT, str(tmp_path / "local.py"), str(tmp_path / "slow.py"))
+    seen = ""
+    deadline = time.monotonic() + 60
+    while "Starting operation" not in seen and time.monotonic() < deadline:
+        seen += run.stdout.readline()
+    run.send_signal(signal.SIGINT)
+    out, _ = run.communicate(timeout=60)
+    out = seen + out
+    assert run.returncode == 130, out
+    assert "Interrupted (Ctrl-C)" in out and "Exiting upon user request" not in out, out
+
