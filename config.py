@@ -10,16 +10,23 @@ decided here, where pyinfra 3 reports two failures as success:
 * ``--limit``/``--exclude`` that leave no host of the inventory: pyinfra warns, runs
   nothing and exits 0. Here it exits 2, naming the patterns and the inventory's hosts.
 
+pyinfra writes the traceback of an internal error into ./pyinfra-debug.log once the run
+has ended, with the process umask (0644 in a checkout others may read), and a traceback
+quotes data and paths: the run ends under umask 077, so that file is 0600.
+
 It holds for every deploy file run from here (deploy.py, checks/bench.py) and imports
 nothing of sparkfleet.
 """
 
+import os
 import signal
 import sys
 
 import click
 from pyinfra import state
 
+#: What pyinfra names its traceback file, in its working directory.
+DEBUG_LOG = "pyinfra-debug.log"
 _interrupted: list[int] = []
 
 
@@ -31,6 +38,9 @@ def _on_interrupt(signum, frame):
 
 
 def _end_of_run():
+    os.umask(0o077)  # pyinfra-debug.log is written after this, when there is one
+    if os.path.isfile(DEBUG_LOG):  # an old one keeps its mode when pyinfra rewrites it
+        os.chmod(DEBUG_LOG, 0o600)
     if _interrupted or not state.initialised or state.limit_hosts is None or state.limit_hosts:
         return
     params = click.get_current_context().params

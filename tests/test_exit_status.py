@@ -1,10 +1,13 @@
 """How a pyinfra run from the project ends (config.py): an interrupted run and one that
-selects no host exit non-zero. Real pyinfra runs,
+selects no host exit non-zero; pyinfra's traceback file is private. Real pyinfra runs,
 against @local or hosts it never connects to (no fleet)."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -45,3 +48,18 @@ def test_ctrl_c_exits_130_not_0(tmp_path):
     assert run.returncode == 130, out
     assert "Interrupted (Ctrl-C)" in out and "Exiting upon user request" not in out, out
 
+
+def test_the_traceback_of_an_internal_error_is_private(tmp_path):
+    # pyinfra writes pyinfra-debug.log into its working directory: here, not the checkout.
+    shutil.copy(ROOT / "config.py", tmp_path / "config.py")
+    (tmp_path / "local.py").write_text('hosts = ["@local"]\n')
+    # An exception in pyinfra's own run (here: an operation's condition) is an internal error.
+    (tmp_path / "broken.py").write_text('from pyinfra.operations import server\n'
+                                        'def bug():\n    raise RuntimeError("a bug")\n'
+                                        'server.shell(name="step", commands=["true"], _if=bug)\n')
+    run = pyinfra(tmp_path, "local.py", "broken.py", preexec_fn=lambda: os.umask(0o022))
+    out, _ = run.communicate(timeout=120)
+    assert run.returncode != 0 and "written to pyinfra-debug.log" in out, out
+    log = tmp_path / "pyinfra-debug.log"
+    assert "a bug" in log.read_text()
+    assert stat.S_IMODE(log.stat().st_mode) == 0o600
