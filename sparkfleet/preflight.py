@@ -84,7 +84,7 @@ def host_findings(settings: Settings) -> Findings:
     memory_share = service.memory_needed(settings)
     found = Findings()
     gate = found.warnings if settings.force else found.problems
-    force_hint = " (or --data force=true to try anyway)"
+    force_hint = "" if settings.force else " (or --data force=true to try anyway)"  # not when it is set
 
     arch = snapshot.fact(Arch)
     if arch != SPARK_ARCH:

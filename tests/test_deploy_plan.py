@@ -46,6 +46,7 @@ def test_a_wrong_gpu_plans_only_its_failing_preflight():
 def test_force_turns_the_gpu_gate_into_a_warning():
     out = changes(plan("h100", "force=true"))
     assert "preflight warning: GPU is NVIDIA H100" in out
+    assert "try anyway" not in out  # the hint is for a run without force
     assert "serving image present" in out
 
 
