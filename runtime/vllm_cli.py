@@ -44,22 +44,33 @@ def image_cli():
     )
 
 
+def _flag(word: str) -> str:
+    """A word as vLLM's parser sees it: ``--max_loras=2`` is ``--max-loras``
+    (FlexibleArgumentParser rewrites ``_`` to ``-`` before the first dot)."""
+    if not word.startswith("--"):
+        return word
+    head, dot, rest = word.split("=", 1)[0][2:].partition(".")
+    return "--" + head.replace("_", "-") + dot + rest
+
+
 def _source(word: str, parts: list[tuple[str, list[str]]]) -> str | None:
-    """The serve.env variable whose words include ``word`` (a flag or a stray argument)."""
+    """The serve.env variable whose words include ``word`` (a flag or a stray argument),
+    however the user spelled the flag."""
     for var, words in reversed(parts):  # SF_EXTRA_ARGS, the likeliest, comes last
-        if any(w == word or w.startswith(word + "=") for w in words):
+        if any(w == word or _flag(w) == _flag(word) for w in words):
             return var
     return None
 
 
 def refused(message: str, parts: list[tuple[str, list[str]]]) -> str | None:
-    """The variable an argparse error is about: the first unrecognized word, or the flag
-    of ``argument --x: ...``."""
-    found = re.search(r"unrecognized arguments: (\S+)", message)
+    """The variable an error is about: the first unrecognized word, the flag of ``argument
+    --x: ...`` or ``ambiguous option: --x``, else the first flag the message names that
+    the command has (vLLM's checks: ``--a requires --b``)."""
+    found = re.search(r"unrecognized arguments: (\S+)", message) or re.search(
+        r"(?:argument|ambiguous option:) ([^\s:/]+)", message)
     if found:
         return _source(found.group(1), parts)
-    found = re.search(r"argument ([^\s:/]+)", message)
-    return _source(found.group(1), parts) if found else None
+    return next(filter(None, (_source(flag, parts) for flag in re.findall(r"--[A-Za-z0-9][\w.-]*", message))), None)
 
 
 def check(parts: list[tuple[str, list[str]]]) -> dict:
@@ -87,15 +98,16 @@ def check(parts: list[tuple[str, list[str]]]) -> dict:
     try:
         cli.validate_parsed_serve_args(args)
     except Exception as exc:  # noqa: BLE001 - vLLM raises TypeError/ValueError here
-        return no(None, f"{type(exc).__name__}: {exc}")
+        return no(refused(str(exc), parts), f"{type(exc).__name__}: {exc}")
+    # A parser may come from extra_serve_args too (the last one wins, as in vLLM).
     tools = list(cli.ToolParserManager.list_registered())
     if args.enable_auto_tool_choice and args.tool_call_parser not in tools:
-        return no("SF_TOOL_CALL_PARSER", f"invalid tool call parser: {args.tool_call_parser} "
-                                         f"(this vLLM knows {', '.join(tools)})")
+        return no(_source("--tool-call-parser", parts) or "SF_TOOL_CALL_PARSER",
+                  f"invalid tool call parser: {args.tool_call_parser} (this vLLM knows {', '.join(tools)})")
     reasoning = list(cli.ReasoningParserManager.list_registered())
     if args.reasoning_parser and args.reasoning_parser not in reasoning:
-        return no("SF_REASONING_PARSER", f"invalid reasoning parser: {args.reasoning_parser} "
-                                         f"(this vLLM knows {', '.join(reasoning)})")
+        return no(_source("--reasoning-parser", parts) or "SF_REASONING_PARSER",
+                  f"invalid reasoning parser: {args.reasoning_parser} (this vLLM knows {', '.join(reasoning)})")
     for path in getattr(args, "middleware", None) or []:
         module, _, name = path.rpartition(".")
         try:

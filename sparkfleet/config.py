@@ -108,6 +108,24 @@ FIXES: dict[str, str] = {
 }
 
 
+#: The serve.env variables whose refusal a setting of the data causes: (its key, the fix).
+_COMMAND_KEYS = {
+    "SF_EXTRA_ARGS": ("extra_serve_args", "remove that flag from extra_serve_args; the API key and the HF token "
+                                          "reach vLLM from 0600 files: set them as api_key and hf_token"),
+    "SF_PATCHES": ("patches", "name patches from the known ones, or leave patches unset for the profile's"),
+}
+
+
+def _unbuildable(said: str) -> str:
+    """What serve_args refuses in the serving command (``SF_EXTRA_ARGS: --api-key is
+    refused ...``), named by the data key behind that variable, with its fix."""
+    found = re.match(r"(SF_[A-Z_]+): ", said)
+    if not found or found.group(1) not in _COMMAND_KEYS:
+        return f"the serving command cannot be built: {said}"
+    key, fix = _COMMAND_KEYS[found.group(1)]
+    return f"`{key}`: {said[found.end():]} (the serving command cannot be built). Fix: {fix}"
+
+
 class ConfigError(_BaseError, ValueError):
     """Invalid configuration; raised before any operation runs on any host."""
 
@@ -329,7 +347,7 @@ class Settings(BaseModel):
         try:
             serve_args.build_serve_argv(self.serve_env())
         except ValueError as exc:
-            raise ValueError(f"the serving command cannot be built: {exc}") from None
+            raise ValueError(_unbuildable(str(exc))) from None
         return self
 
     # --- what the profile and the overrides add up to -----------------------------
@@ -479,7 +497,10 @@ def validate_host_data(host_name: str, raw: dict[str, Any]) -> Settings:
                 fix = FIXES.get(key.split(".")[0], "see group_data/all.py for the allowed values")
                 message = err["msg"].removeprefix("Value error, ")
                 where = f"`{key}` = {value}: " if err["loc"] else ""
-                problems.append(f"{host_name}: {where}{message}. Fix: {fix}")
+                if not err["loc"] and ". Fix: " in message:  # a check across settings names key and fix itself
+                    problems.append(f"{host_name}: {message}")
+                else:
+                    problems.append(f"{host_name}: {where}{message}. Fix: {fix}")
         else:
             if not problems:
                 return settings

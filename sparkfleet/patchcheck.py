@@ -96,14 +96,14 @@ def args_problem(verdict: dict, reference: str) -> str | None:
     if found.get("ok", False):
         return None
     version = (verdict.get("vllm") or {}).get("version") or "unknown"
+    said = f"vLLM {version} in {reference} refuses the serving command: {found.get('detail') or 'no answer'}"
     var = serve_args.VARS.get(found.get("var") or "")
-    setting = (var.setting if var else "") or "the serving settings"
-    fix = _FIXES.get(var.name if var else "") or (
-        f"pin an image whose vLLM accepts it (--data image=name@sha256:...) or change {setting}" if var
-        else "correct the settings the message names")
-    return (f"vLLM {version} in {reference} refuses the serving command: "
-            f"{found.get('detail') or 'no answer'} — key: {setting}"
-            f"{f' ({var.name})' if var else ''}. Fix: {fix}")
+    if var is None or not var.setting:  # no word of the command to trace it to: no key to name
+        return (f"{said}. Fix: correct the setting the message names (extra_serve_args is passed verbatim), "
+                "or pin an image whose vLLM accepts it (--data image=name@sha256:...)")
+    fix = _FIXES.get(var.name) or (
+        f"pin an image whose vLLM accepts it (--data image=name@sha256:...) or change {var.setting}")
+    return f"{said} — key: {var.setting} ({var.name}). Fix: {fix}"
 
 
 def problems(verdict: dict, reference: str, patches: list[str]) -> list[str]:

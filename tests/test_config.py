@@ -105,8 +105,11 @@ def test_speculative_tokens_need_a_speculative_profile():
     assert "no speculative decoder" in error_for(profile="base", num_speculative_tokens=4)
 
 
-def test_a_serving_command_vllm_would_refuse_fails_validation():
-    assert "cannot be built" in error_for(extra_serve_args=["--api-key", "abc"])
+def test_a_serving_command_vllm_would_refuse_fails_validation_naming_the_key():
+    message = error_for(extra_serve_args=["--api-key", "sk-not-shown-1234"])
+    assert "spark-7: `extra_serve_args`: --api-key is refused" in message and "cannot be built" in message
+    assert "Fix: remove that flag from extra_serve_args" in message and "set them as api_key" in message
+    assert "sk-not-shown-1234" not in message and "see group_data/all.py" not in message
 
 
 @pytest.mark.parametrize("key", ["HF_TOKEN", "SF_MODEL", "MY_SECRET", "OPENAI_API_KEY", "VLLM_API_KEY"])

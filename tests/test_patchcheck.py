@@ -1,0 +1,50 @@
+"""What the deploy says when the image's vLLM refuses the serving command: the data key
+that brought the refused word and its fix (runtime/vllm_cli.py's verdict, read by
+sparkfleet/patchcheck.py), against the simulated engine's command line (no image)."""
+
+from __future__ import annotations
+
+import pytest
+from support.runtime_env import RUNTIME_DIR
+
+from runtime import serve_args, vllm_cli
+from sparkfleet.config import project_defaults, validate_host_data
+from sparkfleet.patchcheck import args_problem
+
+
+@pytest.fixture
+def verdict_for(monkeypatch):
+    monkeypatch.setenv(vllm_cli.CLI_MODULE_ENV, "sparkfleet.testbed.engine.flags")
+    monkeypatch.syspath_prepend(str(RUNTIME_DIR))  # --middleware key_guard, as serve.py finds it
+
+    def verdict(**data) -> dict:
+        env = validate_host_data("spark-1", {**project_defaults(), **data}).serve_env()
+        return {"vllm": {"version": "0.23.0"}, "args": vllm_cli.check(serve_args.argv_parts(env))}
+
+    return verdict
+
+
+@pytest.mark.parametrize(("extra", "said"), [
+    (["--max_loras", "two"], "argument --max-loras: invalid int value"),  # vLLM reads _ as -
+    (["--no_such_flag"], "unrecognized arguments: --no-such-flag"),
+    (["--max-lor", "2"], "ambiguous option: --max-lor"),
+    (["--enable-log-outputs"], "--enable-log-outputs requires --enable-log-requests"),  # vLLM's own check
+    (["--tool-call-parser", "bogus"], "invalid tool call parser: bogus"),  # it overrides tool_call_parser
+])
+def test_a_flag_refused_in_extra_serve_args_names_that_key_and_its_fix(verdict_for, extra, said):
+    message = args_problem(verdict_for(extra_serve_args=extra), "img@sha256:1")
+    assert said in message, message
+    assert "key: extra_serve_args (SF_EXTRA_ARGS)" in message, message
+    assert "Fix: remove or correct that argument in extra_serve_args" in message, message
+    assert "the serving settings" not in message
+
+
+def test_a_parser_setting_is_still_named_as_itself(verdict_for):
+    message = args_problem(verdict_for(tool_call_parser="bogus"), "img@sha256:1")
+    assert "key: tool_call_parser (SF_TOOL_CALL_PARSER)" in message and "--data tool_call_parser=" in message
+
+
+def test_a_refusal_no_word_of_the_command_explains_names_no_key():
+    message = args_problem({"vllm": {"version": "0.23.0"},
+                            "args": {"ok": False, "var": None, "detail": "cannot import the image's vLLM"}}, "img")
+    assert "key:" not in message and "the serving settings" not in message and "Fix: " in message
