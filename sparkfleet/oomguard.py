@@ -18,6 +18,7 @@ the killed process was the engine's kind, so that systemd restarts a whole engin
 
 from __future__ import annotations
 
+import re
 import shlex
 
 from pyinfra import host, logger
@@ -37,8 +38,23 @@ from sparkfleet.hostpaths import (
     UNIT,
 )
 
-#: Process names (comm) of the engine: vLLM's processes, serve.py's python.
-ENGINE_NAMES = r"(^|/)(python3?(\.[0-9]+)?|vllm|VLLM::.*)$"
+#: vLLM names its engine core, workers and API servers ``<prefix>::<role>`` (setproctitle,
+#: which sets comm too); this is vLLM's default, VLLM_PROCESS_NAME_PREFIX in vllm_env another.
+VLLM_PREFIX = "VLLM"
+#: A process name (comm) holds 15 characters: VLLM::EngineCore is VLLM::EngineCor.
+COMM_LEN = 15
+
+
+def engine_names(prefix: str = VLLM_PREFIX) -> str:
+    """earlyoom's regex for the engine's process names (comm, what earlyoom matches): the
+    API server as ``vllm serve`` starts it (the console script: comm ``vllm``, as the
+    testbed's engine) and vLLM's own processes (``VLLM::EngineCor``, ``VLLM::Worker_TP0``).
+    Not python3: that is also olah on the mirror, apt's hooks and any tool of the host, and
+    serve.py is python3 only until it execs vllm."""
+    return f"^(vllm|{re.escape(f'{prefix}::'[:COMM_LEN])}.*)$"
+
+
+ENGINE_NAMES = engine_names()
 NEVER_KILL = r"(^|/)(init|systemd|systemd-.*|sshd|dockerd|containerd|containerd-shim.*|earlyoom|journald)$"
 
 #: The packaged unit runs earlyoom as a dynamic user with a read-only system; the hook
@@ -53,7 +69,7 @@ MemoryMax=200M
 """
 
 
-def hook(min_available_gib: float) -> str:
+def hook(min_available_gib: float, engine: str = ENGINE_NAMES) -> str:
     return f"""#!/bin/sh
 # sparkfleet: run by earlyoom after it killed a process (EARLYOOM_PID, EARLYOOM_NAME).
 msg="OOM guard: earlyoom killed $EARLYOOM_NAME (pid $EARLYOOM_PID): MemAvailable fell under {min_available_gib:g} GiB"
@@ -61,17 +77,17 @@ printf 'MESSAGE=%s\\nPRIORITY=2\\nSYSLOG_IDENTIFIER=sparkfleet-oom-guard\\nOBJEC
     | logger --journald 2>/dev/null || logger -t sparkfleet-oom-guard -p user.crit "$msg"
 mkdir -p {OOM_LOG.rsplit('/', 1)[0]} && echo "$(date -u +%FT%TZ) $msg" >> {OOM_LOG}
 # A vLLM with a killed process does not serve: end the container, systemd restarts the engine.
-if echo "$EARLYOOM_NAME" | grep -Eq {shlex.quote(ENGINE_NAMES)}; then
+if echo "$EARLYOOM_NAME" | grep -Eq {shlex.quote(engine)}; then
     docker kill --signal KILL {CONTAINER} >/dev/null 2>&1 || true
 fi
 """
 
 
-def earlyoom_args(min_available_gib: float) -> str:
+def earlyoom_args(min_available_gib: float, engine: str = ENGINE_NAMES) -> str:
     kib = int(min_available_gib * 1024 * 1024)
     return (
         f"-M {kib} -s 100,100 -r 60 -p -N {OOM_HOOK} "
-        f"--prefer {shlex.quote(ENGINE_NAMES)} --avoid {shlex.quote(NEVER_KILL)}"
+        f"--prefer {shlex.quote(engine)} --avoid {shlex.quote(NEVER_KILL)}"
     )
 
 
@@ -104,10 +120,11 @@ def configured(settings: Settings) -> None:
     """earlyoom installed, configured for the engine and running; restarted only when its
     configuration changed (a drop-in change also needs a daemon-reload: only then)."""
     gib = settings.oom_guard_min_available_gib
+    engine = engine_names(settings.vllm_env.get("VLLM_PROCESS_NAME_PREFIX") or VLLM_PREFIX)
     snapshot.expect(programs=["earlyoom"])
     package = installed(name="earlyoom installed", apt_repo=settings.apt_repo, apt_key_url=settings.apt_key_url)
-    kill_hook = snapshot.file(OOM_HOOK, hook(gib), mode="755", name="kill hook")
-    args = snapshot.file(EARLYOOM_DEFAULTS, f'# Rendered by sparkfleet (oomguard.py).\nEARLYOOM_ARGS="{earlyoom_args(gib)}"\n',
+    kill_hook = snapshot.file(OOM_HOOK, hook(gib, engine), mode="755", name="kill hook")
+    args = snapshot.file(EARLYOOM_DEFAULTS, f'# Rendered by sparkfleet (oomguard.py).\nEARLYOOM_ARGS="{earlyoom_args(gib, engine)}"\n',
                          name="earlyoom settings")
     dropin = snapshot.file(EARLYOOM_DROPIN, DROPIN, name="earlyoom unit drop-in")
     systemd.daemon_reload(name="systemd reload for the drop-in", _if=dropin.did_change)

@@ -140,7 +140,10 @@ def test_a_second_run_probes_and_changes_nothing(kinds, deploy_run):
 #: The hog's ceiling: it grows to this and holds it, so the test never takes more of the
 #: shared machine's memory than that.
 HOG_CAP_GIB = 4.0
+# Named as vLLM names its engine core (setproctitle sets comm): what the guard prefers and
+# why its hook ends the container. A python3 of any other name is not the engine.
 HOG = ("import time\n"
+       "open('/proc/self/comm', 'w').write('VLLM::EngineCore')\n"
        "chunks = []\n"
        f"for _ in range({int(HOG_CAP_GIB * 16)}):\n"
        "    chunks.append(bytearray(b'\\x01') * (64 << 20))  # written, so really resident\n"
@@ -211,11 +214,11 @@ def test_the_oom_guard_kills_the_engine_not_the_host(kinds, deploy_run):
         # hundreds of MiB when another fleet on this machine (make test's other shard) takes
         # memory at the same time and the threshold comes sooner.
         story = guard_story(kinds, name)
-        killed = [int(rss) for rss in re.findall(r'sending SIG\w+ to process \d+ uid \d+ "python3".* VmRSS (\d+) MiB',
-                                                 story)]
+        killed = [int(rss) for rss in re.findall(r'sending SIG\w+ to process \d+ uid \d+ "VLLM::EngineCor".* '
+                                                 r'VmRSS (\d+) MiB', story)]
         assert killed and max(killed) > 256, story
         journal = kinds.exec(name, "journalctl -u sparkfleet-serve --no-pager -o cat -n 300").stdout
-        assert "OOM guard: earlyoom killed python3" in journal, journal[-2000:]
+        assert "OOM guard: earlyoom killed VLLM::EngineCor" in journal, journal[-2000:]
         assert "Paris" in answer
     finally:
         done.set()
@@ -225,7 +228,7 @@ def test_the_oom_guard_kills_the_engine_not_the_host(kinds, deploy_run):
     result = deploy_run("deploy.py")
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
-    assert re.search(rf"\[{re.escape(prefix(kinds, name))}\] .*OOM guard: earlyoom killed python3", out), out[-3000:]
+    assert re.search(rf"\[{re.escape(prefix(kinds, name))}\] .*OOM guard: earlyoom killed VLLM::EngineCor", out), out[-3000:]
     assert "-M 4194304" in kinds.exec(name, "cat /etc/default/earlyoom").stdout
     kills = kinds.exec(name, "cat /var/lib/sparkfleet/oom-guard.log").stdout.splitlines()
     assert len(kills) == 1, kills  # the hog, then nothing else
