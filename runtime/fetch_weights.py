@@ -9,10 +9,11 @@ is what "cached" means to the deploy.
 
 Every blob is checked against its own name before the marker is written: the cache
 names a blob by the Hub's ETag, the sha256 of an LFS file's content or the git blob
-sha1 of a small file. A blob that does not match is deleted and downloaded again;
-a verified blob gets a record of its size under ``sparkfleet/verified/``, so a later
-run re-hashes only new blobs (``--verify``: all of them) and the deploy sees a
-truncated one by its size alone.
+sha1 of a small file. A blob that does not match is deleted and downloaded again, and
+only those files are judged again: one still wrong is what the source serves, one
+missing was not downloaded again. A verified blob gets a record of its size under
+``sparkfleet/verified/``, so a later run re-hashes only new blobs (``--verify``: all of
+them) and the deploy sees a truncated one by its size alone.
 """
 
 from __future__ import annotations
@@ -50,15 +51,17 @@ def blob_matches(blob: Path) -> bool:
     return digest.hexdigest() == name
 
 
-def corrupt_files(snapshot: Path, hf_home: str, recheck: bool) -> list[tuple[str, Path]]:
-    """(path in the repo, blob) of every file whose blob does not match its name; the
-    blobs that match are recorded as verified."""
+def corrupt_files(snapshot: Path, hf_home: str, recheck: bool,
+                  only: set[str] | None = None) -> list[tuple[str, Path]]:
+    """(path in the repo, blob) of every file (of ``only``, if given) whose blob does not
+    match its name; the blobs that match are recorded as verified."""
     records = verified_dir(hf_home)
     records.mkdir(parents=True, exist_ok=True)
     bad = []
-    for link in sorted(snapshot.rglob("*")):
-        if link.is_dir():
-            continue
+    # ``only``: by name, so a file the download did not bring back is there to fail.
+    links = ([snapshot / name for name in sorted(only)] if only is not None
+             else [link for link in sorted(snapshot.rglob("*")) if not link.is_dir()])
+    for link in links:
         blob = link.resolve()
         record = records / blob.name
         size = str(blob.stat().st_size) if blob.exists() else None
@@ -134,10 +137,18 @@ def main(argv: list[str] | None = None) -> int:
             blob.unlink(missing_ok=True)
             (path / name).unlink(missing_ok=True)
         path = download()
-        still = corrupt_files(path, hf_home, recheck=True)
-        if still:
-            print(f"report: still corrupt after a new download: {', '.join(name for name, _ in still)} — "
+        # Only the files just downloaded again say anything about the source: a blob that
+        # went bad on this disk since its record (same size, trusted) is not its doing.
+        again = corrupt_files(path, hf_home, recheck=True, only={name for name, _ in bad})
+        absent = [name for name, _ in again if not (path / name).exists()]
+        served = [name for name, _ in again if name not in absent]
+        if absent:
+            print(f"report: not downloaded again: {', '.join(absent)} — the download did not bring these "
+                  "files back; run it again", flush=True)
+        if served:
+            print(f"report: still corrupt after a new download: {', '.join(served)} — "
                   "the source serves these bytes; check the mirror's cache or the hub", flush=True)
+        if again:
             return 1
         print(f"report: repaired: {', '.join(name for name, _ in bad)}", flush=True)
     commit = path.name
