@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import io
 import logging
+import os
+import re
 import shlex
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from paramiko import SSHException
 from pyinfra.api import FunctionCommand, StringCommand
@@ -81,18 +84,21 @@ def _unprivileged(arguments: dict) -> dict:
 
 
 def run(host, command: str | StringCommand, timeout: int | None = 60, success_exit_codes: list[int] | None = None,
-        print_output: bool = False, as_login: bool = False) -> Result:
+        print_output: bool = False, as_login: bool = False, stdin: str | None = None) -> Result:
     """Run a shell ``command`` on ``host`` as the deploy does (sudo included).
 
     ``command`` is a shell command whose every variable part the caller has quoted;
     nothing is printed unless asked (a secret on stdout stays off the controller's
     output). ``as_login``: as the SSH user, without sudo (its environment, its files).
+    ``stdin``: written to the command's standard input (a secret goes there, never in argv).
     """
     command = command if isinstance(command, StringCommand) else StringCommand(command)
     arguments = connector_arguments(host)
     if as_login:
         arguments = _unprivileged(arguments)
     arguments["_timeout"] = timeout
+    if stdin is not None:
+        arguments["_stdin"] = stdin
     if success_exit_codes is not None:
         arguments["_success_exit_codes"] = success_exit_codes
     try:
@@ -152,26 +158,72 @@ def get(host, remote: str, dest: str | io.IOBase) -> None:
             raise OperationError(f"could not download {remote}: {' '.join(copied.stderr)}")
 
 
+#: Where inventory/sparks.py reads the sudo password from: this variable names the file, else
+#: the default path. An inventory that reads another file names it as ``_sudo_password_file``
+#: host data (a private key: pyinfra and the validation ignore it), as the testbed's does.
+SUDO_PASSWORD_FILE_ENV = "SPARKFLEET_SUDO_PASSWORD_FILE"
+SUDO_PASSWORD_FILE = "~/.config/sparkfleet/sudo-password"
+_WRONG_PASSWORD = re.compile(r"incorrect password|Sorry, try again|[Aa]uthentication fail|incorrect authentication")
+
+
+def sudo_password_file(host, password: str) -> str | None:
+    """The file on the controller the sudo password given for ``host`` was read from, if
+    known: ``_sudo_password_file``, else inventory/sparks.py's file when it holds that password."""
+    named = host.data.get("_sudo_password_file")
+    if named:
+        return str(named)
+    path = Path(os.environ.get(SUDO_PASSWORD_FILE_ENV) or SUDO_PASSWORD_FILE).expanduser()
+    try:
+        return str(path) if path.read_text().strip() == password else None
+    except OSError:
+        return None
+
+
 def check_sudo(host) -> None:
     """Raise :class:`~sparkfleet.config.ConfigError` when ``host`` is reached with sudo
-    that asks for a password nobody gave: pyinfra would prompt for it in the middle of
-    the run, once per host, with the other hosts' output scrolling past."""
+    that will not work: it asks for a password nobody gave (pyinfra would prompt for it in
+    the middle of the run, once per host, with the other hosts' output scrolling past), or
+    it refuses the one given (every command of the run would fail after sudo's three tries,
+    "Sorry, try again." each). The password is tried once, on sudo's stdin."""
     from sparkfleet.config import ConfigError
 
     arguments = connector_arguments(host)
-    if not arguments.get("_sudo") or arguments.get("_sudo_password"):
+    if not arguments.get("_sudo"):
         return
+    password = arguments.get("_sudo_password")
     # Exit 0 and sudo's words prefixed: pyinfra answers a failed command that printed
     # "a password is required" with a prompt of its own.
-    done = run(host, 'said=$(sudo -n true 2>&1) && echo ok || echo "sudo said: $said"', as_login=True)
+    if not password:
+        done = run(host, 'said=$(sudo -n true 2>&1) && echo ok || echo "sudo said: $said"', as_login=True)
+        if done.ok and done.stdout == ["ok"]:
+            return
+        said = " ".join(done.stdout + done.stderr).strip() or "no answer"
+        raise ConfigError(
+            f"{host.name}: sudo needs a password and none was given ({said}); nothing was changed on any host. "
+            "Fix: give `_sudo_password` in its host data (read from a 0600 file or the environment, as "
+            "inventory/sparks.py does), or run pyinfra with --same-sudo-password to type it once"
+        )
+    as_user = f" -u {shlex.quote(arguments['_sudo_user'])}" if arguments.get("_sudo_user") else ""
+    # -k: ask even with a cached credential; one line on stdin, then EOF: one try.
+    done = run(host, f"login=$(id -un); said=$(sudo -k -S -p ''{as_user} true 2>&1) && echo ok "
+                     '|| printf "login %s\\nsudo said: %s\\n" "$login" "$said"', as_login=True, stdin=password)
     if done.ok and done.stdout == ["ok"]:
         return
-    said = " ".join(done.stdout + done.stderr).strip() or "no answer"
-    raise ConfigError(
-        f"{host.name}: sudo needs a password and none was given ({said}); nothing was changed on any host. "
-        "Fix: give `_sudo_password` in its host data (read from a 0600 file or the environment, as "
-        "inventory/sparks.py does), or run pyinfra with --same-sudo-password to type it once"
-    )
+    login = next((line[6:] for line in done.stdout if line.startswith("login ")), "the login")
+    said = " ".join(line for line in done.stdout + done.stderr if not line.startswith("login ")).strip()
+    if not _WRONG_PASSWORD.search(said):
+        raise ConfigError(f"{host.name}: sudo as {login} failed with the given password ({said or 'no answer'}); "
+                          f"nothing was changed on any host. Fix: make `sudo -v` work for {login} on {host.name}")
+    path = sudo_password_file(host, password)
+    instead = ", or leave it out of the inventory and run pyinfra with --same-sudo-password to type it"
+    if path:
+        source, fix = f"`_sudo_password`, read from {path}", f"put {login}'s sudo password in {path} (chmod 600)"
+    elif host.data.get("_sudo_password"):
+        source, fix = "`_sudo_password` in its host data", "correct `_sudo_password` in its host data (the inventory)"
+    else:  # pyinfra's --same-sudo-password: typed at the start of the run
+        source, fix, instead = "the password typed for --same-sudo-password", f"type {login}'s sudo password", ""
+    raise ConfigError(f"{host.name}: sudo refused the password for {login} ({source}); nothing was changed on any "
+                      f"host. Fix: {fix}{instead}")
 
 
 def fail(message: str) -> StringCommand:

@@ -13,11 +13,13 @@ from types import SimpleNamespace
 
 import pytest
 from pyinfra.api import Config, Inventory, State, StringCommand
-from pyinfra.connectors.util import CommandOutput
+from pyinfra.connectors.util import CommandOutput, OutputLine
 
 from sparkfleet import remote
+from sparkfleet.config import ConfigError
 
 REAL_CONNECTOR_ARGUMENTS = remote.connector_arguments
+REAL_UNPRIVILEGED = remote._unprivileged
 
 
 class LocalHost:
@@ -117,6 +119,70 @@ def test_run_carries_the_hosts_sudo_settings(sudo_host, monkeypatch):
     assert command == "true"
     assert arguments["_sudo"] is True and arguments["_sudo_user"] == "svc"
     assert arguments["_sudo_password"] == "pw" and arguments["_use_sudo_login"] is True
+
+
+# What the login's sudo answers (one try, the password on stdin) when it is refused.
+REFUSED = ["login ops", "sudo said: Sorry, try again.", "sudo: no password was provided",
+           "sudo: 1 incorrect password attempt"]
+
+
+def sudo_login(monkeypatch, data: dict, config: Config | None = None, right: str = "right-pw"):
+    """A @fake host reached as login ops with password sudo whose password is ``right``:
+    (host, the commands it ran with their stdin)."""
+    monkeypatch.setattr(remote, "connector_arguments", REAL_CONNECTOR_ARGUMENTS)
+    monkeypatch.setattr(remote, "_unprivileged", REAL_UNPRIVILEGED)
+    inventory = Inventory((["@fake/spark-1"], {"_sudo": True, **data}))
+    host = inventory.get_host("@fake/spark-1")
+    host.state = State(inventory, config or Config())
+    ran: list[tuple[str, dict]] = []
+
+    def run_shell_command(command, print_output=False, **arguments):
+        ran.append((str(command), arguments))
+        answer = ["ok"] if arguments.get("_stdin") == right else REFUSED
+        return True, CommandOutput([OutputLine("stdout", line) for line in answer])
+
+    host.run_shell_command = run_shell_command
+    return host, ran
+
+
+def test_a_refused_sudo_password_stops_the_run_once_naming_its_file_and_the_fix(monkeypatch):
+    host, ran = sudo_login(monkeypatch, {"_sudo_password": "wrong-pw", "_sudo_password_file": "/ctl/sudo-password"})
+    with pytest.raises(ConfigError) as caught:
+        remote.check_sudo(host)
+    message = str(caught.value)
+    assert message.startswith("@fake/spark-1: sudo refused the password for ops (`_sudo_password`, read from "
+                              "/ctl/sudo-password); nothing was changed on any host."), message
+    assert "Fix: put ops's sudo password in /ctl/sudo-password (chmod 600)" in message
+    assert "--same-sudo-password" in message and "wrong-pw" not in message
+    [(command, arguments)] = ran  # one try, as the login, the password on stdin only
+    assert "sudo -k -S" in command and "wrong-pw" not in command
+    assert arguments["_stdin"] == "wrong-pw" and not arguments.get("_sudo")
+
+
+def test_the_password_file_of_the_example_inventory_is_named(monkeypatch, tmp_path):
+    kept = tmp_path / "sudo-password"
+    kept.write_text("wrong-pw\n")
+    monkeypatch.setenv(remote.SUDO_PASSWORD_FILE_ENV, str(kept))  # inventory/sparks.py reads it there
+    host, _ = sudo_login(monkeypatch, {"_sudo_password": "wrong-pw"})
+    with pytest.raises(ConfigError, match=f"read from {kept}"):
+        remote.check_sudo(host)
+    kept.write_text("another-pw\n")  # not the file this password came from
+    with pytest.raises(ConfigError, match="`_sudo_password` in its host data"):
+        remote.check_sudo(host)
+
+
+def test_a_password_typed_for_same_sudo_password_is_named_as_typed(monkeypatch):
+    config = Config()
+    config.SUDO_PASSWORD = "wrong-pw"
+    host, _ = sudo_login(monkeypatch, {}, config)
+    with pytest.raises(ConfigError, match="the password typed for --same-sudo-password"):
+        remote.check_sudo(host)
+
+
+def test_the_right_password_passes_with_one_command(monkeypatch):
+    host, ran = sudo_login(monkeypatch, {"_sudo_password": "right-pw"})
+    remote.check_sudo(host)
+    assert len(ran) == 1
 
 
 def test_fail_names_the_problem_and_exits_non_zero():

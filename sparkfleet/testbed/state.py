@@ -156,12 +156,14 @@ def inventory_hosts(hosts_json: Path) -> list[tuple[str, dict]]:
     data (so ``--data`` still wins). Used by inventory/testbed.py and instance inventories.
 
     A dgx login adds ``_sudo`` and the fleet's ``_sudo_password`` (read from its 0600
-    file here, so it is on no command line); alias names connect through the ssh_config
-    (no ``ssh_hostname``: only that file knows the address)."""
+    file here, so it is on no command line), and names that file as ``_sudo_password_file``
+    (what a refused password names: sparkfleet/remote.py); alias names connect through the
+    ssh_config (no ``ssh_hostname``: only that file knows the address)."""
     doc = json.loads(hosts_json.read_text())
     sudo: dict[str, Any] = {}
     if doc.get("sudo_password_file"):
-        sudo = {"_sudo": True, "_sudo_password": Path(doc["sudo_password_file"]).read_text().strip()}
+        sudo = {"_sudo": True, "_sudo_password": Path(doc["sudo_password_file"]).read_text().strip(),
+                "_sudo_password_file": doc["sudo_password_file"]}
     entries = []
     for h in doc["hosts"]:
         reach = ({"ssh_config_file": doc["ssh_config"]} if doc.get("ssh_config")

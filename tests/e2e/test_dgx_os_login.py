@@ -58,6 +58,30 @@ def test_sudo_asks_for_the_password(tb):
     assert no_password.returncode == 1 and "password is required" in no_password.stderr
 
 
+def test_a_wrong_sudo_password_stops_the_run_once_naming_its_file(tb, tmp_path):
+    """One try of the password, before any fact: one message naming the host, the file the
+    password came from and the fix, instead of sudo's 'Sorry, try again.' per command."""
+    wrong = tmp_path / "sudo-password"
+    wrong.write_text("not-the-password\n")
+    wrong.chmod(0o600)
+    inventory = tmp_path / "wrong_password.py"
+    inventory.write_text(
+        "from pathlib import Path\nfrom sparkfleet.testbed.state import inventory_hosts\n"
+        f"_all = inventory_hosts(Path({str(paths.HOSTS_JSON)!r}))\n"
+        f"_wrong = {{'_sudo_password': Path({str(wrong)!r}).read_text().strip(), "
+        f"'_sudo_password_file': {str(wrong)!r}}}\n"
+        "sparks = ([(n, {**d, **_wrong}) for n, d in _all], {})\n"
+    )
+    done = subprocess.run(["pyinfra", "-y", str(inventory), "deploy.py"], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=300, stdin=subprocess.DEVNULL)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert out.count("sudo refused the password") == 1, out[-3000:]
+    assert f"sudo refused the password for {login.LOGIN_USER} (`_sudo_password`, read from {wrong})" in out
+    assert "--same-sudo-password" in out and "Starting operation" not in out, out[-3000:]
+    assert "Sorry, try again" not in out and "not-the-password" not in out, out[-3000:]
+
+
 def test_root_has_no_ssh_login(tb):
     for h in tb.hosts:
         cp = ssh(h.address, "id -u", user="root", config=False)
