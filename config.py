@@ -7,8 +7,9 @@ decided here, where pyinfra 3 reports two failures as success:
 
 * Ctrl-C: pyinfra prints "Exiting upon user request!" and exits 0, so a script or CI takes
   an interrupted rollout for a finished one. Here it exits 130 (128 + SIGINT, as a shell).
-* ``--limit``/``--exclude`` that leave no host of the inventory: pyinfra warns, runs
-  nothing and exits 0. Here it exits 2, naming the patterns and the inventory's hosts.
+* ``--limit``/``--exclude`` that leave no host of the inventory, or an inventory with no
+  host (a mistyped path): pyinfra warns, runs nothing and exits 0. Here it exits 2,
+  naming the patterns and the inventory's hosts, or the inventory.
 
 pyinfra writes the traceback of an internal error into ./pyinfra-debug.log once the run
 has ended, with the process umask (0644 in a checkout others may read), and a traceback
@@ -41,12 +42,16 @@ def _end_of_run():
     os.umask(0o077)  # pyinfra-debug.log is written after this, when there is one
     if os.path.isfile(DEBUG_LOG):  # an old one keeps its mode when pyinfra rewrites it
         os.chmod(DEBUG_LOG, 0o600)
-    if _interrupted or not state.initialised or state.limit_hosts is None or state.limit_hosts:
+    if _interrupted or not state.initialised or any(state.is_host_in_limit(host) for host in state.inventory):
         return
     params = click.get_current_context().params
+    hosts = ", ".join(host.name for host in state.inventory)
+    if not hosts:  # a mistyped inventory path: pyinfra warned and ran on nothing
+        click.secho(f"the inventory {params.get('inventory')} holds no host, so nothing ran. Fix: give an "
+                    "inventory file (e.g. inventory/sparks.py) or host names", fg="red", err=True)
+        sys.exit(2)
     patterns = " ".join(f"--{option} {','.join(params.get(option) or ())}" for option in ("limit", "exclude")
                         if params.get(option))
-    hosts = ", ".join(host.name for host in state.inventory) or "none"
     click.secho(f"{patterns} leaves no host of the inventory, so nothing ran. Fix: name hosts or groups of the "
                 f"inventory (its hosts: {hosts})", fg="red", err=True)
     sys.exit(2)

@@ -33,6 +33,13 @@ def test_a_limit_that_selects_no_host_fails_naming_it_and_the_hosts(tmp_path):
         assert "its hosts: spark-a.local, spark-b.local" in out, out
 
 
+def test_an_inventory_without_hosts_fails_naming_it(tmp_path):
+    run = pyinfra(ROOT, "inventory/no-such-file.py", "deploy.py")  # pyinfra: "neither an inventory file..."
+    out, _ = run.communicate(timeout=120)
+    assert run.returncode == 2, out
+    assert "the inventory inventory/no-such-file.py holds no host, so nothing ran" in out, out
+
+
 def test_ctrl_c_exits_130_not_0(tmp_path):
     (tmp_path / "local.py").write_text('hosts = ["@local"]\n')
     (tmp_path / "slow.py").write_text('from pyinfra.operations import server\n'
