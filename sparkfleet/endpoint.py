@@ -14,17 +14,17 @@ clients only through an external validation URL), active HTTP checks that send h
 drain / ready through the runtime API, the Prometheus exporter, seamless reloads in
 master-worker mode, and it comes from the OS archives (no wheels on the hosts).
 
-The runtime API, for a rollout (controller side, over SSH, sudo honoured)::
-
-    ep = endpoint_host(state)           # the pyinfra Host serving the endpoint, or None
-    members(ep)                         # {inventory name: Member(state, sessions, ...)}
-    drain(ep, "spark-2", timeout_s=600) # no new requests; waits for in-flight ones
-    ready(ep, "spark-2", timeout_s=30)  # back in rotation; True once its checks pass
+The configuration says what each member runs (its address, port, served name and API
+key): one backend per key (clients are routed by theirs; more than one only while a key
+change rolls through the fleet), each member checked with its own key. A rolling change
+moves a member's entry in its turn (:func:`follows`); the runtime API client the rollout
+drains and readies members with is sparkfleet/haproxy.py.
 """
 
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import re
 import shlex
 import time
@@ -171,7 +171,10 @@ def _targets(settings: Settings) -> list[Target]:
             continue
         server = haproxy.server_name(member.name)
         address = None
-        if member is host:
+        bound = ipaddress.ip_address(ms.bind_address)
+        if not (bound.is_unspecified or bound.is_loopback):  # the engine listens there only
+            address = ms.bind_address
+        elif member is host:
             address = own
         elif own and member in state.activated_hosts and member not in state.failed_hosts:
             try:
