@@ -26,11 +26,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 #: The modules of shards 1 and 2; the last shard runs every other test. Balanced by the
 #: modules' measured minutes (``--durations=0``, three shards on two cores beside other
-#: e2e runs): deploy 27 + pair_serving 6 + pair_link 1; faults 22 + mirror_fleet 10 +
-#: serving_host 3; the rest 35 (endpoint 9, endpoint_rollout 7, image_patches 6,
-#: fleet_checks 5, the tests without a fleet 6).
+#: e2e runs): deploy 27 + endpoint_rollout 7 + pair_serving 6 + pair_link 1; faults 22 +
+#: mirror_fleet 10 + serving_host 3; the rest 38 (rollout_faults 10, endpoint 9,
+#: image_patches 6, fleet_checks 5, the tests without a fleet 8).
 SHARDS = (
-    ("tests/e2e/test_deploy.py", "tests/e2e/test_pair_link.py", "tests/e2e/test_pair_serving.py"),
+    ("tests/e2e/test_deploy.py", "tests/e2e/test_endpoint_rollout.py", "tests/e2e/test_pair_link.py",
+     "tests/e2e/test_pair_serving.py"),
     ("tests/e2e/test_faults.py", "tests/e2e/test_mirror_fleet.py", "tests/e2e/test_serving_host.py"),
 )
 
