@@ -17,6 +17,7 @@ from sparkfleet import (
     link,
     mirror,
     oomguard,
+    oplock,
     patchcheck,
     preflight,
     service,
@@ -27,6 +28,7 @@ from sparkfleet.fleet import fleet_settings, host_pair
 
 settings = fleet_settings()
 pair = host_pair()  # a pair_* group: this host is one rank of its pair's engine
+oplock.held()  # one operator at a time: another deploy's lock stops every host here, before any change
 
 if not settings.serving:
     service.stopped()

@@ -22,6 +22,9 @@ STARTED_FILE = "/run/sparkfleet-serve/started.rev"  # the revision the running s
 LAST_GOOD_DIR = "/var/lib/sparkfleet/last-good"  # the last settings that got READY, for rollback
 COMPILE_SIGNATURE = "sparkfleet-compile-signature"  # in hf_home/.vllm_cache
 
+# --- one operator at a time (every host of a deploy) ----------------------------------
+OPERATOR_LOCK = "/run/sparkfleet-operator.lock"  # which deploy changes the fleet now; /run: a reboot frees it
+
 # --- the NVIDIA container runtime (every host) -----------------------------------------
 DOCKER_DAEMON_JSON = "/etc/docker/daemon.json"
 NVIDIA_APT_KEYRING = "/usr/share/keyrings/nvidia-container-toolkit.asc"

@@ -1,0 +1,364 @@
+"""One operator at a time: a deploy holds its fleet while it changes it.
+
+Two controllers (two laptops, two terminals) deploying one fleet at once would both pass,
+both roll, their turns interleaved (two hosts out of rotation at once), and the fleet would
+end on whichever wrote last. So the deploy's first operation takes the fleet's operator
+lock on every host of the run, and each host gives it back when pyinfra is done with it.
+
+The lock lives on the hosts, not the controller: it must hold across controllers. It is one
+small JSON record, :data:`~sparkfleet.hostpaths.OPERATOR_LOCK` in ``/run`` (tmpfs: a reboot
+frees it), naming who holds it: user@controller, the controller's machine id, pyinfra's
+pid, since when (the host's clock), the run's id and what it runs. Every take, give-back
+and removal is one command under flock(2) on that file, so two runs racing for a host see
+one winner. The file is emptied, never removed (a run waiting on the lock of a removed
+file would take a lock nobody else sees): empty is free.
+
+- All or nothing: the first host of the run first (two runs racing meet there), then the
+  others at once. A host another run holds makes every host fail at this step, naming
+  who holds it since when and the fix; the hosts this run took are given back. Nothing
+  else has run on any host.
+- The run itself passes again (a second deploy file in the same pyinfra command).
+- It never expires: a READY wait or a drain legitimately takes many minutes. The lock of
+  a run that provably died (this controller, its pid gone: kill -9, a crash) is taken over
+  with a warning; any other is removed by ``sparkfleet unlock <inventory>``
+  (:mod:`sparkfleet.unlock`), which shows whose it was.
+- Given back from state callbacks, on each host as soon as pyinfra is done with it: its
+  last operation ended, or it failed (pyinfra runs nothing more on a failed host). A
+  killed controller gives nothing back (nor does a run pyinfra itself aborts: Ctrl-C,
+  --fail-percent): that is what the two recoveries above are for.
+- ``--dry`` takes nothing: it reads the lock and warns when another run holds it.
+"""
+
+from __future__ import annotations
+
+import functools
+import getpass
+import json
+import os
+import shlex
+import socket
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gevent
+from pyinfra import host, logger
+from pyinfra.api import StringCommand, operation
+from pyinfra.api.exceptions import OperationError
+from pyinfra.api.state import BaseStateCallback
+
+from sparkfleet import remote, snapshot
+from sparkfleet.fleet import once
+from sparkfleet.hostpaths import OPERATOR_LOCK
+
+#: Runs on the host as root. argv: the lock's path, the action, its JSON argument:
+#: take {"holder": {...}, "stale": a dead run's id or ""}, give {"run": id}, show {}.
+#: Prints one JSON object: the record found ("held", None when free), the host's clock
+#: ("now") and, for take and give, whether it did ("done").
+_PROGRAM = r"""
+import fcntl, json, os, sys, time
+path, action, arg = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+raw = os.read(fd, 65536).decode(errors="replace")
+try:
+    held = json.loads(raw) if raw.strip() else None
+except ValueError:
+    held = {"run": "?", "unreadable": raw[:200]}
+def write(record):
+    os.lseek(fd, 0, 0)
+    os.ftruncate(fd, 0)
+    if record:
+        os.write(fd, (json.dumps(record, sort_keys=True) + "\n").encode())
+out = {"held": held, "now": time.time()}
+if action == "take":
+    mine = arg["holder"]
+    if held is None or (arg["stale"] and held.get("run") == arg["stale"]):
+        write(dict(mine, since=time.time()))
+        out["done"] = True
+    else:
+        out["done"] = held.get("run") == mine["run"]
+elif action == "give":
+    out["done"] = held is not None and held.get("run") == arg["run"]
+    if out["done"]:
+        write(None)
+print(json.dumps(out))
+"""
+
+
+# --- who holds it ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A run that holds (or asks for) the lock."""
+
+    run: str
+    user: str = "?"
+    controller: str = "?"
+    machine: str = ""  # the controller's machine id: a pid means something only there
+    pid: int = 0
+    what: str = ""  # the deploy files (never --data: it may carry a secret)
+    since: float = 0.0  # the host's clock, when the host recorded it
+
+    @classmethod
+    def of(cls, record: Any) -> Holder | None:
+        """The holder a record names; None when the lock is free."""
+        if not isinstance(record, dict) or not record:
+            return None
+        known = {k: record[k] for k in cls.__dataclass_fields__ if k in record}
+        try:
+            return cls(**{**known, "run": str(known.get("run", "?")), "pid": int(known.get("pid") or 0),
+                          "since": float(known.get("since") or 0.0)})
+        except (TypeError, ValueError):
+            return cls(run=str(record.get("run", "?")))
+
+    def describe(self, now: float | None = None) -> str:
+        """``ana@laptop-2 (pyinfra pid 4242, run 1a2b3c: deploy.py) since 2026-12-02 11:30:05 UTC (4m12s ago)``."""
+        what = f": {self.what}" if self.what else ""
+        text = f"{self.user}@{self.controller} (pyinfra pid {self.pid}, run {self.run}{what})"
+        if self.since:
+            text += " since " + time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.since))
+            if now is not None:
+                text += f" ({_duration(now - self.since)} ago)"
+        return text
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def machine_id() -> str:
+    """This controller, as a pid's owner: its machine id (a hostname alone may repeat)."""
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            found = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if found:
+            return found
+    return f"node-{uuid.getnode():012x}"
+
+
+def still_runs(holder: Holder) -> bool | None:
+    """Whether the holder's pyinfra still runs: True or False on the controller that took
+    it, None elsewhere (a pid means nothing on another machine). A reused pid reads as
+    running: never taken over, removed with ``sparkfleet unlock`` instead."""
+    if holder.machine != machine_id() or holder.pid <= 0:
+        return None
+    try:
+        os.kill(holder.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    try:  # killed, not yet reaped by its parent: a zombie runs nothing (Linux shows it)
+        return Path(f"/proc/{holder.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+@functools.cache
+def _command_line() -> dict[str, Any]:
+    """pyinfra's command line, parsed by its own options ({} under pyinfra's API). Click's
+    current context is no help: the deploy file runs in a greenlet of its own."""
+    import click
+    import pyinfra
+
+    if not pyinfra.is_cli:
+        return {}
+    from pyinfra_cli.cli import cli
+
+    try:
+        return dict(cli.make_context("pyinfra", sys.argv[1:], resilient_parsing=True).params)
+    except (click.ClickException, click.exceptions.Exit):
+        return {}
+
+
+def _cli(name: str) -> Any:
+    return _command_line().get(name)
+
+
+def unlock_command() -> str:
+    inventory = _cli("inventory")
+    return f"sparkfleet unlock {shlex.quote(inventory) if inventory else '<inventory>'}"
+
+
+# --- one host -------------------------------------------------------------------------------
+
+
+def ask(target, action: str, arg: dict) -> dict:
+    """One command on ``target``: the lock program's answer (``held``, ``now``, ``done``)."""
+    command = StringCommand("python3", "-c", shlex.quote(_PROGRAM), shlex.quote(OPERATOR_LOCK), action,
+                            shlex.quote(json.dumps(arg)))
+    done = remote.run(target, command, timeout=60)
+    if not done.ok:
+        raise OperationError(f"the lock program failed: {' '.join(done.stderr + done.stdout)[-300:] or 'no output'}")
+    try:
+        return json.loads(done.stdout[-1])
+    except (ValueError, IndexError):
+        raise OperationError(f"the lock program answered {' '.join(done.stdout)[-300:]!r}") from None
+
+
+def take(target, mine: Holder, stale: str = "") -> dict:
+    """Take the lock on ``target`` for ``mine``; a provably dead holder's (``stale``, or one
+    found there) is taken over, and the answer's ``took_over`` names it."""
+    answer = ask(target, "take", {"holder": asdict(mine), "stale": stale})
+    found = Holder.of(answer["held"])
+    if not answer["done"] and found is not None and still_runs(found) is False:
+        answer = ask(target, "take", {"holder": asdict(mine), "stale": found.run})
+    if answer["done"] and found is not None and found.run != mine.run:
+        answer["took_over"] = found
+    return answer
+
+
+def give(target, run: str) -> dict:
+    """Give the lock on ``target`` back if ``run`` holds it (another run's stays)."""
+    return ask(target, "give", {"run": run})
+
+
+# --- the run --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Run:
+    mine: Holder
+    taken: set[str] = field(default_factory=set)  # hosts this run holds now
+    last_op: dict[str, str] = field(default_factory=dict)  # host -> its last operation
+    failure: str = ""  # why every host stops here, when another run holds one
+    errors: dict[str, str] = field(default_factory=dict)  # hosts that could not be asked
+
+
+def _run(state) -> _Run:
+    def made() -> _Run:
+        operations = _cli("operations") or ()
+        return _Run(Holder(run=uuid.uuid4().hex[:12], user=getpass.getuser(), controller=socket.gethostname(),
+                           machine=machine_id(), pid=os.getpid(), what=" ".join(map(str, operations))))
+
+    return once("operator lock", made, state)
+
+
+def _take_all(state, run: _Run) -> None:
+    """Take the lock on every host of the run, or on none (``run.failure`` says why)."""
+    hosts = [h for h in state.inventory if h in state.active_hosts]
+    run.last_op = {h.name: h.op_hash_order[-1] for h in hosts if h.op_hash_order}
+    answers: dict[str, dict] = {}
+
+    def one(target, stale: str = "") -> None:
+        try:
+            answers[target.name] = take(target, run.mine, stale)
+        except OperationError as exc:  # remote.run's too: a timeout, a broken connection
+            run.errors[target.name] = str(exc)
+
+    first, rest = hosts[0], hosts[1:]
+    one(first)  # two runs racing meet on the first host: one of them stops there
+    opened = answers.get(first.name)
+    if opened is None or opened["done"]:
+        dead = opened.get("took_over") if opened else None  # likely the holder of every host
+        gevent.joinall([gevent.spawn(one, h, dead.run if dead else "") for h in rest])
+    run.taken = {name for name, answer in answers.items() if answer["done"]}
+    others: dict[str, tuple[str, list[str]]] = {}  # run -> (who, since when), its hosts
+    dead_runs: dict[str, str] = {}
+    for name, answer in answers.items():
+        found = Holder.of(answer["held"])
+        if found is not None and not answer["done"]:
+            others.setdefault(found.run, (found.describe(answer["now"]), []))[1].append(name)
+        elif answer.get("took_over"):
+            dead_runs.setdefault(found.run, found.describe(answer["now"]))
+    if others:
+        _give_all(state, run)
+        holders = "\n".join(f"  - {who}, found on {', '.join(names)}" for who, names in others.values())
+        run.failure = (f"operator lock: another deploy is changing this fleet, so nothing was changed on any "
+                       f"host:\n{holders}\nWait for it to end; if it no longer runs (killed, its controller "
+                       f"gone): {unlock_command()}")
+    elif dead_runs:
+        logger.warning("operator lock: taken over from " + "; ".join(dead_runs.values())
+                       + ", whose pyinfra no longer runs on this controller")
+
+
+def _give_all(state, run: _Run) -> None:
+    targets = [state.inventory.get_host(name) for name in sorted(run.taken)]
+    gevent.joinall([gevent.spawn(give_back, state, t) for t in targets])
+
+
+def give_back(state, target) -> None:
+    """Give ``target``'s lock back, if this run holds it; a failure only warns (the lock
+    stays, and says whose it is)."""
+    run = _run(state)
+    if target.name not in run.taken:
+        return
+    run.taken.discard(target.name)
+    try:
+        give(target, run.mine.run)
+    except OperationError as exc:  # remote.run's too: a timeout, a broken connection
+        logger.warning(f"{target.print_prefix}operator lock: could not give it back ({exc}); "
+                       f"once this deploy has ended: {unlock_command()}")
+
+
+class _GiveBack(BaseStateCallback):
+    """Each host gives the lock back as soon as pyinfra is done with it: after its last
+    operation, or when it fails (pyinfra runs nothing more on a failed host)."""
+
+    @staticmethod
+    def operation_host_success(state, host, op_hash, retry_count=0):
+        if _run(state).last_op.get(host.name) == op_hash:
+            give_back(state, host)
+
+    @staticmethod
+    def operation_host_error(state, host, op_hash, retry_count=0, max_retries=0):
+        if not state.get_op_data_for_host(host, op_hash).global_arguments.get("_ignore_errors"):
+            give_back(state, host)
+
+
+# --- the operation --------------------------------------------------------------------------
+
+
+def held(**op_args):
+    """An operation, the deploy's first: this run holds the operator lock on every host of
+    the run, or every host fails here before anything changed. ``--dry`` only reads it."""
+    if _cli("dry"):
+        _warn_if_held()
+    return _held(name="operator lock: one deploy at a time", **op_args)
+
+
+def _warn_if_held() -> None:
+    found = Holder.of(_record(snapshot.text(OPERATOR_LOCK)))
+    if found is not None and found.run != _run(host.state).mine.run:
+        logger.warning(f"{host.print_prefix}operator lock: held by {found.describe(time.time())}: a deploy now "
+                       f"would stop before changing anything (wait for it, or if it no longer runs: "
+                       f"{unlock_command()})")
+
+
+def _record(text: str | None) -> Any:
+    try:
+        return json.loads(text) if text and text.strip() else None
+    except ValueError:
+        return {"run": "?"}
+
+
+@operation(is_idempotent=False)
+def _held():
+    state = host.state
+    if not state.is_executing:  # planning: nothing is taken (--dry never takes it)
+        host.noop("taken on every host when the deploy executes")
+        return
+    run = _run(state)
+
+    def taken() -> None:
+        state.add_callback_handler(_GiveBack())
+        _take_all(state, run)
+
+    once("operator lock taken", taken, state)  # by the first host to get here, for every host
+    if host.name in run.taken:
+        host.noop(f"this run holds the operator lock (run {run.mine.run})")
+        return
+    if run.failure:
+        yield remote.fail(run.failure)
+    else:
+        yield remote.fail(f"operator lock: could not take it on this host: {run.errors.get(host.name, 'no answer')}")

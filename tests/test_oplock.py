@@ -1,0 +1,237 @@
+"""The operator lock without a fleet: the program a host runs (on files of this machine), the
+all-or-nothing take across hosts, the take-over of a dead run's lock and the give-back
+callbacks."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from types import SimpleNamespace
+
+import pytest
+
+from sparkfleet import oplock, remote
+from sparkfleet.hostpaths import OPERATOR_LOCK
+
+
+def program(path, action: str, arg: dict) -> dict:
+    """The lock program as a host runs it, on ``path``."""
+    done = subprocess.run([sys.executable, "-c", oplock._PROGRAM, str(path), action, json.dumps(arg)],
+                          capture_output=True, text=True, timeout=30, check=True)
+    return json.loads(done.stdout)
+
+
+def holder(run: str, **kw) -> oplock.Holder:
+    return oplock.Holder(run=run, user="ana", controller="laptop-2", machine="elsewhere", pid=4242,
+                         what="deploy.py", **kw)
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+# --- the program on the host ----------------------------------------------------------------
+
+
+def test_a_free_lock_is_taken_with_the_hosts_time_and_the_run_passes_again(tmp_path):
+    lock = tmp_path / "lock"
+    mine = asdict(holder("run-a"))
+    first = program(lock, "take", {"holder": mine, "stale": ""})
+    assert first["done"] and first["held"] is None
+    record = json.loads(lock.read_text())
+    assert record["run"] == "run-a" and abs(record["since"] - first["now"]) < 5
+    again = program(lock, "take", {"holder": mine, "stale": ""})
+    assert again["done"] and again["held"]["since"] == record["since"]  # the run itself: kept as it was
+
+
+def test_another_run_is_refused_and_told_who_holds_it(tmp_path):
+    lock = tmp_path / "lock"
+    program(lock, "take", {"holder": asdict(holder("run-a")), "stale": ""})
+    other = program(lock, "take", {"holder": asdict(holder("run-b")), "stale": ""})
+    assert not other["done"] and other["held"]["run"] == "run-a" and other["held"]["user"] == "ana"
+    assert json.loads(lock.read_text())["run"] == "run-a"
+
+
+def test_only_the_holder_gives_it_back_and_empty_is_free(tmp_path):
+    lock = tmp_path / "lock"
+    program(lock, "take", {"holder": asdict(holder("run-a")), "stale": ""})
+    assert not program(lock, "give", {"run": "run-b"})["done"]
+    assert json.loads(lock.read_text())["run"] == "run-a"
+    assert program(lock, "give", {"run": "run-a"})["done"]
+    assert lock.exists() and lock.read_text() == ""  # emptied, never removed
+    assert program(lock, "show", {})["held"] is None
+    assert program(lock, "take", {"holder": asdict(holder("run-b")), "stale": ""})["done"]
+
+
+def test_a_stale_run_is_replaced_only_when_it_is_the_one_named(tmp_path):
+    lock = tmp_path / "lock"
+    program(lock, "take", {"holder": asdict(holder("run-a")), "stale": ""})
+    assert not program(lock, "take", {"holder": asdict(holder("run-b")), "stale": "run-x"})["done"]
+    taken = program(lock, "take", {"holder": asdict(holder("run-b")), "stale": "run-a"})
+    assert taken["done"] and taken["held"]["run"] == "run-a"
+    assert json.loads(lock.read_text())["run"] == "run-b"
+
+
+def test_runs_racing_for_one_host_see_one_winner(tmp_path):
+    lock = tmp_path / "lock"
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda i: program(lock, "take", {"holder": asdict(holder(f"run-{i}")), "stale": ""}),
+                                range(8)))
+    winners = [a for a in answers if a["done"]]
+    assert len(winners) == 1
+    assert all(a["held"]["run"] == json.loads(lock.read_text())["run"] for a in answers if not a["done"])
+
+
+# --- who holds it -----------------------------------------------------------------------------
+
+
+def test_a_holder_is_described_by_who_since_when_and_how_long():
+    found = holder("1a2b3c", since=1_764_675_005.0)
+    text = found.describe(now=1_764_675_005.0 + 252)
+    assert text == ("ana@laptop-2 (pyinfra pid 4242, run 1a2b3c: deploy.py) since 2025-12-02 11:30:05 UTC "
+                    "(4m12s ago)")
+    assert oplock.Holder.of(None) is None and oplock.Holder.of({}) is None
+    assert oplock.Holder.of({"run": "?", "unreadable": "junk"}).run == "?"
+    assert oplock.Holder.of({"run": "r", "pid": "not a pid"}).run == "r"
+
+
+def test_only_a_run_of_this_controller_whose_pid_is_gone_is_provably_dead():
+    here = oplock.machine_id()
+    assert oplock.still_runs(oplock.Holder(run="r", machine=here, pid=dead_pid())) is False
+    assert oplock.still_runs(oplock.Holder(run="r", machine=here, pid=os.getpid())) is True
+    assert oplock.still_runs(oplock.Holder(run="r", machine="another laptop", pid=dead_pid())) is None
+    killed = subprocess.Popen(["sleep", "60"])
+    killed.kill()  # killed, not yet reaped: a zombie
+    try:
+        deadline = time.monotonic() + 10
+        while oplock.still_runs(oplock.Holder(run="r", machine=here, pid=killed.pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the kill lands
+        assert oplock.still_runs(oplock.Holder(run="r", machine=here, pid=killed.pid)) is False
+    finally:
+        killed.wait()
+
+
+# --- the run, over several hosts --------------------------------------------------------------
+
+
+class LockHost:
+    """A pyinfra host on this machine whose operator lock is a file of its own."""
+
+    def __init__(self, name: str, directory) -> None:
+        self.name = name
+        self.print_prefix = f"[{name}] "
+        self.lock = directory / f"{name}.lock"
+        self.op_hash_order = ["op-lock", "op-preflight", f"op-last-{name}"]
+        self.commands = 0
+
+    def run_shell_command(self, command, print_output=False, **_):
+        self.commands += 1
+        text = command.get_raw_value().replace(OPERATOR_LOCK, str(self.lock))
+        proc = subprocess.run(["sh", "-c", text], capture_output=True, text=True, timeout=30)
+        return proc.returncode == 0, SimpleNamespace(stdout_lines=proc.stdout.splitlines(),
+                                                     stderr_lines=proc.stderr.splitlines())
+
+    def holder(self) -> str | None:
+        text = self.lock.read_text() if self.lock.exists() else ""
+        return json.loads(text)["run"] if text.strip() else None
+
+
+class Inventory(list):
+    def get_host(self, name):
+        return next(h for h in self if h.name == name)
+
+
+class FakeState:
+    """What the lock reads of pyinfra's State (weak-referenceable, as fleet.once needs)."""
+
+    def __init__(self, hosts) -> None:
+        self.inventory = Inventory(hosts)
+        self.active_hosts = set(hosts)
+        self.ignored: set[tuple[str, str]] = set()
+
+    def get_op_data_for_host(self, host, op_hash):
+        return SimpleNamespace(global_arguments={"_ignore_errors": (host.name, op_hash) in self.ignored})
+
+
+@pytest.fixture()
+def fleet(tmp_path, monkeypatch):
+    monkeypatch.setattr(remote, "connector_arguments", lambda host: {})
+    hosts = [LockHost(f"spark-{i}", tmp_path) for i in (1, 2, 3)]
+    return FakeState(hosts), hosts
+
+
+def test_every_host_is_taken_and_each_gives_it_back_after_its_last_operation(fleet):
+    state, hosts = fleet
+    run = oplock._run(state)
+    oplock._take_all(state, run)
+    assert not run.failure and run.taken == {"spark-1", "spark-2", "spark-3"}
+    assert {h.holder() for h in hosts} == {run.mine.run}
+    callbacks = oplock._GiveBack()
+    callbacks.operation_host_success(state, hosts[0], "op-preflight")
+    assert hosts[0].holder() == run.mine.run  # not its last operation
+    callbacks.operation_host_success(state, hosts[0], "op-last-spark-1")
+    assert hosts[0].holder() is None and hosts[1].holder() == run.mine.run
+
+
+def test_a_failed_host_gives_it_back_at_once_unless_the_error_is_ignored(fleet):
+    state, hosts = fleet
+    run = oplock._run(state)
+    oplock._take_all(state, run)
+    state.ignored.add(("spark-2", "op-preflight"))
+    oplock._GiveBack.operation_host_error(state, hosts[1], "op-preflight")
+    assert hosts[1].holder() == run.mine.run  # _ignore_errors: the host goes on
+    oplock._GiveBack.operation_host_error(state, hosts[2], "op-preflight")
+    assert hosts[2].holder() is None and hosts[0].holder() == run.mine.run
+    commands = hosts[2].commands
+    oplock._GiveBack.operation_host_error(state, hosts[2], "op-last-spark-3")
+    assert hosts[2].commands == commands  # given back once
+
+
+def test_one_host_held_by_another_run_stops_every_host_and_gives_back_the_others(fleet):
+    state, hosts = fleet
+    program(hosts[2].lock, "take", {"holder": asdict(holder("their-run")), "stale": ""})
+    run = oplock._run(state)
+    oplock._take_all(state, run)
+    assert run.taken == set()
+    assert [h.holder() for h in hosts] == [None, None, "their-run"]
+    assert "another deploy is changing this fleet, so nothing was changed on any host" in run.failure
+    assert "ana@laptop-2 (pyinfra pid 4242, run their-run: deploy.py) since " in run.failure
+    assert " ago), found on spark-3" in run.failure
+    assert "if it no longer runs (killed, its controller gone): sparkfleet unlock <inventory>" in run.failure
+
+
+def test_a_first_host_held_by_another_run_stops_the_run_before_the_others_are_asked(fleet):
+    state, hosts = fleet
+    program(hosts[0].lock, "take", {"holder": asdict(holder("their-run")), "stale": ""})
+    oplock._take_all(state, oplock._run(state))
+    assert hosts[1].commands == hosts[2].commands == 0
+
+
+def test_a_dead_run_of_this_controller_is_taken_over_with_a_warning(fleet, caplog):
+    state, hosts = fleet
+    dead = oplock.Holder(run="dead-run", user="ana", controller="here", machine=oplock.machine_id(), pid=dead_pid())
+    for h in hosts:
+        program(h.lock, "take", {"holder": asdict(dead), "stale": ""})
+    run = oplock._run(state)
+    with caplog.at_level(logging.WARNING, logger="pyinfra"):
+        oplock._take_all(state, run)
+    assert not run.failure and {h.holder() for h in hosts} == {run.mine.run}
+    assert "operator lock: taken over from ana@here" in caplog.text and "no longer runs on this controller" in caplog.text
+    assert [h.commands for h in hosts] == [2, 1, 1]  # the others were told the dead run up front
+
+
+def test_a_live_run_of_this_controller_is_not_taken_over(fleet):
+    state, hosts = fleet
+    alive = oplock.Holder(run="live-run", machine=oplock.machine_id(), pid=os.getpid())
+    program(hosts[1].lock, "take", {"holder": asdict(alive), "stale": ""})
+    run = oplock._run(state)
+    oplock._take_all(state, run)
+    assert run.failure and hosts[1].holder() == "live-run" and hosts[0].holder() is None
