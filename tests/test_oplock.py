@@ -1,6 +1,6 @@
 """The operator lock without a fleet: the program a host runs (on files of this machine), the
-all-or-nothing take across hosts, the take-over of a dead run's lock and the give-back
-callbacks."""
+all-or-nothing take across hosts, the take-over of a dead run's lock, the give-back
+callbacks and `sparkfleet unlock`'s decisions."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sparkfleet import oplock, remote
+from sparkfleet import oplock, remote, unlock
 from sparkfleet.hostpaths import OPERATOR_LOCK
 
 
@@ -235,3 +235,37 @@ def test_a_live_run_of_this_controller_is_not_taken_over(fleet):
     run = oplock._run(state)
     oplock._take_all(state, run)
     assert run.failure and hosts[1].holder() == "live-run" and hosts[0].holder() is None
+
+
+# --- sparkfleet unlock ------------------------------------------------------------------------
+
+
+def test_unlock_shows_then_removes_exactly_what_it_showed(fleet):
+    state, hosts = fleet
+    program(hosts[0].lock, "take", {"holder": asdict(holder("their-run")), "stale": ""})
+    program(hosts[2].lock, "take", {"holder": asdict(holder("their-run")), "stale": ""})
+    lines, free, answered = unlock.unlock(state, show_only=True)
+    assert answered and not free and [h.holder() for h in hosts] == ["their-run", None, "their-run"]
+    assert lines[0].startswith("spark-1: held by ana@laptop-2 (pyinfra pid 4242, run their-run")
+    assert "taken on another controller" in lines[0] and lines[1] == "spark-2: free"
+    lines, free, answered = unlock.unlock(state)
+    assert free and answered and [h.holder() for h in hosts] == [None, None, None]
+    assert lines[0].endswith(": removed") and lines[2].endswith(": removed")
+
+
+def test_unlock_keeps_a_lock_whose_pyinfra_still_runs_here_unless_forced(fleet):
+    state, hosts = fleet
+    alive = oplock.Holder(run="live-run", machine=oplock.machine_id(), pid=os.getpid())
+    program(hosts[0].lock, "take", {"holder": asdict(alive), "stale": ""})
+    lines, free, _ = unlock.unlock(state)
+    assert not free and hosts[0].holder() == "live-run" and "still runs on this controller" in lines[0]
+    lines, free, _ = unlock.unlock(state, force=True)
+    assert free and hosts[0].holder() is None
+
+
+def test_unlock_says_a_host_it_cannot_reach_keeps_its_lock(fleet):
+    state, hosts = fleet
+    state.active_hosts.discard(hosts[1])
+    lines, free, answered = unlock.unlock(state)
+    assert not free and not answered
+    assert lines[1] == "spark-2: unreachable: its lock, if any, stays (a reboot of the host frees it)"
