@@ -19,16 +19,25 @@ import os
 import re
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import gevent
 from prometheus_client.parser import text_string_to_metric_families
 
-from sparkfleet import endpoint, haproxy, remote
+from sparkfleet import endpoint, haproxy, oplock, remote
 from sparkfleet.config import ConfigError, Settings
 from sparkfleet.fleet import reached_at, validate_fleet
-from sparkfleet.hostpaths import AUTH_HEADER, CONTAINER, LAST_GOOD_DIR, SERVE_ENV, STARTED_FILE, UNIT
+from sparkfleet.hostpaths import (
+    AUTH_HEADER,
+    CONTAINER,
+    LAST_GOOD_DIR,
+    OPERATOR_LOCK,
+    SERVE_ENV,
+    STARTED_FILE,
+    UNIT,
+)
 from sparkfleet.pairs import fleet_pairs
 
 METRICS = {
@@ -143,6 +152,7 @@ def _host_command(s: Settings) -> str:
         f'curl -s -m 5 -H @$auth "{api}/v1/models" 2>/dev/null; echo',
         "echo '== metrics'",
         f'curl -s -m 5 -H @$auth "{api}/metrics" 2>/dev/null | grep -E {q("^(" + metric_names + ")")}',
+        "echo '== lock'", f"cat {OPERATOR_LOCK} 2>/dev/null; echo",
         "echo '== refs'",
         f"for f in {q(s.hf_home)}/hub/models--*/refs/*; do [ -f \"$f\" ] && echo \"$f $(cat \"$f\")\"; done 2>/dev/null",
         "true",
@@ -200,6 +210,11 @@ def parse_host(lines: list[str], s: Settings) -> dict[str, Any]:
                     values[METRICS[sample.name]] = values.get(METRICS[sample.name], 0.0) + sample.value
     except ValueError:
         pass
+    try:
+        held = json.loads("\n".join(sec.get("lock", [])).strip() or "null")
+    except ValueError:
+        held = {"run": "?"}
+    row["operator_lock"] = held or None  # a deploy in progress (sparkfleet/oplock.py), or one that died
     row["running"] = int(values["running"]) if "running" in values else None
     row["waiting"] = int(values["waiting"]) if "waiting" in values else None
     row["kv_cache"] = values.get("kv_cache")
@@ -316,6 +331,14 @@ def table(doc: dict[str, Any]) -> str:
         head, lines = [head[0], *head[2:]], [[line[0], *line[2:]] for line in lines]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
     out = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip() for row in [head, *lines]]
+    locks = {}
+    for r in doc["hosts"]:
+        if r.get("operator_lock"):
+            locks.setdefault(json.dumps(r["operator_lock"], sort_keys=True), []).append(r["host"])
+    for record, names in locks.items():
+        holder = oplock.Holder.of(json.loads(record))
+        out.append(f"\ndeploy lock on {', '.join(names)}: held by {holder.describe(time.time())} — a deploy runs; "
+                   f"if it no longer does: {oplock.unlock_command()}")
     ep = doc.get("endpoint")
     if ep is None:
         out.append("\nfleet endpoint: none (fleet_endpoint=none, or no inventory group `endpoint`)")

@@ -146,7 +146,7 @@ def test_a_host_row_from_what_it_printed():
         "unit": "active", "restarts": 1, "uptime_s": 3900, "profile": "dflash", "image_digest": "sha256:abc123",
         "model": "Intel/Qwen3.5-122B-A10B-int4-AutoRound", "revision": "main",
         "commit": "0123456789abcdef0123456789abcdef01234567", "ready": True, "running": 2, "waiting": 1,
-        "kv_cache": 0.25, "acceptance_length": 4.5, "pending": None,
+        "kv_cache": 0.25, "acceptance_length": 4.5, "pending": None, "operator_lock": None,
     }
     down = status.parse_host("== unit\nActiveState=failed\n== models\n\n== metrics\n".splitlines(), s)
     assert down["ready"] is False and down["uptime_s"] is None and down["acceptance_length"] is None
@@ -158,6 +158,14 @@ def test_a_host_row_from_what_it_printed():
     # What runs, not what is on disk: a rollout that stopped left dense files under a dflash engine.
     behind = status.parse_host((HOST_OUTPUT + "== on disk\nSF_PROFILE=dense\n").splitlines(), s)
     assert (behind["profile"], behind["pending"]) == ("dflash", "dense")
+    # A deploy in progress (or one that died holding the lock) is named, with the way out.
+    held = status.parse_host((HOST_OUTPUT + '== lock\n{"run": "1a2b3c", "user": "ana", "controller": "laptop-2", '
+                              '"pid": 4242, "since": 1764675000}\n').splitlines(), s)
+    shown = status.table({"hosts": [{"host": "spark-01", "reachable": True, **held}], "endpoint": None})
+    assert re.search(r"deploy lock on spark-01: held by ana@laptop-2 \(pyinfra pid 4242, run 1a2b3c\) since .*"
+                     r"sparkfleet unlock", shown), shown
+    assert "deploy lock" not in status.table({"hosts": [{"host": "spark-01", "reachable": True, **row}],
+                                              "endpoint": None})
     assert "dflash (on disk: dense)" in status.table({"hosts": [{"host": "spark-01", "reachable": True, **behind}],
                                                       "endpoint": None})
     # A pair: its column, the head's READY for the headless member.
