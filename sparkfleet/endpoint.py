@@ -106,18 +106,20 @@ def backend_of(key: str | None) -> str:
     return f"{haproxy.BACKEND}_{key_id(key)}" if key else haproxy.BACKEND
 
 
-def render(settings: Settings, members: list[Target], key: str | None) -> str:
+def render(settings: Settings, members: list[Target], key: str | None, models: frozenset[str] = frozenset()) -> str:
     """The HAProxy configuration (templates/haproxy.cfg.j2): one backend per API key the
-    members run, the fleet's own (``key``) first, each checked with its key."""
+    members run, the fleet's own (``key``) first, each checked with its key for the
+    fleet's served model name (and ``models``: the names members still run while a new
+    name rolls; a member that serves another name is out of rotation)."""
     template = jinja2.Template(TEMPLATE.read_text(), keep_trailing_newline=True, undefined=jinja2.StrictUndefined)
     keys = list(dict.fromkeys([key, *(m.key for m in members)]))
+    names = sorted({settings.served_model_name, *models})
     groups = []
     for k in keys:
         own = [m for m in members if m.key == k]
-        models = sorted({m.model for m in own if m.model} or {settings.served_model_name})
         groups.append({
             "key": k, "id": key_id(k), "backend": backend_of(k),
-            "model_regex": "|".join(re.escape(name) for name in models),
+            "model_regex": "|".join(re.escape(name) for name in names),
             "members": [{"server": m.server, "address": f"[{m.address}]" if ":" in m.address else m.address,
                          "port": m.port, "model": m.model or settings.served_model_name} for m in own],
         })
@@ -185,8 +187,8 @@ def _targets(settings: Settings) -> list[Target]:
             address = current[server].rsplit(":", 1)[0].strip("[]")
         address = address or reached_at(member)
         if ms.served_model_name != settings.served_model_name:
-            logger.warning(f"{member.name}: serves `{ms.served_model_name}`, the fleet's clients ask for "
-                           f"`{settings.served_model_name}`: requests for it there are answered 404")
+            logger.warning(f"{member.name}: serves `{ms.served_model_name}`, the fleet endpoint checks for "
+                           f"`{settings.served_model_name}`: it stays out of rotation")
         targets.append(Target(member.name, server, address, ms.port, ms.served_model_name, credentials.api_key(ms)))
     return targets
 
@@ -257,12 +259,13 @@ def _current(ep) -> str:
     return "\n".join(done.stdout) + "\n" if done.stdout else ""
 
 
-def apply(ep, settings: Settings, members: list[Target], key: str | None, current: str | None = None) -> list[str]:
+def apply(ep, settings: Settings, members: list[Target], key: str | None, current: str | None = None,
+          models: frozenset[str] = frozenset()) -> list[str]:
     """Make the endpoint host's configuration serve ``members``: written only once HAProxy
     accepts it, then a reload that keeps the admin states (drains) of the members that did
     not move. Returns the members that moved (address, port or key), [] when nothing changed."""
     current = _current(ep) if current is None else current
-    text = render(settings, members, key)
+    text = render(settings, members, key, models)
     if text == current:
         return []
     before = running_members(current, {})
@@ -302,7 +305,9 @@ def follows(state, member_host) -> None:
         if target.server not in running:
             members.append(target)
         ep_settings = all_settings()[ep.name]
-        moved = apply(ep, ep_settings, members, credentials.api_key(ep_settings), current)
+        # A new served name rolls too: the names the members still run stay accepted until the end.
+        moved = apply(ep, ep_settings, members, credentials.api_key(ep_settings), current,
+                      frozenset(m.model for m in members if m.model))
         if moved:
             member_host.log("the fleet endpoint now reaches it as it runs (address, port, key)", logger.info)
 

@@ -195,3 +195,11 @@ def test_the_url_of_an_unreachable_host_is_its_name():
 
     down = SimpleNamespace(name="spark-9.local", connected=False, data=SimpleNamespace(get=lambda key: None))
     assert reached_at(down) == "spark-9.local"
+
+
+def test_a_member_serving_another_name_is_checked_out_unless_that_name_still_rolls():
+    s = validate_host_data("spark-01", {**defaults(), "served_model_name": "qwen"})
+    mixed = [members(model="qwen")[0], members(model="old-name")[1]]
+    assert "rstring '\"id\": ?\"(qwen)\"'" in endpoint.render(s, mixed, KEY)  # old-name stays out
+    rolling = endpoint.render(s, mixed, KEY, frozenset({"old-name", "qwen"}))
+    assert "rstring '\"id\": ?\"(old\\-name|qwen)\"'" in rolling, rolling
