@@ -100,10 +100,13 @@ max_model_len = 262144
 max_num_seqs = 3
 max_num_batched_tokens = 8192
 # 0.82 leaves ~14-16 GiB to the OS on a 128 GiB Spark; 0.88+ swaps and stalls the host.
+# vLLM 0.23 starts only when MemAvailable >= this x MemTotal (0.82: 99.8 GiB of 121.69); a
+# headless Spark has 101.3-102.2 GiB available at rest (field reports), the desktop less.
 gpu_memory_utilization = 0.82
-# What vLLM's own start-up takes before its memory check on GB10 (~8-9 GiB): the preflight
-# wants gpu_memory_utilization x MemTotal plus this available.
-engine_startup_memory_gib = 9.0
+# The preflight refuses a host only below what vLLM itself checks (gpu_memory_utilization x
+# MemTotal) and warns within this of it: what vLLM's process holds before its check (python,
+# torch, the CUDA context; 0.82 starts on hosts at 101.3 GiB, so it is under 1.5 GiB).
+engine_startup_memory_gib = 1.5
 # The OOM guard (earlyoom) kills the engine when MemAvailable falls under this (the
 # seeds' monitor: 4 GiB), before a unified-memory OOM freezes the host.
 oom_guard_min_available_gib = 4.0
@@ -139,8 +142,12 @@ api_key_file = ".sparkfleet/api-key"
 serving = True
 # Turn the GB10/aarch64 gate into a warning (other Blackwell hosts, untested).
 force = False
-# How long the first start may take (image load, weights to device, compile).
-ready_timeout_s = 1200
+# How long READY may take after a (re)start; None: 3 x a cold start of this checkpoint with
+# this load_format on a GB10 (runtime/startup.py: ~3 min with fastsafetensors, ~11 without).
+ready_timeout_s = None
+# 1: real time. The simulated fleet runs its engine's start-up this much faster (and sets it
+# here), so the READY wait and rollout pacing it derives keep their ratios to it.
+startup_time_scale = 1.0
 # --- Rolling changes (sparkfleet/rollout.py) ----------------------------------------------
 # "rolling": a change that restarts the engine of a serving fleet rolls rollout_batch hosts at
 # a time (drain from the endpoint, restart, gate, back in rotation), so the rest keep serving

@@ -30,7 +30,7 @@ from pydantic import (
     model_validator,
 )
 
-from runtime import serve_args  # the one builder of the `vllm serve` argv (also in the container)
+from runtime import serve_args, startup  # the one builder of the `vllm serve` argv (also in the container)
 from sparkfleet.profiles import INTEL_INT4, PROFILES, Profile
 
 try:  # pyinfra is the runtime, but the model is also used by plain unit tests
@@ -201,7 +201,8 @@ class Settings(BaseModel):
     # Lifecycle
     serving: bool
     force: bool
-    ready_timeout_s: int = Field(ge=10, le=7200)
+    ready_timeout_s: int | None = Field(ge=10, le=7200)  # None: derived (runtime/startup.py)
+    startup_time_scale: float = Field(gt=0, le=1)
     # Rolling changes (sparkfleet/rollout.py)
     rollout: Literal["rolling", "all"]
     rollout_batch: int = Field(ge=1, le=1024)
@@ -348,7 +349,21 @@ class Settings(BaseModel):
             serve_args.build_serve_argv(self.serve_env())
         except ValueError as exc:
             raise ValueError(_unbuildable(str(exc))) from None
+        if self.ready_timeout_s is None:  # frozen: set once, here, from what this host starts
+            object.__setattr__(self, "ready_timeout_s", self.derived_ready_timeout_s)
         return self
+
+    @property
+    def checkpoint_gib(self) -> float:
+        """The served checkpoint's size, as the disk preflight counts it."""
+        name = "hybrid-build" if self.build_hybrid else self.model_repo
+        return self.artifact_size_gib(name) + (self.artifact_size_gib(self.drafter) if self.drafter else 0.0)
+
+    @property
+    def derived_ready_timeout_s(self) -> int:
+        """READY's wait when ``ready_timeout_s`` is None: a cold start of this checkpoint with
+        this loader (runtime/startup.py), times its slack, in this fleet's time."""
+        return startup.ready_timeout_s(self.checkpoint_gib, self.load_format, time_scale=self.startup_time_scale)
 
     # --- what the profile and the overrides add up to -----------------------------
 

@@ -11,6 +11,7 @@ not an error.
 from __future__ import annotations
 
 import json
+import re
 import shlex
 
 from pyinfra.api import FactBase
@@ -84,6 +85,24 @@ class Memory(FactBase["dict[str, int]"]):
         return values
 
 
+class BootTarget(FactBase[str]):
+    """The target the host boots to (``systemctl get-default``): DGX OS boots to the desktop,
+    ``graphical.target``, whose session holds memory the engine could have."""
+
+    @staticmethod
+    def default():
+        return ""
+
+    def requires_command(self) -> str:
+        return "systemctl"
+
+    def command(self) -> str:
+        return "systemctl get-default 2>/dev/null || true"
+
+    def process(self, output):
+        return output[0].strip() if output else ""
+
+
 # --- weights -------------------------------------------------------------------------
 
 
@@ -132,6 +151,49 @@ class UnitState(FactBase["dict[str, str]"]):
 
     def process(self, output):
         return dict(line.split("=", 1) for line in output if "=" in line)
+
+
+#: vLLM's start-up lines, newest last, and what each says of the phase it is in.
+ENGINE_PHASES = (
+    (re.compile(r"Loading safetensors.*?(\d+)% Completed"), "loading weights {0}%"),
+    (re.compile(r"Loading weights took ([\d.]+) seconds"), "weights loaded in {0} s"),
+    (re.compile(r"Compiling a graph|torch\.compile|compiled graph"), "torch.compile"),
+    (re.compile(r"Available KV cache memory|GPU KV cache size"), "KV cache"),
+    (re.compile(r"Capturing CUDA graphs"), "capturing CUDA graphs"),
+    (re.compile(r"Graph capturing finished|init engine .* took"), "warming up"),
+    (re.compile(r"Free memory on device .* is less than desired"), "refused: not enough memory"),
+)
+
+
+def engine_phase(lines: list[str]) -> str:
+    """The phase the newest of vLLM's start-up ``lines`` names ("" before any)."""
+    for line in reversed(lines):
+        for pattern, phase in ENGINE_PHASES:
+            found = pattern.search(line)
+            if found:
+                return phase.format(*found.groups())
+    return ""
+
+
+class EnginePhase(FactBase[str]):
+    """Where the serving unit's current start is, from its journal (vLLM's own lines)."""
+
+    @staticmethod
+    def default():
+        return ""
+
+    def requires_command(self, unit: str) -> str:
+        return "journalctl"
+
+    def command(self, unit: str) -> str:
+        q = shlex.quote(unit)
+        return (f"i=$(systemctl show -p InvocationID --value {q}); [ -n \"$i\" ] && "
+                f"journalctl _SYSTEMD_INVOCATION_ID=$i -o cat --no-pager 2>/dev/null | "
+                "grep -E 'Loading|Compiling|compile|KV cache|CUDA graphs|Graph capturing|init engine|Free memory' "
+                "| tail -n 3 || true")
+
+    def process(self, output):
+        return engine_phase(output)
 
 
 class ServedAnswer(FactBase["str | None"]):

@@ -22,7 +22,7 @@ from pyinfra.facts.server import Arch
 
 from sparkfleet import credentials, hybrid, image, link, mirror, remote, service, snapshot, weights
 from sparkfleet.config import Settings
-from sparkfleet.facts import FreeSpace, Gpu, Memory, PortHolders
+from sparkfleet.facts import BootTarget, FreeSpace, Gpu, Memory, PortHolders
 from sparkfleet.fleet import fleet_settings, host_pair, once
 from sparkfleet.hostpaths import CONTAINER, SECRETS_ENV, UNIT
 
@@ -76,7 +76,7 @@ def host_findings(settings: Settings) -> Findings:
     """Read this host's facts and judge them against what the steps say they still need:
     disk (``still_needed``) and the memory the service claims when it starts."""
     # Every question below, and the steps' own, in one read of the host (sparkfleet.snapshot).
-    snapshot.expect(facts=[(Arch, {}), (Gpu, {}), (Memory, {}),
+    snapshot.expect(facts=[(Arch, {}), (Gpu, {}), (Memory, {}), (BootTarget, {}),
                            (PortHolders, {"port": settings.port, "container": CONTAINER}),
                            *image.reads(settings), *weights.reads(settings)],
                     files=[SECRETS_ENV], units=[UNIT])
@@ -162,22 +162,51 @@ def host_findings(settings: Settings) -> Findings:
 
     memory = snapshot.fact(Memory)
     if memory_share and memory:
-        # vLLM takes its own start-up memory before it checks for its share (GB10: ~8-9 GiB).
-        claim = memory_share * memory["MemTotal"]
-        want = claim + settings.engine_startup_memory_gib * GIB
-        if memory["MemAvailable"] < want:
-            found.problems.append(
-                f"{memory['MemAvailable'] / GIB:.1f} GiB memory available, vLLM needs {want / GIB:.1f} GiB: "
-                f"{claim / GIB:.1f} GiB (gpu_memory_utilization={settings.gpu_memory_utilization:g}) plus "
-                f"{settings.engine_startup_memory_gib:g} GiB for its start-up (engine_startup_memory_gib): "
-                "stop other GPU/memory users or lower gpu_memory_utilization"
-            )
+        problem, warning = memory_findings(memory, memory_share, settings.engine_startup_memory_gib,
+                                           snapshot.fact(BootTarget))
+        if problem:
+            found.problems.append(problem)
+        if warning:
+            found.warnings.append(warning)
 
     found.summary = (
         f"{arch}, {gpu['name'] if gpu else 'no GPU'} "
         f"(cc {gpu['compute_cap'] if gpu else '-'}, driver {gpu['driver_version'] if gpu else '-'})"
     )
     return found
+
+
+DESKTOP_TARGET = "graphical.target"
+DESKTOP_FIX = ("it boots to the desktop (graphical.target, DGX OS's default), whose session holds memory: "
+               "`sudo systemctl set-default multi-user.target && sudo reboot` (a headless Spark has ~102 GiB "
+               "available)")
+
+
+def memory_findings(memory: dict[str, int], share: float, margin_gib: float,
+                    boot_target: str = "") -> tuple[str | None, str | None]:
+    """(problem, warning) for ``share`` (gpu_memory_utilization) of this host's memory.
+
+    vLLM 0.23 starts only when MemAvailable >= share x MemTotal at its check, and its own
+    process only lowers that figure before: a host below it is refused (vLLM would refuse it
+    too), never one above. Within ``margin_gib`` (what the engine holds before its check) it
+    is a warning. The fix named is what holds the memory: the desktop, other processes; a
+    smaller share only as the last resort (it shrinks the KV cache)."""
+    total, available = memory.get("MemTotal", 0), memory.get("MemAvailable", 0)
+    if not total:
+        return None, None
+    want = share * total
+    desktop = boot_target == DESKTOP_TARGET
+    fits = int(available / total * 100) / 100  # the largest share that starts now
+    figures = (f"{available / GIB:.1f} GiB of {total / GIB:.1f} GiB available, vLLM checks for "
+               f"{want / GIB:.1f} GiB (gpu_memory_utilization={share:g} x MemTotal)")
+    free_it = DESKTOP_FIX if desktop else "stop what holds the memory (`ps aux --sort=-rss | head`)"
+    if available < want:
+        return (f"{figures} and would refuse to start: {free_it}; or, only if the memory is needed elsewhere, "
+                f"gpu_memory_utilization={fits:.2f} (a smaller KV cache)"), None
+    if available < want + margin_gib * GIB:
+        return None, (f"{figures}, within engine_startup_memory_gib={margin_gib:g} of it: vLLM's own start-up may "
+                      f"take the rest; {free_it}")
+    return None, None
 
 
 Judge = Callable[[Settings], Findings]

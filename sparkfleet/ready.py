@@ -20,7 +20,7 @@ from pyinfra.api.exceptions import OperationError
 from sparkfleet import remote, snapshot
 from sparkfleet.bench.onhost.workloads import SMOKE_PROMPT as READY_PROMPT  # READY asks what smoke asks
 from sparkfleet.config import Settings
-from sparkfleet.facts import ServedAnswer, ServedModels, UnitState
+from sparkfleet.facts import EnginePhase, ServedAnswer, ServedModels, UnitState
 from sparkfleet.fleet import reached_at
 from sparkfleet.hostpaths import (
     AUTH_HEADER,
@@ -107,7 +107,8 @@ def await_ready(host, address: str, port: int, model: str, timeout_s: int, hint:
             return f"not READY after {timeout_s} s (ready_timeout_s; raise it for slow first starts)"
         if time.monotonic() - last_report >= 15:
             last_report = time.monotonic()
-            host.log(f"waiting for READY: {elapsed:.0f} s, unit {unit.get('ActiveState')}", logger.info)
+            phase = host.get_fact(EnginePhase, unit=UNIT) or f"unit {unit.get('ActiveState')}"
+            host.log(f"waiting for READY: {elapsed:.0f} s, {phase}", logger.info)
         gevent.sleep(2)
 
 
