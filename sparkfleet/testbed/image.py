@@ -52,6 +52,7 @@ PIP_PLATFORMS = [
 IMAGE_PYTHON = "3.11"  # bookworm's python3
 
 ENGINE_SRC = Path(__file__).resolve().parent / "engine"
+STARTUP_FIGURES = Path(__file__).resolve().parents[2] / "runtime" / "startup.py"
 # The engine package's name in the image (not `vllm`: the real vLLM source sits there).
 ENGINE_PACKAGE = "sparkfleet_vllm_sim"
 ENGINE_LAUNCHER = f"""#!/usr/bin/python3
@@ -283,6 +284,8 @@ def ensure_wheels() -> Path:
 def engine_source() -> dict[str, bytes]:
     """The engine package's files (relative path -> bytes), without caches."""
     files = {str(p.relative_to(ENGINE_SRC)): p.read_bytes() for p in sorted(ENGINE_SRC.glob("*.py"))}
+    # The start-up figures the deploy uses too (engine/memory.py imports them from beside it).
+    files["startup.py"] = STARTUP_FIGURES.read_bytes()
     if "serve.py" not in files:
         raise TestbedError(f"{ENGINE_SRC} holds no simulated engine (serve.py missing)")
     return files

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-BOOL_SWITCHES = {"disk_full", "no_nvidia_runtime", "nvidia_runtime", "cdi", "containerd_store"}  # hostkinds.py: the last three
+BOOL_SWITCHES = {"disk_full", "desktop", "no_nvidia_runtime", "nvidia_runtime", "cdi", "containerd_store"}  # hostkinds.py: the last three
 STR_SWITCHES = {"gpu", "compute_cap", "arch"}
 ALL_SWITCHES = BOOL_SWITCHES | STR_SWITCHES
 

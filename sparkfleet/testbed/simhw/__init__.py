@@ -8,7 +8,8 @@
 * the NVIDIA container toolkit pieces `docker run --gpus all` needs
   (nvidia-container-runtime-hook, nvidia-container-runtime, nvidia-ctk), shipped as the
   simulated `nvidia-container-toolkit` .deb (see aptrepo.py),
-* a boot unit applying the `disk_full` switch (apply_switches.py).
+* a boot unit applying the `disk_full` and `desktop` switches (apply_switches.py),
+* a GB10's memory in /proc/meminfo, with what the simulated engine holds (meminfo.py).
 
 Switches live in /etc/sparkfleet-sim/switches.json on each host; the tools read them
 at run time, so flipping a switch needs no reboot.
@@ -78,6 +79,25 @@ WantedBy=multi-user.target
 """
 
 
+MEMINFO_UNIT = """[Unit]
+Description=sparkfleet testbed: a GB10's memory in /proc/meminfo
+DefaultDependencies=no
+After=local-fs.target sparkfleet-sim-switches.service
+Before=docker.service earlyoom.service ssh.service multi-user.target
+
+[Service]
+Type=simple
+ExecStart=/usr/lib/sparkfleet-sim/meminfo
+Restart=always
+RestartSec=1
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+BOOT_UNITS = ("sparkfleet-sim-switches.service", "sparkfleet-sim-meminfo.service")
+
+
 def toolkit_files() -> dict[str, tuple[str, int]]:
     """Files of the simulated `nvidia-container-toolkit` package: path -> (text, mode)."""
     return {
@@ -95,6 +115,8 @@ def hardware_files() -> dict[str, tuple[str, int]]:
         "usr/local/bin/arch": (ARCH_SH, 0o755),
         "usr/lib/sparkfleet-sim/apply-switches": ((HERE / "apply_switches.py").read_text(), 0o755),
         "etc/systemd/system/sparkfleet-sim-switches.service": (SWITCH_UNIT, 0o644),
+        "usr/lib/sparkfleet-sim/meminfo": ((HERE / "meminfo.py").read_text(), 0o755),
+        "etc/systemd/system/sparkfleet-sim-meminfo.service": (MEMINFO_UNIT, 0o644),
     }
 
 
@@ -111,6 +133,7 @@ def install_hardware(root: Path) -> None:
     write_files(root, hardware_files())
     wants = root / "etc/systemd/system/multi-user.target.wants"
     wants.mkdir(parents=True, exist_ok=True)
-    link = wants / "sparkfleet-sim-switches.service"
-    if not link.is_symlink():
-        link.symlink_to("/etc/systemd/system/sparkfleet-sim-switches.service")
+    for unit in BOOT_UNITS:
+        link = wants / unit
+        if not link.is_symlink():
+            link.symlink_to(f"/etc/systemd/system/{unit}")

@@ -5,6 +5,9 @@ Installed as /usr/lib/sparkfleet-sim/apply-switches and run by the
 `sparkfleet-sim-switches.service` unit before docker at every boot, and by the
 controller after it flips a switch. Only `disk_full` needs action here: it mounts a tiny
 tmpfs at /var/lib/sparkfleet and fills it to ~95%, so a deploy sees a nearly full disk.
+`desktop` makes graphical.target the default once (DGX OS boots to the desktop; the
+fix, `systemctl set-default multi-user.target` and a reboot, then sticks), for the next
+boot: meminfo.py reads it at boot.
 (`gpu` and `arch` are read live by nvidia-smi and uname; `no_nvidia_runtime` is the
 absence of the toolkit package, handled by the controller.)
 """
@@ -42,8 +45,22 @@ def our_mount() -> bool:
     return False
 
 
+DESKTOP_MARK = "/var/lib/sparkfleet-sim/desktop-set"
+
+
+def set_desktop() -> None:
+    if os.path.exists(DESKTOP_MARK):
+        return
+    subprocess.run(["systemctl", "set-default", "graphical.target"], check=True, timeout=30)
+    os.makedirs(os.path.dirname(DESKTOP_MARK), exist_ok=True)
+    open(DESKTOP_MARK, "w").close()
+    print("desktop: graphical.target is the default (from the next boot)")
+
+
 def main() -> int:
     sw = switches()
+    if sw.get("desktop"):
+        set_desktop()
     if sw.get("disk_full"):
         if not our_mount():
             os.makedirs(MOUNTPOINT, exist_ok=True)
