@@ -119,6 +119,16 @@ SERVE_ENV = (
     Var("HF_HOME", "", "fixed", "`/hf`", ENV, "env", fixed="/hf", note="the host's HF cache is mounted there"),
     Var("VLLM_CACHE_ROOT", "", "fixed", "`/hf/.vllm_cache`", ENV, "env", fixed="/hf/.vllm_cache",
         note="vLLM's caches (torch.compile) beside the HF cache"),
+    # Each start is a new container (`docker run --rm`): a JIT cache kept in it is rebuilt
+    # at every restart (minutes on a GB10: runtime/startup.py). All live beside vLLM's, on the host.
+    Var("TRITON_CACHE_DIR", "", "fixed", "`/hf/.vllm_cache/triton`", ENV, "env", fixed="/hf/.vllm_cache/triton",
+        note="Triton's kernels (autotuned) survive restarts"),
+    Var("FLASHINFER_WORKSPACE_BASE", "", "fixed", "`/hf/.vllm_cache`", ENV, "env", fixed="/hf/.vllm_cache",
+        note="FlashInfer's JIT kernels (`.cache/flashinfer` under it) survive restarts"),
+    Var("TORCHINDUCTOR_CACHE_DIR", "", "fixed", "`/hf/.vllm_cache/inductor`", ENV, "env",
+        fixed="/hf/.vllm_cache/inductor", note="inductor's own kernels (else /tmp in the container)"),
+    Var("CUDA_CACHE_PATH", "", "fixed", "`/hf/.vllm_cache/nv`", ENV, "env", fixed="/hf/.vllm_cache/nv",
+        note="the driver's PTX JIT cache (else ~/.nv in the container)"),
     Var("HF_HUB_OFFLINE", "", "fixed", "`1`", ENV, "env", fixed="1",
         note="the deploy fetched everything: starting never waits on the hub"),
     Var("VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS", "", "fixed", "`0`", ENV, "env", fixed="0",

@@ -131,10 +131,14 @@ def hf_token_written(token: SecretStr | None, removed: bool):
     yield from _private_file(HF_ENV, f"HF_TOKEN={token.get_secret_value()}\n" if token else "")
 
 
+#: What the engine compiles into hf_home/.vllm_cache (runtime/serve_args.py's cache variables).
+JIT_CACHES = ("torch_compile_cache", "triton", ".cache/flashinfer", "inductor", "nv")
+
+
 @operation()
 def compile_cache_matches(hf_home: str, signature: str):
     """
-    Clear vLLM's torch.compile cache when what it was compiled for changed.
+    Clear vLLM's torch.compile cache and the JIT kernels when what they were compiled for changed.
 
     + hf_home: the HF cache, holding vLLM's cache in ``.vllm_cache``
     + signature: what the cache depends on (``Settings.compile_signature``)
@@ -145,7 +149,8 @@ def compile_cache_matches(hf_home: str, signature: str):
     signature_file = f"{cache}/{COMPILE_SIGNATURE}"
     if snapshot.first_line(signature_file) == signature:
         return
-    yield f"rm -rf {shlex.quote(cache + '/torch_compile_cache')}"
+    # Every compiled artefact depends on the image (its torch, Triton, FlashInfer) and the graph.
+    yield "rm -rf " + " ".join(shlex.quote(f"{cache}/{d}") for d in JIT_CACHES)
     yield f"mkdir -p {shlex.quote(cache)}"
     yield StringCommand("echo", shlex.quote(signature), ">", shlex.quote(signature_file))
 
