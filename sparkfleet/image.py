@@ -108,15 +108,26 @@ def disk_needs(settings: Settings) -> dict[str, float]:
     return {store["path"]: size.unpacked_gib + (size.compressed_gib if store["containerd"] else 0.0)}
 
 
+#: huggingface_hub's read timeout (HF_HUB_DOWNLOAD_TIMEOUT, 10 s by default) for downloads
+#: through an HF endpoint. A pull-through mirror answers a cold file's first clients late:
+#: olah 0.5.4 holds the headers up to 5 s, and a client that joins a block another one is
+#: fetching gets no byte until that whole 64 MiB block is in (olah waits up to 120 s for
+#: it). 10 s cuts that wait short: the client asks for the file again (a second GET from
+#: the mirror), and after 5 retries without a byte its download fails.
+MIRROR_READ_TIMEOUT_S = 120
+
+
 def one_shot(image: str, hf_home: str, hf_endpoint: str | None, name: str, args: str, extra_mounts: str = "") -> str:
     """A one-shot run of the serving image's Python (container ``name``) with the HF cache
     at /hf and the runtime at /host, for downloads and builds.
 
     + image: the reference the host pulled (never a new pull)
-    + hf_endpoint: the mirror's HF endpoint, ``hf_endpoint``, or None for the hub
+    + hf_endpoint: the mirror's HF endpoint, ``hf_endpoint``, or None for the hub (which
+      keeps huggingface_hub's own read timeout; an endpoint gets MIRROR_READ_TIMEOUT_S)
     """
     q = shlex.quote
-    endpoint = f"-e HF_ENDPOINT={q(hf_endpoint)} " if hf_endpoint else ""
+    endpoint = (f"-e HF_ENDPOINT={q(hf_endpoint)} -e HF_HUB_DOWNLOAD_TIMEOUT={MIRROR_READ_TIMEOUT_S} "
+                if hf_endpoint else "")
     return (
         f"docker rm -f {name} >/dev/null 2>&1; "
         f"docker run --rm --pull never --name {name} --network host --env-file {HF_ENV} "
