@@ -83,10 +83,12 @@ def blob_stats(tb, name: str, repo: str) -> dict[str, tuple[int, int]]:
     return {p[0]: (int(p[1]), int(p[2])) for p in (line.split() for line in out.splitlines()) if len(p) == 3}
 
 
-def mirror_gets(tb, since: float, client: str) -> list[str]:
-    """Files ``client`` GET from the HF mirror (olah's access log on the mirror host) since ``since``."""
+def mirror_gets(tb, since: float, client: str, repo: str) -> list[str]:
+    """Files of ``repo`` that ``client`` GET from the HF mirror (olah's access log on the
+    mirror host) since ``since``. By repository: two repositories share file names
+    (config.json, model.safetensors.index.json)."""
     out = tb.exec(tb.names[0], f"journalctl -u sparkfleet-hf-mirror --since @{int(since)} -o cat --no-pager").stdout
-    return re.findall(rf'{re.escape(client)}:\d+ - "GET /[^ ]+/resolve/[0-9a-f]+/([^ ]+) HTTP', out)
+    return re.findall(rf'{re.escape(client)}:\d+ - "GET /{re.escape(repo)}/resolve/[0-9a-f]+/([^ ]+) HTTP', out)
 
 
 def shown(tb, name: str) -> str:
@@ -238,7 +240,7 @@ def test_a_host_interrupted_mid_download_resumes_without_refetching_complete_fil
     # Complete files were kept as they were, and only the missing ones were asked for.
     after = blob_stats(tb, victim.name, INTEL)
     assert {blob: after[blob] for blob in complete} == complete
-    refetched = mirror_gets(tb, since, victim.address)
+    refetched = mirror_gets(tb, since, victim.address, INTEL)
     assert slow in refetched and len(refetched) == len(set(refetched)), refetched
     assert len(refetched) <= len(files) - len(complete), refetched
     # Upstream, over both runs: every complete file once. The file in flight may come twice:
@@ -285,7 +287,7 @@ def test_a_killed_controller_then_a_re_run_fetches_no_file_twice(fleet4, deploy_
     assert set(stats["by_client"]) == {tb.hosts[0].address} and stats["cas_requests"] == 0, stats
     # The mirror: each host asked for each file once over both runs.
     for h in tb.hosts:
-        got = mirror_gets(tb, since, h.address)
+        got = mirror_gets(tb, since, h.address, DFLASH)
         weights = [f for f in got if f in files]
         assert sorted(weights) == sorted(set(weights)), (h.name, got)
         assert set(weights) <= set(files) and slow in weights, (h.name, got)
