@@ -76,7 +76,11 @@ def test_profile_renders_the_seeds_serve_settings_exactly(profile):
     assert built[:at] + built[at + 2:] == argv
     assert patches_for(env) == patches
     assert {k: env[k] for k in EXPECTED_ENV} == EXPECTED_ENV
-    assert set(env) - set(EXPECTED_ENV) == {k for k in env if k.startswith("SF_")}
+    # sparkfleet's own addition: every JIT cache the engine writes is kept on the host, beside
+    # VLLM_CACHE_ROOT, so a restart is warm (runtime/serve_args.py).
+    own = {"TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE", "TORCHINDUCTOR_CACHE_DIR", "CUDA_CACHE_PATH"}
+    assert all(env[k].startswith(EXPECTED_ENV["VLLM_CACHE_ROOT"] + "/") for k in own)
+    assert set(env) - set(EXPECTED_ENV) - own == {k for k in env if k.startswith("SF_")}
 
 
 def test_no_secret_reaches_the_environment_file_or_argv():
