@@ -113,6 +113,21 @@ def connect(inventory_path: str, data: dict[str, Any] | None = None):
     return state, settings
 
 
+def opened(program: str, inventory_path: str, data: dict[str, Any] | None = None):
+    """:func:`connect` for a command: a bad inventory or data exits 2 with the reason; the
+    command's own lines say which host is unreachable, not pyinfra's log."""
+    import logging
+
+    logging.getLogger("pyinfra").setLevel(logging.ERROR)
+    try:
+        return connect(inventory_path, data)
+    except InventoryError as exc:
+        print(f"{program}: {exc}", file=sys.stderr)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+    raise SystemExit(2)
+
+
 # --- one host -------------------------------------------------------------------------------
 
 
@@ -371,17 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         if not sep:
             parser.error(f"--data {item!r}: use KEY=VALUE")
         data[key] = parse_cli_arg(value)
-    import logging
-
-    logging.getLogger("pyinfra").setLevel(logging.ERROR)  # the table says what is unreachable
-    try:
-        state, settings = connect(args.inventory, data)
-    except InventoryError as exc:
-        print(f"sparkfleet status: {exc}", file=sys.stderr)
-        return 2
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+    state, settings = opened("sparkfleet status", args.inventory, data)
     doc = collect(state, settings)
     print(json.dumps(doc, indent=2) if args.json else table(doc))
     return 0 if all(r.get("reachable") for r in doc["hosts"]) else 1

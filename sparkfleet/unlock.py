@@ -15,14 +15,12 @@ when a lock stays (a host unreachable, a holder that still runs).
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 import gevent
 
 from sparkfleet import oplock
-from sparkfleet.config import ConfigError
-from sparkfleet.status import InventoryError, connect
+from sparkfleet.status import opened
 
 
 def _show(target) -> dict[str, Any]:
@@ -91,17 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true",
                         help="remove it even where its pyinfra still runs on this controller")
     args = parser.parse_args(argv)
-    import logging
-
-    logging.getLogger("pyinfra").setLevel(logging.ERROR)  # the lines below say what is unreachable
-    try:
-        state, _ = connect(args.inventory)
-    except InventoryError as exc:
-        print(f"sparkfleet unlock: {exc}", file=sys.stderr)
-        return 2
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+    state, _ = opened("sparkfleet unlock", args.inventory)
     lines, free, answered = unlock(state, show_only=args.show, force=args.force)
     print("\n".join(lines))
     return 0 if (answered if args.show else free) else 1
