@@ -2,6 +2,7 @@
 with a fake Hugging Face cache. Timing assertions use short runs (200 tok/s)."""
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -9,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -339,6 +341,27 @@ def test_crash_hook_exits_nonzero(start: Any) -> None:
     with pytest.raises((ConnectionError, http.client.HTTPException, OSError)):
         server.request("POST", "/_sim/crash")
     assert server.proc.wait(timeout=5) == 1
+
+
+def test_wedge_keeps_health_and_stops_tokens(start: Any) -> None:
+    """A wedged engine answers /health and /v1/models, and no request gets a token."""
+    server = start("--served-model-name", "qwen")
+    assert server.request("POST", "/_sim/wedge") == (200, {"wedged": True})
+    before = server.metrics()
+    done: list[Any] = []
+
+    def ask() -> None:
+        with contextlib.suppress(OSError, http.client.HTTPException):  # the server ends under it
+            done.append(server.request("POST", "/v1/completions", {"model": "qwen", "prompt": "hi", "max_tokens": 4}))
+
+    worker = threading.Thread(target=ask, daemon=True)
+    worker.start()
+    worker.join(timeout=2)
+    assert not done  # still waiting for its first token
+    assert server.request("GET", "/health")[0] == 200 and server.request("GET", "/v1/models")[0] == 200
+    after = server.metrics()
+    assert after["vllm:num_requests_running"] == 1
+    assert after["vllm:generation_tokens_total"] == before["vllm:generation_tokens_total"]
 
 
 # ---------------------------------------------------------------------------------------

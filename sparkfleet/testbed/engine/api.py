@@ -6,7 +6,10 @@ Routes: ``/health``, ``/ping``, ``/version``, ``/metrics``, ``/v1/models``,
 (and ``/v2``, ``/inference``, as vLLM's AuthenticationMiddleware does); every other route
 answers anyone. ``--middleware`` classes run in front of that, as ASGI middleware around
 the routes (``Engine.admitted``): one that answers itself (a 401) ends the request there.
-``POST /_sim/crash`` makes the process exit 1 at once (a dead engine, for restart tests).
+``POST /_sim/crash`` makes the process exit 1 at once (a dead engine, for restart tests);
+``POST /_sim/wedge`` wedges it: ``/health`` and ``/v1/models`` still answer 200, but no
+request produces another token and new ones queue forever (the wedge of vLLM #56824 and
+NVIDIA open-gpu-kernel-modules #1358), until the process ends.
 
 Timing is the known truth the benches are checked against: each request's first token
 comes ``perf.ttft_s(prompt)`` after it arrives, then its tokens in accepted blocks, each
@@ -100,6 +103,7 @@ class Engine:
     middleware: list[type] = field(default_factory=list)  # --middleware classes, in flag order
     faults: Faults = field(default_factory=Faults)
     metrics: Metrics = field(init=False)
+    wedged: threading.Event = field(init=False, default_factory=threading.Event)  # POST /_sim/wedge
     slots: threading.BoundedSemaphore = field(init=False)
     _planners: dict[str, perf.StepPlanner] = field(init=False, default_factory=dict)
 
@@ -171,6 +175,8 @@ class Engine:
                         streams = m.running
                     due += size / rate * perf.slowdown(plan.workload, streams)
                 _sleep_until(due)
+                while self.wedged.is_set():  # alive, answering, and never producing again
+                    time.sleep(0.5)
                 tokens = [next(plan.tokens) for _ in range(size)]
                 if i == 0:
                     with m.lock:
@@ -317,6 +323,7 @@ class _Handler(BaseHTTPRequestHandler):
             ("POST", "/v1/completions"): lambda: self._generate(body_bytes, chat=False),
             ("POST", "/v1/chat/completions"): lambda: self._generate(body_bytes, chat=True),
             ("POST", "/_sim/crash"): self._crash,
+            ("POST", "/_sim/wedge"): self._wedge,
         }
         handler = routes.get((method, path))
         if path in self.server.engine.faults.fail_status:
@@ -342,6 +349,11 @@ class _Handler(BaseHTTPRequestHandler):
     def _crash(self) -> None:
         log("ERROR", "core_client.py:564", "Engine core proc EngineCore_DP0 died unexpectedly (simulated crash).")
         os._exit(1)
+
+    def _wedge(self) -> None:
+        self.server.engine.wedged.set()
+        log("WARNING", "sim", "engine wedged (simulated): /health answers, no token comes")
+        self._json(200, {"wedged": True})
 
     def _models(self) -> None:
         eng = self.server.engine
