@@ -21,6 +21,7 @@ from sparkfleet import (
     patchcheck,
     preflight,
     service,
+    watchdog,
     weights,
 )
 from sparkfleet.bench.deploy import run_checks
@@ -32,6 +33,7 @@ oplock.held()  # one operator at a time: another deploy's lock stops every host 
 
 if not settings.serving:
     service.stopped()
+    watchdog.stopped()
 else:
     findings = preflight.inspect(settings)  # every step says what it still needs; a pair: every member
     preflight.passed(name="preflight: GB10, aarch64, driver, docker, disk, memory", findings=findings)
@@ -39,6 +41,7 @@ else:
         member = link.joined(settings, pair) if pair else None  # a pair's ConnectX-7 link: netplan, peers answer
         container_runtime.configured(settings)
         oomguard.configured(settings)  # earlyoom: the engine, not the host, when memory runs out
+        watchdog.configured(settings)  # progress, not liveness; memory pressure: drained, restarted or stopped
         host_files = service.host_files(settings)  # runtime/ copy and 0600 secrets
         mirror_ops = mirror.configured(settings)  # fleet_mirror: served, trusted or off
         pulled = image.present(settings)

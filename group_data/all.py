@@ -110,6 +110,32 @@ engine_startup_memory_gib = 1.5
 # The OOM guard (earlyoom) kills the engine when MemAvailable falls under this (the
 # seeds' monitor: 4 GiB), before a unified-memory OOM freezes the host.
 oom_guard_min_available_gib = 4.0
+
+# --- The watchdog: progress, not liveness (sparkfleet/watchdog.py) ---------------------------
+# /health stays 200 while an engine is stuck (vLLM #56824, #50011): a systemd timer looks at
+# /metrics every watchdog_interval_s; requests running or waiting and no token (generated or
+# prompt) for wedge_timeout_s is a wedge: the host leaves the endpoint (HAProxy's agent-check
+# on watchdog_agent_port) and the engine restarts. Not shorter than the longest silence a
+# healthy engine keeps: vLLM counts a prompt's tokens only when its prefill ends, and a
+# 262k-token prefill takes minutes on a GB10.
+watchdog_interval_s = 5
+wedge_timeout_s = 300
+# A restart loop ends in a hard reset (one report: 35 restarts, then a physical reset;
+# eugr/spark-vllm-docker #257): past this many wedge restarts in the window the engine is
+# left stopped and drained, for the operator; the next deploy starts it.
+wedge_max_restarts = 3
+wedge_restart_window_s = 3600
+# Memory, where the kernel reports it: past either line the host is drained and the engine
+# stopped cleanly, before the kernel or the driver freezes a unified-memory Spark (NVIDIA
+# open-gpu-kernel-modules #1358, dgx-spark-playbooks #97). PSI "full" (every task stalled
+# on memory, avg10): systemd-oomd kills at 60% for 20 s, Android's lmkd calls 70% of "full"
+# critical; 10% is a sustained stall well before either. MemAvailable: 0.82 leaves 14-16
+# GiB to the OS and 0.88+ (~7 GiB less) swaps and stalls the host, so 8 GiB is where the
+# stall begins, above earlyoom's 4 GiB kill line. It starts again once PSI full avg10 is
+# under 1% and its share of memory plus engine_startup_memory_gib is available.
+memory_stop_psi_full_pct = 10.0
+memory_stop_available_gib = 8.0
+watchdog_agent_port = 8009
 # Reads the checkpoint straight to device in ~32 s instead of ~8 min on GB10.
 load_format = "fastsafetensors"
 attention_backend = "FLASH_ATTN"

@@ -184,6 +184,14 @@ class Settings(BaseModel):
     gpu_memory_utilization: float = Field(ge=0.10, le=0.95)
     engine_startup_memory_gib: float = Field(ge=0)
     oom_guard_min_available_gib: float = Field(gt=0)
+    # The watchdog (sparkfleet/watchdog.py)
+    watchdog_interval_s: int = Field(ge=1, le=600)
+    wedge_timeout_s: int = Field(ge=5, le=86400)
+    wedge_max_restarts: int = Field(ge=0, le=100)
+    wedge_restart_window_s: int = Field(ge=60, le=604800)
+    memory_stop_psi_full_pct: float = Field(gt=0, le=100)
+    memory_stop_available_gib: float = Field(gt=0)
+    watchdog_agent_port: int = Field(ge=1, le=65535)
     load_format: Word
     attention_backend: Word
     drafter_attention_backend: Word
@@ -334,6 +342,10 @@ class Settings(BaseModel):
         if "agent" in self.checks + self.bench and not self.agent_state_db:
             raise ValueError("the agent bench replays turns from an agent's session database (Hermes' state.db): "
                              "set agent_state_db (e.g. --data agent_state_db=~/.hermes/state.db)")
+        if self.memory_stop_available_gib <= self.oom_guard_min_available_gib:
+            raise ValueError(f"memory_stop_available_gib ({self.memory_stop_available_gib:g}) must be above "
+                             f"oom_guard_min_available_gib ({self.oom_guard_min_available_gib:g}): the engine is "
+                             "stopped cleanly before earlyoom has to kill it")
         if (self.apt_repo is None) != (self.apt_key_url is None):
             raise ValueError("set both apt_repo and apt_key_url, or neither")
         if (self.apt_repo and self.apt_repo.rstrip("/") == self.nvidia_apt_repo.rstrip("/")

@@ -126,6 +126,7 @@ def render(settings: Settings, members: list[Target], key: str | None, models: f
     return template.render(
         admin_socket=haproxy.ADMIN_SOCKET, state_file=haproxy.STATE_FILE, timeout_s=settings.endpoint_timeout_s,
         port=settings.endpoint_port, metrics_port=settings.endpoint_metrics_port, key=key,
+        agent_port=settings.watchdog_agent_port,
         keyed=any(k for k in keys), any_key=" || ".join(f"key_{g['id']}" for g in groups if g["key"]),
         groups=groups,
     )

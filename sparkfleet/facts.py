@@ -450,15 +450,15 @@ class ManifestSize(FactBase["int | None"]):
         return None
 
 
-class NewKills(FactBase["dict"]):
-    """The OOM guard's kills the deploy has not reported yet: {"lines": [...], "total": n}."""
+class NewLines(FactBase["dict"]):
+    """The lines of an event log (``log``) the deploy has not reported yet (it keeps their
+    count in ``reported``): {"lines": [...], "total": n}."""
 
     @staticmethod
     def default():
         return {"lines": [], "total": 0}
 
-    def command(self) -> str:
-        log, reported = hostpaths.OOM_LOG, hostpaths.OOM_REPORTED
+    def command(self, log: str, reported: str) -> str:
         return (
             f"n=$(cat {reported} 2>/dev/null || echo 0); t=$(cat {log} 2>/dev/null | wc -l); "
             f'echo "total $t"; [ "$t" -gt "$n" ] && tail -n $((t - n)) {log}; true'
@@ -467,6 +467,13 @@ class NewKills(FactBase["dict"]):
     def process(self, output):
         total = int(output[0].split()[1]) if output and output[0].startswith("total ") else 0
         return {"lines": [line.strip() for line in output[1:] if line.strip()], "total": total}
+
+
+class NewKills(NewLines):
+    """The OOM guard's kills the deploy has not reported yet."""
+
+    def command(self) -> str:  # type: ignore[override]
+        return super().command(hostpaths.OOM_LOG, hostpaths.OOM_REPORTED)
 
 
 # --- the ConnectX-7 link (pair members) ------------------------------------------------

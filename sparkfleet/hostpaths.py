@@ -45,6 +45,22 @@ OOM_HOOK = "/usr/local/lib/sparkfleet/oom-killed"  # run by earlyoom after a kil
 OOM_LOG = "/var/lib/sparkfleet/oom-guard.log"  # one line per kill
 OOM_REPORTED = "/var/lib/sparkfleet/oom-guard.reported"  # lines of OOM_LOG the deploy has shown
 
+# --- the watchdog (every serving host): progress and memory, drained through HAProxy's agent --
+WATCHDOG_PROGRAM = "/usr/local/lib/sparkfleet/watchdog"  # templates/sparkfleet-watchdog.py
+WATCHDOG_UNIT = "sparkfleet-watchdog.service"  # one look, a oneshot
+WATCHDOG_TIMER = "sparkfleet-watchdog.timer"  # every watchdog_interval_s
+AGENT_SOCKET = "sparkfleet-agent.socket"  # HAProxy's agent-check: one line per connection
+AGENT_SERVICE = "sparkfleet-agent@.service"
+WATCHDOG_STATE = "/run/sparkfleet/watchdog.json"  # the last figures; tmpfs
+AGENT_ANSWER = "/run/sparkfleet/agent"  # "up" or "down#<why>", what the agent answers
+WATCHDOG_LOG = "/var/lib/sparkfleet/watchdog.log"  # one line per event (wedge, memory, up, gave-up)
+WATCHDOG_REPORTED = "/var/lib/sparkfleet/watchdog.reported"  # lines of WATCHDOG_LOG the deploy has shown
+
+
+def systemd_path(unit: str) -> str:
+    return f"/etc/systemd/system/{unit}"
+
+
 # --- the HF cache layout (hf_home), shared with runtime/fetch_weights.py ---------------
 
 

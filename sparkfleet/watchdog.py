@@ -1,0 +1,149 @@
+"""The watchdog: the engine makes progress and the host keeps memory, or it leaves the fleet.
+
+``/health`` stays 200 while a vLLM engine is stuck (vLLM #56824, #50011), and unified-memory
+pressure freezes or hard-resets a Spark with no OOM kill (NVIDIA open-gpu-kernel-modules
+#1358). Kept tools do the watching: ``sparkfleet-watchdog.timer`` runs one look
+(``templates/sparkfleet-watchdog.py``, the host's python3, stdlib) every
+``watchdog_interval_s``; it reads ``/metrics`` with the fleet key (0600 header file, never
+argv), PSI and MemAvailable, keeps its figures in ``/run`` and acts: a wedge drains and
+restarts the engine (bounded: ``wedge_max_restarts``), memory pressure drains and stops
+it cleanly, and starts it again once pressure clears. Draining is HAProxy's own
+agent-check: ``sparkfleet-agent.socket`` (``Accept=yes``) answers ``up`` or
+``down#<why>`` on ``watchdog_agent_port``, an operational state that leaves the rollout's
+admin drain alone. Every event is a line in :data:`~sparkfleet.hostpaths.WATCHDOG_LOG`:
+the next deploy prints the new ones, ``sparkfleet status`` the last.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pyinfra import host, logger
+from pyinfra.api import deploy, operation
+from pyinfra.operations import systemd
+
+from sparkfleet import snapshot
+from sparkfleet.config import Settings
+from sparkfleet.facts import NewLines
+from sparkfleet.hostpaths import (
+    AGENT_ANSWER,
+    AGENT_SERVICE,
+    AGENT_SOCKET,
+    UNIT,
+    WATCHDOG_LOG,
+    WATCHDOG_PROGRAM,
+    WATCHDOG_REPORTED,
+    WATCHDOG_TIMER,
+    WATCHDOG_UNIT,
+    systemd_path,
+)
+
+PROGRAM = Path(__file__).resolve().parents[1] / "templates" / "sparkfleet-watchdog.py"
+
+
+def program_args(settings: Settings) -> str:
+    """The look's settings, all non-secret (the key stays in its 0600 header file)."""
+    return (f"--port {settings.port} --wedge-timeout {settings.wedge_timeout_s} "
+            f"--max-restarts {settings.wedge_max_restarts} --restart-window {settings.wedge_restart_window_s} "
+            f"--psi-full-stop {settings.memory_stop_psi_full_pct:g} "
+            f"--stop-available-gib {settings.memory_stop_available_gib:g} "
+            f"--gpu-memory-utilization {settings.gpu_memory_utilization:g} "
+            f"--startup-gib {settings.engine_startup_memory_gib:g}")
+
+
+def service_unit(settings: Settings) -> str:
+    return f"""# Rendered by sparkfleet (watchdog.py): one look at progress and memory, per timer tick.
+[Unit]
+Description=sparkfleet: engine progress and host memory watchdog
+After={UNIT}
+
+[Service]
+Type=oneshot
+ExecStart=/usr/bin/python3 {WATCHDOG_PROGRAM} {program_args(settings)}
+# A look that hangs must not hold the next one back: the engine answers within 5 s or not.
+TimeoutStartSec=120
+"""
+
+
+def timer_unit(settings: Settings) -> str:
+    return f"""# Rendered by sparkfleet (watchdog.py).
+[Unit]
+Description=sparkfleet: the watchdog every {settings.watchdog_interval_s} s
+
+[Timer]
+OnBootSec={settings.watchdog_interval_s}s
+OnUnitActiveSec={settings.watchdog_interval_s}s
+AccuracySec=1s
+
+[Install]
+WantedBy=timers.target
+"""
+
+
+def agent_socket(settings: Settings) -> str:
+    return f"""# Rendered by sparkfleet (watchdog.py): HAProxy's agent-check asks here whether this
+# member takes requests; the answer is the watchdog's ({AGENT_ANSWER}).
+[Unit]
+Description=sparkfleet: HAProxy agent-check answer
+
+[Socket]
+ListenStream={settings.watchdog_agent_port}
+Accept=yes
+MaxConnections=16
+
+[Install]
+WantedBy=sockets.target
+"""
+
+
+AGENT_UNIT = f"""# Rendered by sparkfleet (watchdog.py): one answer per connection.
+[Unit]
+Description=sparkfleet: HAProxy agent-check answer
+
+[Service]
+# No answer yet (first boot): HAProxy ignores an empty one and keeps its own checks.
+ExecStart=-/bin/cat {AGENT_ANSWER}
+StandardInput=socket
+StandardOutput=socket
+StandardError=null
+DynamicUser=false
+"""
+
+
+@operation()
+def reported():
+    """Say on the deploy's output what the watchdog did since the last deploy (once)."""
+    events = host.get_fact(NewLines, log=WATCHDOG_LOG, reported=WATCHDOG_REPORTED)
+    if not events["lines"]:
+        host.noop("the watchdog saw no wedge and no memory pressure since the last deploy")
+        return
+    for line in events["lines"]:
+        logger.warning(f"{host.print_prefix}watchdog: {line}")
+    yield f"echo {events['total']} > {WATCHDOG_REPORTED}"
+
+
+@deploy("Watchdog")
+def configured(settings: Settings) -> None:
+    """The program, its timer and the agent's socket in place and running; the socket is
+    restarted only when its port changed (a daemon-reload only when a unit changed)."""
+    # Read at each tick: a new program needs no restart.
+    snapshot.file(WATCHDOG_PROGRAM, PROGRAM.read_text(), mode="755", name="watchdog program")
+    units = [
+        snapshot.file(systemd_path(WATCHDOG_UNIT), service_unit(settings), name=f"systemd unit {WATCHDOG_UNIT}"),
+        snapshot.file(systemd_path(WATCHDOG_TIMER), timer_unit(settings), name=f"systemd unit {WATCHDOG_TIMER}"),
+        snapshot.file(systemd_path(AGENT_SERVICE), AGENT_UNIT, name=f"systemd unit {AGENT_SERVICE}"),
+    ]
+    socket = snapshot.file(systemd_path(AGENT_SOCKET), agent_socket(settings), name=f"systemd unit {AGENT_SOCKET}")
+    systemd.daemon_reload(name="systemd reload for the watchdog's units",
+                          _if=lambda: any(op.did_change() for op in (*units, socket)))
+    snapshot.service(AGENT_SOCKET, name="agent-check answering")
+    systemd.service(name="agent-check on its new port", service=AGENT_SOCKET, restarted=True,
+                    _if=socket.did_change)
+    snapshot.service(WATCHDOG_TIMER, name="watchdog timer running")
+    reported(name="watchdog events since the last deploy")
+
+
+@deploy("Watchdog")
+def stopped() -> None:
+    """serving=false: no watchdog (it would start the engine again after memory pressure)."""
+    snapshot.service(WATCHDOG_TIMER, running=False, enabled=False, name="watchdog timer stopped")

@@ -1,0 +1,238 @@
+#!/usr/bin/python3
+"""sparkfleet's watchdog: one look at the engine's progress and the host's memory.
+
+Installed by sparkfleet/watchdog.py and run as a oneshot by ``sparkfleet-watchdog.timer``
+(systemd keeps the schedule, logs and limits: no daemon of ours). Stdlib only: the host's
+python3. Each run:
+
+- progress, not liveness: requests running or waiting while neither a generated nor a
+  prompt token was counted in ``/metrics`` for ``--wedge-timeout`` seconds is a wedge
+  (``/health`` keeps answering 200 while an engine is stuck: vLLM #56824, #50011);
+- memory: past ``--psi-full-stop`` (PSI ``full avg10`` of /proc/pressure/memory) or
+  under ``--stop-available-gib`` of MemAvailable the engine is stopped cleanly before the
+  kernel or the driver freezes a unified-memory host (NVIDIA open-gpu-kernel-modules
+  #1358, dgx-spark-playbooks #97); it starts again once pressure has cleared.
+
+Before it acts the member leaves the fleet endpoint: the answer of HAProxy's agent-check
+(``sparkfleet-agent.socket``) becomes ``down#<why>`` and stays so until the engine answers
+``/v1/models`` again. Wedge restarts are bounded: past ``--max-restarts`` within
+``--restart-window`` the engine is left stopped (a restart loop ends in a hard reset:
+eugr/spark-vllm-docker #257). Each event is one line in the events log, which
+``sparkfleet status`` and the next deploy show.
+"""
+
+from __future__ import annotations
+
+import argparse
+import calendar
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+STATE = "/run/sparkfleet/watchdog.json"  # the last figures (tmpfs: a reboot starts afresh)
+AGENT = "/run/sparkfleet/agent"  # what sparkfleet-agent.socket answers HAProxy
+EVENTS = "/var/lib/sparkfleet/watchdog.log"
+AUTH_HEADER = "/etc/sparkfleet/api-auth.header"
+UNIT = "sparkfleet-serve.service"
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """running, waiting and tokens (generated + prompt: a long prefill is progress too)."""
+    sums = {"running": 0.0, "waiting": 0.0, "tokens": 0.0}
+    names = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
+             "vllm:generation_tokens_total": "tokens", "vllm:prompt_tokens_total": "tokens"}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names:
+            try:
+                sums[names[name]] += float(line.rsplit(" ", 1)[1])
+            except (IndexError, ValueError):
+                continue
+    return sums
+
+
+def parse_pressure(psi: str, meminfo: str) -> tuple[float, float, float]:
+    """PSI ``full avg10`` (percent), MemAvailable and MemTotal (GiB)."""
+    full = 0.0
+    for line in psi.splitlines():
+        if line.startswith("full "):
+            full = float(dict(f.split("=") for f in line.split()[1:])["avg10"])
+    mem = {"MemAvailable:": 0.0, "MemTotal:": 0.0}
+    for line in meminfo.splitlines():
+        if line.split(" ", 1)[0] in mem:
+            mem[line.split(" ", 1)[0]] = int(line.split()[1]) / 1024 / 1024
+    return full, mem["MemAvailable:"], mem["MemTotal:"]
+
+
+def decide(state: dict, sample: dict | None, now: float, args) -> tuple[dict, str | None, str]:
+    """The next state and what to do: None, "wedge", "up". ``sample`` is None when the
+    engine does not answer /metrics (starting, stopped, dead: HAProxy's checks and systemd
+    see to that)."""
+    state = dict(state)
+    if sample is None:
+        state.pop("tokens", None)
+        return state, None, ""
+    pending = sample["running"] + sample["waiting"]
+    if state.get("agent", "up") != "up":  # taken out by us, (re)started since: back once it answers
+        state.update(agent="up", reason="", since=now, tokens=sample["tokens"])
+        return state, "up", "the engine answers again: back in the endpoint's rotation"
+    if sample["tokens"] != state.get("tokens") or pending == 0:
+        state.update(tokens=sample["tokens"], since=now)
+        return state, None, ""
+    stalled = now - state.get("since", now)
+    if stalled >= args.wedge_timeout:
+        why = (f"no progress: {pending:g} request(s) running or waiting and no token for {stalled:.0f} s "
+               f"(wedge_timeout_s {args.wedge_timeout:g})")
+        state.update(agent="down", reason="wedge", since=now)
+        state.pop("tokens", None)
+        return state, "wedge", why
+    return state, None, ""
+
+
+def memory_decision(state: dict, full: float, available: float, total: float, args) -> tuple[str | None, str]:
+    """"stop", "start" or None, from the host's memory pressure. The engine starts again
+    only when its start would pass the preflight's own rule (its share of the memory and
+    vLLM's start-up take fit in MemAvailable), so it does not start into the same squeeze."""
+    if state.get("reason") == "memory":
+        needed = args.gpu_memory_utilization * total + args.startup_gib
+        if full < args.psi_full_resume and available >= needed:
+            return "start", f"memory pressure cleared (PSI full avg10 {full:g}%, MemAvailable {available:.1f} GiB)"
+        return None, ""
+    if full >= args.psi_full_stop or available < args.stop_available_gib:
+        return "stop", (f"memory pressure: PSI full avg10 {full:g}% (stop at {args.psi_full_stop:g}%), MemAvailable "
+                        f"{available:.1f} GiB (stop under {args.stop_available_gib:g})")
+    return None, ""
+
+
+# --- the host ------------------------------------------------------------------------------
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as fh:
+            return fh.read()
+    except OSError:
+        return ""
+
+
+def _write(path: str, text: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+def _get(port: int, path: str, timeout: float) -> str | None:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}")
+    header = _read(AUTH_HEADER).strip()  # 0600 root: never argv, never logged
+    if header:
+        name, _, value = header.partition(":")
+        request.add_header(name.strip(), value.strip())
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.read().decode()
+    except (OSError, ValueError):
+        return None
+
+
+def event(kind: str, message: str) -> None:
+    line = f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {kind} {message}"
+    print(line, flush=True)  # the watchdog unit's journal
+    os.makedirs(os.path.dirname(EVENTS), exist_ok=True)
+    with open(EVENTS, "a") as fh:
+        fh.write(line + "\n")
+
+
+def drained(reason: str, settle_s: float) -> None:
+    """Out of the endpoint's rotation before the engine goes: HAProxy asks the agent every
+    second, so it has seen ``down`` after ``settle_s``."""
+    _write(AGENT, f"down#{reason}\n")
+    time.sleep(settle_s)
+
+
+def recent_restarts(window_s: float, now: float) -> int:
+    count = 0
+    for line in _read(EVENTS).splitlines():
+        parts = line.split(" ", 2)
+        if len(parts) > 1 and parts[1] == "wedge":
+            try:
+                when = calendar.timegm(time.strptime(parts[0], "%Y-%m-%dT%H:%M:%SZ"))
+            except ValueError:
+                continue
+            count += now - when <= window_s
+    return count
+
+
+def systemctl(*args: str) -> None:
+    subprocess.run(["systemctl", *args, UNIT], check=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--wedge-timeout", type=float, default=300)
+    p.add_argument("--max-restarts", type=int, default=3)
+    p.add_argument("--restart-window", type=float, default=3600)
+    p.add_argument("--psi-full-stop", type=float, default=10.0)
+    p.add_argument("--psi-full-resume", type=float, default=1.0)
+    p.add_argument("--stop-available-gib", type=float, default=8.0)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.82)
+    p.add_argument("--startup-gib", type=float, default=9.0)
+    p.add_argument("--settle", type=float, default=2.0)
+    p.add_argument("--psi", default="/proc/pressure/memory")
+    p.add_argument("--meminfo", default="/proc/meminfo")
+    args = p.parse_args(argv)
+    now = time.time()
+    try:
+        state = json.loads(_read(STATE) or "{}")
+    except ValueError:
+        state = {}
+    if not os.path.exists(AGENT):
+        _write(AGENT, "up\n")
+
+    full, available, total = parse_pressure(_read(args.psi), _read(args.meminfo))
+    action, why = memory_decision(state, full, available, total, args)
+    if action == "stop":
+        event("memory", f"{why}: drained and stopped the engine")
+        drained("memory pressure", args.settle)
+        systemctl("stop")
+        state.update(agent="down", reason="memory", since=now)
+        state.pop("tokens", None)
+    elif action == "start":
+        event("memory", f"{why}: started the engine again")
+        systemctl("start")
+        state.update(reason="starting")  # in rotation again once it answers
+    elif state.get("reason") != "memory":
+        text = _get(args.port, "/metrics", timeout=5)
+        sample = parse_metrics(text) if text is not None else None
+        if state.get("agent", "up") != "up" and _get(args.port, "/v1/models", timeout=5) is None:
+            sample = None  # not back yet
+        state, action, why = decide(state, sample, now, args)
+        if action == "up":
+            _write(AGENT, "up\n")
+            event("up", why)
+        elif action == "wedge":
+            if recent_restarts(args.restart_window, now) >= args.max_restarts:
+                event("gave-up", f"{why}; {args.max_restarts} restarts within {args.restart_window:g} s already: "
+                                 "the engine is left stopped (a restart loop ends in a hard reset); the next deploy "
+                                 "starts it")
+                drained("wedged, restarts exhausted", args.settle)
+                systemctl("stop")
+                state.update(reason="gave-up")
+            else:
+                event("wedge", f"{why}: drained and restarted the engine")
+                drained("wedged", args.settle)
+                systemctl("reset-failed")
+                systemctl("restart")
+    _write(STATE, json.dumps(state) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""The watchdog's program (templates/sparkfleet-watchdog.py): what counts as a wedge and as
+memory pressure, from the figures vLLM and the kernel print; the units around it."""
+
+from __future__ import annotations
+
+import importlib.util
+from types import SimpleNamespace
+
+from sparkfleet import hostpaths, watchdog
+
+spec = importlib.util.spec_from_file_location("sparkfleet_watchdog_program", watchdog.PROGRAM)
+program = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(program)
+
+ARGS = SimpleNamespace(wedge_timeout=30, psi_full_stop=10.0, psi_full_resume=1.0, stop_available_gib=8.0,
+                       gpu_memory_utilization=0.82, startup_gib=9.0)
+LB = 'engine="0",model_name="qwen"'
+
+
+def metrics(running: int, waiting: int, generated: int, prompt: int = 100) -> dict:
+    text = (f"# HELP vllm:num_requests_running x\nvllm:num_requests_running{{{LB}}} {running}.0\n"
+            f"vllm:num_requests_waiting{{{LB}}} {waiting}.0\nvllm:generation_tokens_total{{{LB}}} {generated}.0\n"
+            f"vllm:prompt_tokens_total{{{LB}}} {prompt}.0\nvllm:kv_cache_usage_perc{{{LB}}} 0.5\n")
+    return program.parse_metrics(text)
+
+
+def test_the_program_keeps_its_files_where_the_deploy_says():
+    assert (program.STATE, program.AGENT, program.EVENTS) == (
+        hostpaths.WATCHDOG_STATE, hostpaths.AGENT_ANSWER, hostpaths.WATCHDOG_LOG)
+    assert (program.AUTH_HEADER, program.UNIT) == (hostpaths.AUTH_HEADER, hostpaths.UNIT)
+
+
+def test_metrics_are_read_as_vllm_prints_them():
+    assert metrics(2, 1, 500, 40) == {"running": 2.0, "waiting": 1.0, "tokens": 540.0}
+
+
+def test_pending_work_without_a_token_for_the_bound_is_a_wedge():
+    state, action, _ = program.decide({}, metrics(1, 0, 500), 1000.0, ARGS)
+    state, action, _ = program.decide(state, metrics(1, 2, 500), 1029.0, ARGS)
+    assert action is None
+    state, action, why = program.decide(state, metrics(1, 2, 500), 1030.0, ARGS)
+    assert action == "wedge" and "no token for 30 s" in why and state["agent"] == "down"
+
+
+def test_tokens_or_an_idle_engine_are_not_a_wedge():
+    state, _, _ = program.decide({}, metrics(1, 0, 500), 1000.0, ARGS)
+    state, action, _ = program.decide(state, metrics(1, 0, 501), 1040.0, ARGS)  # a token came
+    assert action is None
+    state, action, _ = program.decide(state, metrics(0, 0, 501), 1100.0, ARGS)  # nothing to do
+    assert action is None
+    state, action, _ = program.decide(state, metrics(1, 0, 501, prompt=9000), 1200.0, ARGS)  # a prefill ended
+    assert action is None
+
+
+def test_a_member_taken_out_comes_back_once_it_answers():
+    state = {"agent": "down", "reason": "wedge", "since": 0.0}
+    assert program.decide(state, None, 5.0, ARGS)[1] is None  # restarting: not yet
+    state, action, _ = program.decide(state, metrics(0, 0, 0), 20.0, ARGS)
+    assert action == "up" and state["agent"] == "up"
+
+
+PSI = "some avg10={some} avg60=0.00 avg300=0.00 total=1\nfull avg10={full} avg60=0.00 avg300=0.00 total=1\n"
+MEMINFO = "MemTotal:       127606784 kB\nMemFree:         1000 kB\nMemAvailable:   {kib} kB\n"
+
+
+def pressure(full: float, available_gib: float) -> tuple[float, float, float]:
+    return program.parse_pressure(PSI.format(some=full * 2, full=full),
+                                  MEMINFO.format(kib=int(available_gib * 1024 * 1024)))
+
+
+def test_memory_pressure_stops_the_engine_before_the_freeze():
+    full, available, total = pressure(0.5, 20.0)
+    assert round(total, 1) == 121.7 and program.memory_decision({}, full, available, total, ARGS)[0] is None
+    assert program.memory_decision({}, *pressure(12.0, 20.0), ARGS)[0] == "stop"  # stalls (PSI)
+    action, why = program.memory_decision({}, *pressure(0.0, 7.5), ARGS)  # MemAvailable low
+    assert action == "stop" and "MemAvailable 7.5 GiB" in why
+
+
+def test_the_engine_starts_again_only_when_its_start_fits():
+    stopped = {"reason": "memory"}
+    assert program.memory_decision(stopped, *pressure(0.0, 100.0), ARGS)[0] is None  # 0.82 x 121.7 + 9 = 108.8
+    assert program.memory_decision(stopped, *pressure(3.0, 115.0), ARGS)[0] is None  # still stalling
+    assert program.memory_decision(stopped, *pressure(0.2, 115.0), ARGS)[0] == "start"
+
+
+def test_restarts_are_counted_in_their_window(tmp_path, monkeypatch):
+    log = tmp_path / "watchdog.log"
+    log.write_text("2026-01-01T00:00:00Z wedge a\n2026-01-01T00:50:00Z wedge b\n2026-01-01T00:55:00Z up c\n")
+    monkeypatch.setattr(program, "EVENTS", str(log))
+    now = 1767225600 + 3600  # 2026-01-01T01:00:00Z
+    assert program.recent_restarts(3600, now) == 2 and program.recent_restarts(600, now) == 1
+
+
+def test_the_units_pass_no_secret_and_the_agent_answers_the_watchdogs_file():
+    settings = SimpleNamespace(port=8000, wedge_timeout_s=300, wedge_max_restarts=3, wedge_restart_window_s=3600,
+                               memory_stop_psi_full_pct=10.0, memory_stop_available_gib=8.0,
+                               gpu_memory_utilization=0.82, engine_startup_memory_gib=9.0, watchdog_interval_s=5,
+                               watchdog_agent_port=8009)
+    unit = watchdog.service_unit(settings)
+    assert "--wedge-timeout 300" in unit and "Bearer" not in unit and "api-auth" not in unit
+    assert "OnUnitActiveSec=5s" in watchdog.timer_unit(settings)
+    assert "ListenStream=8009" in watchdog.agent_socket(settings) and "Accept=yes" in watchdog.agent_socket(settings)
+    assert hostpaths.AGENT_ANSWER in watchdog.AGENT_UNIT
+    assert all(f"--{flag}" in watchdog.PROGRAM.read_text()
+                        for flag in ("port", "wedge-timeout", "max-restarts", "restart-window", "psi-full-stop",
+                                     "stop-available-gib", "gpu-memory-utilization", "startup-gib"))
