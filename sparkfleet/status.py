@@ -30,6 +30,7 @@ from sparkfleet import endpoint, haproxy, oplock, remote
 from sparkfleet.config import ConfigError, Settings
 from sparkfleet.fleet import reached_at, validate_fleet
 from sparkfleet.hostpaths import (
+    AGENT_ANSWER,
     AUTH_HEADER,
     CONTAINER,
     LAST_GOOD_DIR,
@@ -37,6 +38,7 @@ from sparkfleet.hostpaths import (
     SERVE_ENV,
     STARTED_FILE,
     UNIT,
+    WATCHDOG_LOG,
 )
 from sparkfleet.pairs import fleet_pairs
 
@@ -168,6 +170,7 @@ def _host_command(s: Settings) -> str:
         "echo '== metrics'",
         f'curl -s -m 5 -H @$auth "{api}/metrics" 2>/dev/null | grep -E {q("^(" + metric_names + ")")}',
         "echo '== lock'", f"cat {OPERATOR_LOCK} 2>/dev/null; echo",
+        "echo '== watchdog'", f"tail -n 1 {WATCHDOG_LOG} 2>/dev/null; cat {AGENT_ANSWER} 2>/dev/null",
         "echo '== refs'",
         f"for f in {q(s.hf_home)}/hub/models--*/refs/*; do [ -f \"$f\" ] && echo \"$f $(cat \"$f\")\"; done 2>/dev/null",
         "true",
@@ -230,6 +233,11 @@ def parse_host(lines: list[str], s: Settings) -> dict[str, Any]:
     except ValueError:
         held = {"run": "?"}
     row["operator_lock"] = held or None  # a deploy in progress (sparkfleet/oplock.py), or one that died
+    # The watchdog's last event (a wedge, memory pressure, back) and whether it keeps the
+    # member out of the endpoint now (its agent-check answer).
+    watch = [line.strip() for line in sec.get("watchdog", []) if line.strip()]
+    row["agent"] = next((line for line in watch if line == "up" or line.startswith("down")), None)
+    row["watchdog"] = next((line for line in watch if line != row["agent"]), None)
     row["running"] = int(values["running"]) if "running" in values else None
     row["waiting"] = int(values["waiting"]) if "waiting" in values else None
     row["kv_cache"] = values.get("kv_cache")
@@ -354,6 +362,11 @@ def table(doc: dict[str, Any]) -> str:
         holder = oplock.Holder.of(json.loads(record))
         out.append(f"\ndeploy lock on {', '.join(names)}: held by {holder.describe(time.time())} — a deploy runs; "
                    f"if it no longer does: {oplock.unlock_command()}")
+    for r in doc["hosts"]:
+        if r.get("watchdog") or (r.get("agent") or "up") != "up":
+            agent = r.get("agent") or "up"
+            held = f" — out of rotation: {agent.partition('#')[2] or 'down'}" if agent != "up" else ""
+            out.append(f"\nwatchdog on {r['host']}: {r.get('watchdog') or '-'}{held}")
     ep = doc.get("endpoint")
     if ep is None:
         out.append("\nfleet endpoint: none (fleet_endpoint=none, or no inventory group `endpoint`)")

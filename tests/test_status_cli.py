@@ -119,3 +119,20 @@ def test_a_host_is_asked_where_and_with_the_key_its_engine_runs(tmp_path, monkey
     assert f"-H @{lg}/api-auth.header http://10.0.0.5:8000/v1/models" in asked, asked
     row = st.parse_host(done.stdout.splitlines(), s)
     assert (row["profile"], row["pending"]) == ("dflash", "dense")
+
+
+def test_a_host_row_shows_the_watchdogs_last_event_and_a_member_it_keeps_out():
+    from support.fleetdata import defaults
+
+    from sparkfleet.config import validate_host_data
+    from sparkfleet.status import parse_host, table
+
+    s = validate_host_data("spark-1", defaults())
+    event = "2026-12-02T12:00:00Z wedge no progress: 3 request(s) running or waiting and no token for 300 s"
+    row = parse_host(["== unit", "ActiveState=active", "== watchdog", event, "down#wedged"], s)
+    assert row["watchdog"] == event and row["agent"] == "down#wedged"
+    shown = table({"hosts": [{**row, "host": "spark-1", "reachable": True}], "endpoint": None})
+    assert f"watchdog on spark-1: {event} — out of rotation: wedged" in shown
+    quiet = parse_host(["== unit", "ActiveState=active", "== watchdog"], s)
+    assert quiet["watchdog"] is None and "watchdog on" not in table(
+        {"hosts": [{**quiet, "host": "spark-1", "reachable": True}], "endpoint": None})
