@@ -476,6 +476,36 @@ class NewKills(NewLines):
         return super().command(hostpaths.OOM_LOG, hostpaths.OOM_REPORTED)
 
 
+class BootReport(FactBase["dict"]):
+    """This boot's id, the one the last deploy saw, and when they differ the previous boot's
+    last kernel and GPU errors (NVIDIA's Xid lines, driver faults) from the journal:
+    {"boot": id, "seen": id or "", "errors": [...]}."""
+
+    @staticmethod
+    def default():
+        return {"boot": "", "seen": "", "errors": []}
+
+    def command(self) -> str:
+        seen = hostpaths.BOOT_SEEN
+        return (
+            f"b=$(cat /proc/sys/kernel/random/boot_id); s=$(cat {seen} 2>/dev/null); echo \"boot $b\"; "
+            f'echo "seen $s"; if [ -n "$s" ] && [ "$s" != "$b" ]; then '
+            "journalctl -b -1 -p err --no-pager -q -o short-iso -n 200 2>/dev/null "
+            "| grep -Ei 'xid|nvrm|nvidia|gpu|kernel|oom|panic|mce|hardware' | tail -n 10; fi; true"
+        )
+
+    def process(self, output):
+        report = {"boot": "", "seen": "", "errors": []}
+        for line in output:
+            if line.startswith("boot "):
+                report["boot"] = line[5:].strip()
+            elif line.startswith("seen "):
+                report["seen"] = line[5:].strip()
+            elif line.strip():
+                report["errors"].append(line.strip())
+        return report
+
+
 # --- the ConnectX-7 link (pair members) ------------------------------------------------
 # The netdevs' MTU, state and addresses are pyinfra's ``hardware.NetworkDevices``.
 

@@ -55,6 +55,7 @@ WATCHDOG_STATE = "/run/sparkfleet/watchdog.json"  # the last figures; tmpfs
 AGENT_ANSWER = "/run/sparkfleet/agent"  # "up" or "down#<why>", what the agent answers
 WATCHDOG_LOG = "/var/lib/sparkfleet/watchdog.log"  # one line per event (wedge, memory, up, gave-up)
 WATCHDOG_REPORTED = "/var/lib/sparkfleet/watchdog.reported"  # lines of WATCHDOG_LOG the deploy has shown
+BOOT_SEEN = "/var/lib/sparkfleet/boot-id"  # the boot the last deploy saw: a new one is a reboot or a reset
 
 
 def systemd_path(unit: str) -> str:

@@ -24,11 +24,12 @@ from pyinfra.operations import systemd
 
 from sparkfleet import snapshot
 from sparkfleet.config import Settings
-from sparkfleet.facts import NewLines
+from sparkfleet.facts import BootReport, NewLines
 from sparkfleet.hostpaths import (
     AGENT_ANSWER,
     AGENT_SERVICE,
     AGENT_SOCKET,
+    BOOT_SEEN,
     UNIT,
     WATCHDOG_LOG,
     WATCHDOG_PROGRAM,
@@ -122,6 +123,25 @@ def reported():
     yield f"echo {events['total']} > {WATCHDOG_REPORTED}"
 
 
+@operation()
+def boot_reported():
+    """Say when the host booted since the last deploy (a reboot, or a hard reset under
+    memory pressure), with the previous boot's last kernel and GPU errors (e.g. Xid)."""
+    report = host.get_fact(BootReport)
+    if report["boot"] == report["seen"]:
+        host.noop("the host has not rebooted since the last deploy")
+        return
+    if report["seen"]:
+        errors = report["errors"]
+        logger.warning(f"{host.print_prefix}rebooted since the last deploy (boot {report['seen'][:8]} -> "
+                       f"{report['boot'][:8]}); "
+                       + ("the previous boot's last kernel/GPU errors:" if errors else
+                          "the previous boot's journal has no kernel or GPU error (a clean reboot?)"))
+        for line in errors:
+            logger.warning(f"{host.print_prefix}    {line}")
+    yield f"mkdir -p {BOOT_SEEN.rsplit('/', 1)[0]} && echo {report['boot']} > {BOOT_SEEN}"
+
+
 @deploy("Watchdog")
 def configured(settings: Settings) -> None:
     """The program, its timer and the agent's socket in place and running; the socket is
@@ -141,6 +161,7 @@ def configured(settings: Settings) -> None:
                     _if=socket.did_change)
     snapshot.service(WATCHDOG_TIMER, name="watchdog timer running")
     reported(name="watchdog events since the last deploy")
+    boot_reported(name="reboots since the last deploy, and why")
 
 
 @deploy("Watchdog")

@@ -104,3 +104,14 @@ def test_the_units_pass_no_secret_and_the_agent_answers_the_watchdogs_file():
     assert all(f"--{flag}" in watchdog.PROGRAM.read_text()
                         for flag in ("port", "wedge-timeout", "max-restarts", "restart-window", "psi-full-stop",
                                      "stop-available-gib", "gpu-memory-utilization", "startup-gib"))
+
+
+def test_a_new_boot_is_reported_with_the_previous_boots_gpu_errors():
+    from sparkfleet.facts import BootReport
+
+    fact = BootReport()
+    assert "journalctl -b -1" in fact.command() and hostpaths.BOOT_SEEN in fact.command()
+    xid = "2026-12-02T12:00:00+0000 spark-2 kernel: NVRM: Xid (PCI:000f:01:00): 79, GPU has fallen off the bus."
+    report = fact.process(["boot 2222", "seen 1111", xid])
+    assert report == {"boot": "2222", "seen": "1111", "errors": [xid]}
+    assert fact.process(["boot 2222", "seen 2222"])["errors"] == []
