@@ -109,7 +109,10 @@ def members_of(endpoint, stat: list[dict[str, str]] | None = None) -> dict[str, 
         if not is_members(backend) or row.get("svname") in ("BACKEND", "FRONTEND"):
             continue
         found[row["svname"]] = Member(
-            name=row["svname"], backend=backend, address=row.get("addr", ""), state=row.get("status", ""),
+            # With an agent-check (the watchdog's) HAProxy says "DRAIN (agent)", "DOWN (agent)"
+            # for any drain or down: the state is the same; why is in the check and the watchdog.
+            name=row["svname"], backend=backend, address=row.get("addr", ""),
+            state=row.get("status", "").removesuffix(" (agent)"),
             sessions=int(row.get("scur") or 0), requests=int(row.get("stot") or 0),
             errors=int(row.get("econ") or 0) + int(row.get("eresp") or 0),
             check=row.get("check_status", "").lstrip("* "),  # "* " marks a check in progress

@@ -147,6 +147,7 @@ def test_a_host_row_from_what_it_printed():
         "model": "Intel/Qwen3.5-122B-A10B-int4-AutoRound", "revision": "main",
         "commit": "0123456789abcdef0123456789abcdef01234567", "ready": True, "running": 2, "waiting": 1,
         "kv_cache": 0.25, "acceptance_length": 4.5, "pending": None, "operator_lock": None,
+        "agent": None, "watchdog": None,
     }
     down = status.parse_host("== unit\nActiveState=failed\n== models\n\n== metrics\n".splitlines(), s)
     assert down["ready"] is False and down["uptime_s"] is None and down["acceptance_length"] is None
@@ -203,3 +204,13 @@ def test_a_member_serving_another_name_is_checked_out_unless_that_name_still_rol
     assert "rstring '\"id\": ?\"(qwen)\"'" in endpoint.render(s, mixed, KEY)  # old-name stays out
     rolling = endpoint.render(s, mixed, KEY, frozenset({"old-name", "qwen"}))
     assert "rstring '\"id\": ?\"(old\\-name|qwen)\"'" in rolling, rolling
+
+
+def test_an_agent_checked_members_state_reads_as_without_the_agent():
+    """HAProxy suffixes " (agent)" to every DRAIN and DOWN of a server with an agent-check
+    (the watchdog's): the rollout and status read the state itself."""
+    stat = [{"pxname": haproxy.BACKEND, "svname": name, "status": status, "addr": "10.0.0.1:8000"}
+            for name, status in (("a", "DRAIN (agent)"), ("b", "DOWN (agent)"), ("c", "UP"))]
+    states = {name: m.state for name, m in haproxy.members_of(None, stat).items()}
+    assert states == {"a": "DRAIN", "b": "DOWN", "c": "UP"}
+    assert haproxy.members_of(None, stat)["c"].in_rotation

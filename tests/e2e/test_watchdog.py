@@ -64,3 +64,50 @@ def test_a_wedged_engine_is_drained_restarted_and_reported(testbed, run_pyinfra)
     assert re.search(rf"\[{re.escape(testbed.inventory_name(wedged))}\] watchdog: .* wedge no progress", text), \
         text[-4000:]
     assert ep.states() == {n: "UP" for n in testbed.names}
+
+
+#: A Spark's /proc/meminfo (MemTotal 121.7 GiB) with MemAvailable in GiB, and PSI's memory
+#: line with ``full avg10``: laid over the host's own files (a bind mount, as LXCFS lays its
+#: /proc/meminfo), as the kernel would print them while memory fills.
+MEMINFO = "MemTotal:       127606784 kB\nMemFree:         {kib} kB\nMemAvailable:   {kib} kB\n"
+PSI = "some avg10={some:.2f} avg60=0.00 avg300=0.00 total=1\nfull avg10={full:.2f} avg60=0.00 avg300=0.00 total=1\n"
+
+
+def squeeze(testbed, name: str, available_gib: float, full: float) -> None:
+    kib = int(available_gib * 1024 * 1024)
+    testbed.exec(name, f"printf '{MEMINFO.format(kib=kib)}' > /run/sf-test-meminfo; "
+                       f"printf '{PSI.format(some=2 * full, full=full)}' > /run/sf-test-psi")
+
+
+def test_memory_pressure_drains_and_stops_the_engine_and_it_serves_again(testbed):
+    squeezed = testbed.names[2]
+    ep = traffic.Endpoint(testbed, ROUTER, testbed.api_key_file)
+    squeeze(testbed, squeezed, 30.0, 0.0)
+    mounted = testbed.exec(squeezed, "mount --bind /run/sf-test-meminfo /proc/meminfo && "
+                                     "mount --bind /run/sf-test-psi /proc/pressure/memory && echo ok")
+    assert mounted.stdout.strip() == "ok", mounted.stdout + mounted.stderr
+    try:
+        with traffic.Watch(ep) as watch, traffic.Load(ep, workers=3) as load:
+            time.sleep(2 * INTERVAL_S)  # 30 GiB free, no stall: nothing happens
+            assert ep.states()[squeezed] == "UP"
+            squeeze(testbed, squeezed, 6.0, 25.0)  # memory fills: the host stalls
+            pressed = time.monotonic()
+            out = watch.wait(lambda s: s.get(squeezed) not in (None, "UP"), 2 * INTERVAL_S + 10)
+            assert out is not None, watch.samples[-3:]
+            deadline = time.monotonic() + 60
+            while testbed.exec(squeezed, "systemctl is-active sparkfleet-serve; true").stdout.strip() == "active":
+                assert time.monotonic() < deadline, "the engine was not stopped"
+                time.sleep(1)
+            stopped_s = time.monotonic() - pressed
+            squeeze(testbed, squeezed, 118.0, 0.0)  # the squeeze is gone
+            back = watch.wait(lambda s: s.get(squeezed) == "UP", 120)
+            assert back is not None, watch.samples[-3:]
+            time.sleep(3)
+    finally:
+        testbed.exec(squeezed, "umount /proc/pressure/memory; umount /proc/meminfo; true")
+    print(f"memory pressure: drained after {out - pressed:.1f} s, engine stopped after {stopped_s:.1f} s, "
+          f"back after {back - out:.1f} s; {load.ok} requests ok, {len(load.failed)} failed")
+    log = events(testbed, squeezed)
+    assert "drained and stopped the engine" in log and "started the engine again" in log, log[-2000:]
+    late = [r.error for r in load.requests if r.error and r.start > out + 1]
+    assert late == [] and load.ok > 0, late[:5]
