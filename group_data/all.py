@@ -90,6 +90,27 @@ pair_interface = "auto"
 pair_hcas = "auto"
 # The head's rendezvous port (torch.distributed's customary one), on the link only.
 pair_master_port = 29500
+# Where the link check's NCCL collective meets (the head's running engine holds pair_master_port).
+pair_check_port = 29600
+# Serve a pair without CUDA graphs (--enforce-eager): cross-node graph capture aborts or hangs at
+# replay on GB10 with vLLM of the pinned image's generation (vLLM #46253); the image builder made
+# graphs work only in its 0.27.1 image (a capture fix, NCCL >= 2.30.4). False asks for graphs: the
+# deploy's in-image check refuses it on an image below pair_graphs_min_vllm / pair_graphs_min_nccl.
+pair_enforce_eager = True
+# vLLM's custom all-reduce is a single-node NVLink path; the image builder's dual-Spark recipe serves
+# with --disable-custom-all-reduce (True renders it; NCCL does the all-reduce over the link).
+pair_disable_custom_all_reduce = True
+# The cross-node CUDA graph floor: the image builder's 0.27.1 image, "the TP=2 dual-Spark floor" NCCL.
+pair_graphs_min_vllm = "0.27.1"
+pair_graphs_min_nccl = "2.30.4"
+# NCCL_IB_GID_INDEX; "auto": this host's RoCE v2 GID with the link's IPv4 address (show_gids, i.e.
+# /sys/class/infiniband/<hca>/ports/1/gids): 3 on a Spark, 5 where IPv6 GIDs sit first. A wrong
+# index makes NCCL fall back to sockets without a word (two-Spark recipes pin 3 or 5).
+pair_gid_index = "auto"
+# The link check's floor: NCCL all_gather bus bandwidth between the members, in GB/s. NVIDIA's
+# two-Spark playbook passes a link at 21.875 (87.5% of 200 Gb/s); ~20.4 was measured in the field on a
+# direct cable, so a healthy link may need this lowered (data) rather than a new cable.
+pair_min_busbw_gbs = 21.875
 
 # --- Serving settings: the reference recipe's validated stack ----------------------------
 served_model_name = "qwen"

@@ -171,6 +171,7 @@ def check_main(env: dict[str, str]) -> int:
     # The same command the start will exec, asked of the image's vLLM (vllm_cli.py).
     report["args"] = {**vllm_cli.check(parts), "argv": [w for _, words in parts for w in words]}
     report["ok"] = report["ok"] and report["args"]["ok"]
+    report["nccl"] = vllm_cli.image_nccl()  # a pair's cross-node CUDA graph floor (patchcheck.py)
     print(json.dumps(report, indent=2, sort_keys=True), file=out)
     out.flush()
     return 0 if report["ok"] else 1

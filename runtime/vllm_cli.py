@@ -115,3 +115,17 @@ def check(parts: list[tuple[str, list[str]]]) -> dict:
         except Exception as exc:  # noqa: BLE001 - vLLM would fail its start the same way
             return no(_source(path, parts), f"--middleware {path} does not import: {type(exc).__name__}: {exc}")
     return {"ok": True}
+
+
+def image_nccl() -> str:
+    """The NCCL version the image's torch bundles ("" when it cannot say): what decides
+    whether a pair may capture CUDA graphs across nodes (sparkfleet/patchcheck.py)."""
+    name = os.environ.get(CLI_MODULE_ENV)
+    try:
+        if name:
+            return str(getattr(importlib.import_module(name), "NCCL_VERSION", ""))
+        import torch
+
+        return ".".join(str(p) for p in torch.cuda.nccl.version())
+    except Exception:  # noqa: BLE001 - no torch, no NCCL: the deploy treats it as below any floor
+        return ""

@@ -81,6 +81,7 @@ HostPath = Annotated[str, _matching(_SAFE_PATH, "must be an absolute path of let
 ControllerPath = Annotated[str, _matching(re.compile(r"^[^\n\x00]+$"), "must be a directory on the controller")]
 ProfileName = Annotated[str, _matching(re.compile(f"^({'|'.join(map(re.escape, PROFILES))})$"),
                                        f"unknown profile; valid profiles: {', '.join(sorted(PROFILES))}")]
+VersionText = Annotated[str, _matching(re.compile(r"^\d+(?:\.\d+)*$"), "use a dotted version such as 2.30.4")]
 NetdevNames = Annotated[str, _matching(re.compile(r"^[A-Za-z0-9_.:-]+(?:,[A-Za-z0-9_.:-]+)*$"),
                                        "must be 'auto' or device names (comma-separated)")]
 RunId = Annotated[str, _matching(re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"),
@@ -104,6 +105,10 @@ FIXES: dict[str, str] = {
     "fleet_endpoint": "use 'auto' (the first host of group `endpoint`, else none), a host of the inventory, or none",
     "pair_subnet": "use an IPv4 network for the pairs' links, e.g. 192.168.100.0/24",
     "pair_interface": "use 'auto' (the ConnectX-7 port ibdev2netdev shows Up) or a netdev such as enp1s0f1np1",
+    "pair_gid_index": "use 'auto' (this host's RoCE v2 GID of the link's address, per show_gids) or an index "
+                      "such as 3",
+    "pair_graphs_min_vllm": "use a version such as 0.27.1",
+    "pair_graphs_min_nccl": "use a version such as 2.30.4",
     "pair_hcas": "use 'auto' (the RoCE devices of the cabled port) or a comma list such as rocep1s0f1,roceP2p1s0f1",
 }
 
@@ -174,6 +179,13 @@ class Settings(BaseModel):
     pair_interface: NetdevNames
     pair_hcas: NetdevNames
     pair_master_port: int = Field(ge=1, le=65535)
+    pair_check_port: int = Field(ge=1, le=65535)
+    pair_enforce_eager: bool
+    pair_disable_custom_all_reduce: bool
+    pair_graphs_min_vllm: VersionText
+    pair_graphs_min_nccl: VersionText
+    pair_gid_index: Literal["auto"] | Annotated[int, Field(ge=0, le=255)]
+    pair_min_busbw_gbs: float = Field(ge=0, le=100)
     # Serving settings (the reference recipe's validated stack)
     served_model_name: Word
     bind_address: IpAddress

@@ -17,7 +17,8 @@ from sparkfleet.config import FIXES, Settings
 #: An inventory group whose name starts so is a pair: its hosts serve one model together.
 PAIR_GROUP_PREFIX = "pair_"
 #: What every member of a pair must agree on, besides the serving command itself.
-_PAIR_AGREED = ("profile", "model_repo", "image", "serving", "pair_subnet", "pair_master_port", "pair_mtu")
+_PAIR_AGREED = ("profile", "model_repo", "image", "serving", "pair_subnet", "pair_master_port", "pair_mtu",
+                "pair_check_port", "pair_min_busbw_gbs")
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,9 @@ class PairMember:
     pair: Pair
     interface: str  # the CX7 netdev NCCL, Gloo and vLLM use (link.resolved)
     hcas: str  # NCCL_IB_HCA: the RoCE devices of the cabled port
+    gid_index: str = ""  # NCCL_IB_GID_INDEX: the RoCE v2 GID of the link's address ("": not set)
+    enforce_eager: bool | None = None  # pair_enforce_eager (None: not rendered)
+    disable_custom_all_reduce: bool | None = None  # pair_disable_custom_all_reduce (None: not rendered)
     ib_disable: str = "0"
     ignore_cpu_affinity: str = "1"
 

@@ -106,6 +106,28 @@ def args_problem(verdict: dict, reference: str) -> str | None:
     return f"{said} — key: {var.setting} ({var.name}). Fix: {fix}"
 
 
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in text.split("+")[0].split(".") if p.isdigit())
+
+
+def pair_problem(verdict: dict, reference: str, settings: Settings, member: PairMember | None,
+                 argv: list[str]) -> str | None:
+    """A pair member that would capture CUDA graphs across nodes on an image below the graph
+    floor (vLLM #46253: capture aborts or hangs on GB10): the versions, the flag and the fix."""
+    if member is None or "--enforce-eager" in argv:
+        return None
+    vllm = (verdict.get("vllm") or {}).get("version") or ""
+    nccl = verdict.get("nccl") or ""
+    floor = (settings.pair_graphs_min_vllm, settings.pair_graphs_min_nccl)
+    if vllm and nccl and _version(vllm) >= _version(floor[0]) and _version(nccl) >= _version(floor[1]):
+        return None
+    return (f"{member.pair.group}: this member would serve without --enforce-eager (pair_enforce_eager=False), but "
+            f"{reference} has vLLM {vllm or 'unknown'} with NCCL {nccl or 'unknown'}, below the cross-node CUDA "
+            f"graph floor (vLLM {floor[0]} with its capture fix, NCCL {floor[1]}: pair_graphs_min_vllm, "
+            "pair_graphs_min_nccl): graph capture across Sparks aborts or hangs (vLLM #46253). Fix: "
+            "--data pair_enforce_eager=True (renders --enforce-eager), or pin an image at or above the floor")
+
+
 def problems(verdict: dict, reference: str, patches: list[str]) -> list[str]:
     """One message per required patch that cannot apply (the patch, the file, the fix),
     and one when vLLM refuses the serving command."""
@@ -134,7 +156,7 @@ def _fail(host, message: str) -> bool:
 
 
 def _check(state, host, reference: str, patches: list[str], env: dict[str, str],  # state, host: pyinfra's
-           key: str) -> bool:
+           key: str, pair_check=None) -> bool:
     q = shlex.quote
     path = _verdict_path(key)
     # serve.env as it will be (no secrets in it): the check sees what the start will.
@@ -164,6 +186,8 @@ def _check(state, host, reference: str, patches: list[str], env: dict[str, str],
     if not ok or not isinstance(verdict, dict) or "patches" not in verdict:
         return _fail(host, f"the patch check could not run in {reference}:\n    " + "\n    ".join(lines[-15:]))
     found = problems(verdict, reference, patches)
+    refused = pair_check(verdict) if pair_check else None
+    found += [refused] if refused else []
     if found:
         return _fail(host, "\n".join(found) + "\nThe unit, serve.env and the running service were left as they are.")
     for patch in verdict["patches"]:
@@ -193,8 +217,13 @@ def checked(settings: Settings, member: PairMember | None = None):
     reference = local_image(settings)
     key = plan_key(",".join(patches), serve_args.build_serve_argv(env))
     cached = host.get_fact(CachedVerdict, reference=reference, key=key)
-    if cached is not None and cached.get("ok"):
+    argv = serve_args.build_serve_argv(env)
+
+    def pair_check(verdict: dict) -> str | None:
+        return pair_problem(verdict, reference, settings, member, argv)
+
+    if cached is not None and cached.get("ok") and not pair_check(cached):
         host.noop(f"runtime patches and the serving command checked against {reference}: "
                   f"{summary(cached) or 'no patches'}")
         return
-    yield remote.callback(_check, reference, patches, env, key)
+    yield remote.callback(_check, reference, patches, env, key, pair_check)

@@ -9,7 +9,8 @@ from support.runtime_env import RUNTIME_DIR
 
 from runtime import serve_args, vllm_cli
 from sparkfleet.config import project_defaults, validate_host_data
-from sparkfleet.patchcheck import args_problem
+from sparkfleet.pairs import Pair, PairMember
+from sparkfleet.patchcheck import args_problem, pair_problem
 
 
 @pytest.fixture
@@ -48,3 +49,18 @@ def test_a_refusal_no_word_of_the_command_explains_names_no_key():
     message = args_problem({"vllm": {"version": "0.23.0"},
                             "args": {"ok": False, "var": None, "detail": "cannot import the image's vLLM"}}, "img")
     assert "key:" not in message and "the serving settings" not in message and "Fix: " in message
+
+
+def test_a_pair_with_cuda_graphs_below_the_graph_floor_is_refused_naming_versions_and_fix():
+    s = validate_host_data("spark-1", project_defaults())
+    member = PairMember(Pair("pair_a", ("spark-1", "spark-2"), 0, ("192.168.100.1", "192.168.100.2"), 24, 29500),
+                        "enp1s0f1np1", "rocep1s0f1", enforce_eager=False)
+    old = {"vllm": {"version": "0.23.0"}, "nccl": "2.27.7"}
+    said = pair_problem(old, "img:0.23", s, member, ["vllm", "serve", "m"])
+    assert "vLLM 0.23.0 with NCCL 2.27.7, below the cross-node CUDA graph floor (vLLM 0.27.1" in said
+    assert "NCCL 2.30.4" in said and "--data pair_enforce_eager=True" in said and "#46253" in said
+    assert pair_problem(old, "img", s, member, ["vllm", "serve", "m", "--enforce-eager"]) is None
+    assert pair_problem(old, "img", s, None, ["vllm", "serve", "m"]) is None  # serves alone
+    new = {"vllm": {"version": "0.27.1"}, "nccl": "2.30.4"}
+    assert pair_problem(new, "img", s, member, ["vllm", "serve", "m"]) is None
+    assert "NCCL 2.29.1" in pair_problem({**new, "nccl": "2.29.1"}, "img", s, member, ["vllm", "serve", "m"])

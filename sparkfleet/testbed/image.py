@@ -68,6 +68,8 @@ IMAGE_ENV = [
     # Its vLLM is not importable (no torch): the serving command's check
     # (runtime/vllm_cli.py) asks the engine's own command line instead.
     f"SPARKFLEET_VLLM_CLI={ENGINE_PACKAGE}.flags",
+    # No torch either: the link check's all_gather (runtime/linkcheck.py) asks the NCCL stand-in.
+    f"SPARKFLEET_NCCL_STANDIN={ENGINE_PACKAGE}.nccl",
 ]
 #: The default command is `vllm serve` (like the vllm-openai images) but as CMD, not
 #: ENTRYPOINT, so both `docker run IMAGE true` and the deploy's

@@ -91,9 +91,17 @@ def test_a_pair_member_runs_vllms_multi_node_mode() -> None:
     assert env["VLLM_HOST_IP"] == "192.168.100.2"
     assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == env["TP_SOCKET_IFNAME"] == "enp1s0f1np1"
     assert env["NCCL_IB_HCA"] == "rocep1s0f1"  # vllm_env wins
+    # The pinned 0.23 image: no cross-node CUDA graphs (vLLM #46253), no custom all-reduce; RoCE's GID.
+    eager = PairMember(worker.pair, "enp1s0f1np1", "a,b", gid_index="3", enforce_eager=s.pair_enforce_eager,
+                       disable_custom_all_reduce=s.pair_disable_custom_all_reduce)
+    eager_env = s.serve_env(eager)
+    assert eager_env["NCCL_IB_GID_INDEX"] == "3"
+    assert {"--enforce-eager", "--disable-custom-all-reduce"} <= set(sa.build_serve_argv(eager_env))
+    graphs = PairMember(worker.pair, "enp1s0f1np1", "a,b", enforce_eager=False, disable_custom_all_reduce=True)
+    assert "--enforce-eager" not in sa.build_serve_argv(s.serve_env(graphs))
     # A host that serves alone keeps the serve.env and command it had.
     alone = validate_host_data("spark-3", defaults).serve_env()
-    assert not any(k.startswith(("NCCL_", "VLLM_HOST")) or k in ("SF_NODE_RANK", "SF_HEADLESS") for k in alone)
+    assert not any(k.startswith(("NCCL_", "VLLM_HOST")) or k in ("SF_NODE_RANK", "SF_HEADLESS", "SF_ENFORCE_EAGER") for k in alone)
     assert "--nnodes" not in sa.build_serve_argv(alone)
 
 

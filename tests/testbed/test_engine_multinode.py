@@ -39,7 +39,7 @@ def args_of(*argv: str):
 
 def pair_flags(rank: int, port: int = 29501, *extra: str) -> list[str]:
     return ["-tp", "2", "--nnodes", "2", "--node-rank", str(rank), "--master-addr", HEAD_IP,
-            "--master-port", str(port), *(["--headless"] if rank else []), *extra]
+            "--master-port", str(port), "--enforce-eager", *(["--headless"] if rank else []), *extra]
 
 
 # ---------------------------------------------------------------------------------------
@@ -67,6 +67,48 @@ def test_one_node_is_not_multinode_and_a_pair_node_is():
     assert (node.node_rank, node.nnodes, node.world_size, node.headless, node.timeout_s) == (1, 2, 2, True, 7.0)
     assert node.contract() == {"model": MODEL, "revision": None, "tensor_parallel_size": 2,
                                "pipeline_parallel_size": 1, "nnodes": 2, "master_addr": HEAD_IP, "master_port": 29501}
+
+
+def test_cross_node_graph_capture_aborts_on_this_image_without_enforce_eager(monkeypatch):
+    """vLLM #46253: on GB10 a multi-node engine of this generation serves with --enforce-eager."""
+    node = multinode.node_of(args_of(*pair_flags(1)), {})
+    graphs = args_of(*[a for a in pair_flags(1) if a != "--enforce-eager"])
+    with pytest.raises(StartupError, match=r"operation not permitted when stream is capturing.*needs --enforce-eager"):
+        multinode.capture_graphs(graphs, node)
+    multinode.capture_graphs(args_of(*pair_flags(1)), node)  # eager: no capture
+    monkeypatch.setattr(multinode, "VERSION", "0.27.1")
+    monkeypatch.setattr(multinode, "NCCL_VERSION", "2.30.4")
+    multinode.capture_graphs(graphs, node)  # the image builder's 0.27.1 image captures
+
+
+def test_nccl_stand_in_uses_roce_only_on_the_right_gid_and_mtu(monkeypatch, tmp_path):
+    from sparkfleet.testbed.engine import nccl
+
+    port = free_port()
+    sysfs = {"mtu": 9000, "speed": 10000}
+    monkeypatch.setattr(nccl, "_netdev", lambda interface, name: sysfs[name])
+    monkeypatch.setattr(nccl.os.path, "exists", lambda path: True)
+    env = {"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_HCA": "rocep1s0f1", "NCCL_IB_GID_INDEX": "3"}
+
+    def pair_run(envs):
+        out = {}
+        threads = [threading.Thread(target=lambda r: out.__setitem__(r, nccl.all_gather(
+            r, 2, "127.0.0.1", port, 10, envs[r])), args=(r,)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        return out
+
+    healthy = pair_run([env, env])
+    assert healthy[0]["transport"] == healthy[1]["transport"] == "IB"
+    # 10 Gb/s veth x the testbed's factor = 25 GB/s of cable; RoCE stays above NVIDIA's 21.875.
+    assert healthy[0]["busbw_gbs"] == round(10000 * nccl.LINK_FACTOR / 8 / 1000 * nccl.EFFICIENCY["IB"], 2) > 21.875
+    wrong = pair_run([env, {**env, "NCCL_IB_GID_INDEX": "1"}])
+    assert wrong[0]["transport"] == "Socket" and wrong[0]["busbw_gbs"] < 21.875 / 4
+    assert "rank 1: GID index 1" in wrong[0]["fallback"]
+    sysfs["mtu"] = 1500
+    assert pair_run([env, env])[1]["transport"] == "Socket"
 
 
 def test_nccl_socket_ifname_forms():

@@ -17,6 +17,9 @@ from typing import Any
 from .logs import StartupError, log
 
 VERSION = "0.23.0"
+#: The NCCL the 0.23 image's torch bundles; the deploy's in-image check reads it here
+#: (runtime/vllm_cli.py ``image_nccl``), a real image's from ``torch.cuda.nccl.version()``.
+NCCL_VERSION = "2.27.7"
 
 # --------------------------------------------------------------------------------------
 # Names vLLM 0.23 knows

@@ -28,6 +28,13 @@ over real TCP on the network the nodes are told to use:
   so systemd's ``Restart=on-failure`` restarts it; a headless node that loses node 0
   exits 1 as well, so neither half of a pair is left orphaned.
 
+* **CUDA graphs across nodes** (``capture_graphs``): on GB10, vLLM of this generation
+  aborts cross-node graph capture (vLLM #46253: multi-node GB10 serves with
+  ``--enforce-eager``); graphs work from the image builder's 0.27.1 image with NCCL >=
+  :data:`GRAPHS_MIN_NCCL`. Without ``--enforce-eager`` on an older image every node fails
+  its start at capture, after the rendezvous, as the real engine does. vLLM's custom
+  all-reduce is a single-node NVLink path: across nodes it turns itself off with a warning.
+
 Decode on N nodes is faster: ``perf.tensor_parallel_step_s`` (the factor and why).
 """
 from __future__ import annotations
@@ -45,7 +52,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .flags import VERSION
+from .flags import NCCL_VERSION, VERSION
 from .logs import StartupError, log
 
 #: A DGX Spark has one GPU (GB10).
@@ -53,10 +60,12 @@ GPUS_PER_NODE = 1
 DEFAULT_RENDEZVOUS_TIMEOUT_S = 120.0
 DEFAULT_PEER_TIMEOUT_S = 10.0
 HEARTBEAT_S = 1.0
-NCCL_VERSION = "2.27.7"
 #: What every node must agree on, in the order the messages name them.
 CONTRACT_FIELDS = ("model", "revision", "tensor_parallel_size", "pipeline_parallel_size", "nnodes",
                    "master_addr", "master_port")
+#: The cross-node CUDA graph floor (the image builder's 0.27.1 image: capture fix, NCCL 2.30.4).
+GRAPHS_MIN_VLLM = "0.27.1"
+GRAPHS_MIN_NCCL = "2.30.4"
 SOCKET_IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
 
 
@@ -481,6 +490,30 @@ def _connect(node: Node, stop: threading.Event) -> socket.socket:
     return sock
 
 
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in text.split("+")[0].split(".") if p.isdigit())
+
+
+def capture_graphs(args: argparse.Namespace, node: Node) -> None:
+    """CUDA graph capture on a multi-node GB10 engine: aborts below the graph floor unless
+    ``--enforce-eager``; custom all-reduce turns itself off across nodes."""
+    if not getattr(args, "disable_custom_all_reduce", False):
+        log("WARNING", "custom_all_reduce.py:88", "Custom allreduce is disabled because this process group spans "
+            "across nodes.")
+    if getattr(args, "enforce_eager", False):
+        log("INFO", "gpu_model_runner.py:4190", "Skipping CUDA graph capture (--enforce-eager)")
+        return
+    if _version(VERSION) >= _version(GRAPHS_MIN_VLLM) and _version(NCCL_VERSION) >= _version(GRAPHS_MIN_NCCL):
+        return
+    log("INFO", "gpu_model_runner.py:4212", "Capturing CUDA graphs (mixed prefill-decode, PIECEWISE): 0/67")
+    raise StartupError(
+        "torch.distributed.DistBackendError: NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.cpp:77, "
+        f"unhandled cuda error, NCCL version {NCCL_VERSION}\nncclUnhandledCudaError: Call to CUDA function "
+        "failed.\nLast error:\nCuda failure 'operation not permitted when stream is capturing' (cross-node CUDA "
+        f"graph capture on GB10, node_rank {node.node_rank} of {node.nnodes}: vLLM {VERSION} with NCCL "
+        f"{NCCL_VERSION} needs --enforce-eager, vLLM #46253)")
+
+
 def join(args: argparse.Namespace, env: dict[str, str], engine, stop: threading.Event,
          on_lost: Callable[[str], None] = _die) -> Group | None:
     """The engine's multi-node startup (None for a single node): refusals, rendezvous,
@@ -495,5 +528,11 @@ def join(args: argparse.Namespace, env: dict[str, str], engine, stop: threading.
         peers = {0: _connect(node, stop)}
     log("INFO", "pynccl.py:111", f"vLLM is using nccl=={NCCL_VERSION}: {node.nnodes} nodes, world_size="
         f"{node.world_size}, this is node_rank {node.node_rank}")
+    try:
+        capture_graphs(args, node)  # every node captures; each fails its own start alike
+    except StartupError:
+        for sock in peers.values():
+            sock.close()
+        raise
     # A headless node's loss ends run_headless (exit 1); node 0's ends the process.
     return Group(node=node, peers=peers, on_lost=on_lost if node.node_rank == 0 else lambda why: None).start()
