@@ -48,6 +48,8 @@ else:
         cached = weights.fetched(settings)
         mirror.track(settings, mirror_ops, pulled, cached, weights.repo_dirs(settings))
         build = hybrid.checkpoint(settings)
+        if member:  # NCCL on the link inside the image: RoCE, at the bus bandwidth floor
+            link.measured(name="ConnectX-7 link: NCCL all_gather over RoCE", settings=settings, member=member)
         patchcheck.checked(name="runtime patches and serve flags fit the image", settings=settings, member=member)
         service.running(settings, also_restart_for=(*host_files, build), member=member)
         endpoint.served(settings)  # fleet_endpoint: HAProxy over every serving host (a pair's head)

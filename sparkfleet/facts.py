@@ -534,6 +534,35 @@ class RoceNetdevs(FactBase["list[dict[str, object]]"]):
         return found
 
 
+class RoceGids(FactBase["list[dict[str, object]]"]):
+    """The RoCE GID tables as ``show_gids`` (mlx5's tools, beside ``ibdev2netdev``) prints
+    them from ``/sys/class/infiniband/<hca>/ports/<p>/gids`` and ``gid_attrs/types``:
+    ``[{"hca": "rocep1s0f1", "port": 1, "index": 3, "gid": "...:ffff:c0a8:6401",
+    "ipv4": "192.168.100.1", "version": "v2", "netdev": "enp1s0f1np1"}, ...]``."""
+
+    @staticmethod
+    def default():
+        return []
+
+    def requires_command(self) -> str:
+        return "show_gids"
+
+    def command(self) -> str:
+        return "show_gids"
+
+    def process(self, output):
+        # DEV PORT INDEX GID [IPv4] VER DEV; the IPv4 column is empty for a non-IPv4 GID.
+        found = []
+        for line in output:
+            parts = line.split()
+            if len(parts) not in (6, 7) or not parts[1].isdigit() or not parts[2].isdigit():
+                continue
+            ipv4 = parts[4] if len(parts) == 7 else ""
+            found.append({"hca": parts[0], "port": int(parts[1]), "index": int(parts[2]), "gid": parts[3],
+                          "ipv4": ipv4, "version": parts[-2], "netdev": parts[-1]})
+        return found
+
+
 class Answers(FactBase[bool]):
     """Whether ``address`` answers one ping of ``size`` payload bytes sent out of
     ``interface`` (``dont_fragment``: as one unfragmented packet, proving the path's MTU)."""

@@ -37,6 +37,7 @@ ARCHIVE_APT_SOURCES = "/etc/apt/sources.list.d/sparkfleet-archive.list"
 # --- the ConnectX-7 link (pair members) ------------------------------------------------
 NETPLAN_CX7 = "/etc/netplan/40-cx7.yaml"  # the name NVIDIA's two-Spark playbook uses
 RDMA_DEVICES = "/dev/infiniband"  # the RoCE devices NCCL opens (and the container gets)
+LINK_CHECK = "/var/lib/sparkfleet/link-check.json"  # the link check's last NCCL measurement (status reads it)
 
 # --- the OOM guard (every serving host) ------------------------------------------------
 EARLYOOM_DEFAULTS = "/etc/default/earlyoom"

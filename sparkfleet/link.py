@@ -17,23 +17,29 @@ and every peer answering a ping, also as one unfragmented packet of the full MTU
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
+import shlex
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
 
 import gevent
-from pyinfra import host
+from pyinfra import host, logger
 from pyinfra.api import deploy, operation
 from pyinfra.api.exceptions import OperationError
-from pyinfra.facts.files import Directory
+from pyinfra.facts.files import Directory, FileContents
 from pyinfra.facts.hardware import NetworkDevices
 from pyinfra.operations import files, server
 
-from sparkfleet import remote
+from sparkfleet import container_runtime, remote
 from sparkfleet.config import Settings
-from sparkfleet.facts import Answers, RoceNetdevs, RouteSource
-from sparkfleet.fleet import host_mirror, mirror_route
-from sparkfleet.hostpaths import NETPLAN_CX7, RDMA_DEVICES
+from sparkfleet.facts import Answers, RoceGids, RoceNetdevs, RouteSource
+from sparkfleet.fleet import _current_state, all_settings, host_mirror, mirror_route
+from sparkfleet.hostpaths import LINK_CHECK, NETPLAN_CX7, RDMA_DEVICES, RUNTIME_DIR
+from sparkfleet.mirror import local_image
 from sparkfleet.pairs import Pair, PairMember
 
 AUTO = "auto"
@@ -60,6 +66,7 @@ class Link:
     mtu: int
     peers: tuple[tuple[str, str], ...]  # (inventory name, address) of every other member
     routes: tuple[tuple[str, str], ...] = ()  # (address, via): the fleet mirror, when a peer is it
+    gid_index: int = 3  # NCCL_IB_GID_INDEX: the RoCE v2 GID of ``address`` (gid_index())
 
 
 def twin(netdev: str) -> str:
@@ -86,6 +93,23 @@ def pick(roce: list[dict], interface: str, hcas: str) -> tuple[str, tuple[str, .
     return interface, (interface, other) if any(d["netdev"] == other for d in roce) else (interface,), hcas
 
 
+#: Where two-Spark recipes pin NCCL_IB_GID_INDEX: used when the table has no RoCE v2 GID of
+#: the link's address yet (the first deploy plans before netplan gives the port its address);
+#: the link check's collective then proves it, and the next run reads the table.
+SPARK_GID_INDEX = 3
+
+
+def gid_index(gids: list[dict], hcas: str, address: str, setting: str | int) -> int:
+    """NCCL_IB_GID_INDEX: ``pair_gid_index`` when set, else the index of the RoCE v2 GID
+    that maps ``address`` (show_gids) on the first of ``hcas``, else :data:`SPARK_GID_INDEX`."""
+    if setting != AUTO:
+        return int(setting)
+    first = hcas.split(",")[0]
+    v2 = [g for g in gids if g["hca"] == first and g["version"] == "v2" and g["ipv4"]]
+    exact = [g for g in v2 if g["ipv4"] == address]
+    return int((exact or v2)[0]["index"]) if (exact or v2) else SPARK_GID_INDEX
+
+
 def resolved(settings: Settings, pair: Pair) -> Link:
     """This host's end of ``pair``'s link, from its ``ibdev2netdev`` (read while planning)."""
     interface, netdevs, hcas = pick(host.get_fact(RoceNetdevs), settings.pair_interface, settings.pair_hcas)
@@ -95,7 +119,8 @@ def resolved(settings: Settings, pair: Pair) -> Link:
     route = mirror_route(host.name, mirror) if mirror else None  # (this member's address, via)
     return Link(interface=interface, netdevs=netdevs, hcas=hcas, address=pair.address,
                 prefix_len=pair.prefix_len, mtu=settings.pair_mtu, peers=peers,
-                routes=((str(mirror.address), route[1]),) if route else ())
+                routes=((str(mirror.address), route[1]),) if route else (),
+                gid_index=gid_index(host.get_fact(RoceGids), hcas, pair.address, settings.pair_gid_index))
 
 
 def netplan(link: Link, group: str) -> str:
@@ -262,4 +287,129 @@ def joined(settings: Settings, pair: Pair) -> PairMember:
     configured(settings, pair)
     checked(name="ConnectX-7 link: address, MTU, every peer answers", settings=settings, pair=pair)
     link = resolved(settings, pair)
-    return PairMember(pair, interface=link.interface, hcas=link.hcas)
+    return PairMember(pair, interface=link.interface, hcas=link.hcas, gid_index=str(link.gid_index),
+                      enforce_eager=settings.pair_enforce_eager,
+                      disable_custom_all_reduce=settings.pair_disable_custom_all_reduce)
+
+
+# --- measured: NCCL over the link, inside the image -----------------------------------------
+
+CHECK_CONTAINER = "sparkfleet-link-check"
+#: RoCE's 4096-byte path MTU needs a netdev MTU above it plus its headers (jumbo frames).
+ROCE_MIN_MTU = 4200
+_LINKCHECK = Path(__file__).resolve().parents[1] / "runtime" / "linkcheck.py"
+
+
+def check_key(settings: Settings, pair: Pair) -> str:
+    """Names one measurement of ``pair``: the same on every member (what the members agree
+    on, each member's link settings, the check program), so all of them run it or none."""
+    fleet = all_settings()
+    each = [(name, str(fleet[name].pair_gid_index), fleet[name].pair_hcas, fleet[name].pair_interface)
+            for name in pair.members if name in fleet]
+    parts = [settings.image, pair.group, pair.members, pair.addresses, settings.pair_mtu, settings.pair_check_port,
+             settings.pair_min_busbw_gbs, each, _LINKCHECK.read_bytes().hex()]
+    return hashlib.sha256(json.dumps(parts, default=list).encode()).hexdigest()[:16]
+
+
+def record_of(target) -> dict | None:
+    """``target``'s last link check record (LINK_CHECK), None without one."""
+    lines = target.get_fact(FileContents, path=LINK_CHECK)
+    try:
+        doc = json.loads("\n".join(lines or []))
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def judged_measurement(found: dict, link: Link, floor: float, right_gid: int | None) -> str | None:
+    """What the measured collective says is wrong (with the figure and the likely cause), or None."""
+    figure = f"{found.get('busbw_gbs', 0):g} GB/s"
+    peers = " and ".join(name for name, _ in link.peers)
+    if found.get("error"):
+        return (f"NCCL's all_gather with {peers} over {link.interface} failed: {found['error']}. Likely cause: "
+                f"the peer's own link check failed, or the QSFP cable; the address, MTU and pings passed")
+    transport = found.get("transport") or "no network transport"
+    if transport != "IB":
+        said = (f"NCCL's all_gather with {peers} ran over NET/{transport}, not RoCE, at {figure} "
+                f"(floor {floor:g} GB/s, pair_min_busbw_gbs)")
+        mtu = found.get("mtu")
+        if right_gid is not None and right_gid != link.gid_index:
+            cause = (f"NCCL_IB_GID_INDEX={link.gid_index}, but this host's RoCE v2 GID of {link.address} is index "
+                     f"{right_gid} (show_gids). Fix: --data pair_gid_index={right_gid}, or auto")
+        elif mtu is not None and mtu < ROCE_MIN_MTU:
+            cause = (f"MTU {mtu} on {link.interface} (pair_mtu): RoCE's 4096-byte frames need jumbo frames. "
+                     "Fix: --data pair_mtu=9000 (NVIDIA's playbook), on both members")
+        else:
+            cause = (f"GID index {link.gid_index} (pair_gid_index), the MTU at either end ({mtu}), {RDMA_DEVICES} or "
+                     f"NCCL_IB_HCA={link.hcas}: the other member's check names its side")
+        return f"{said}. Likely cause: {cause}"
+    if float(found.get("busbw_gbs") or 0) < floor:
+        speed = found.get("speed_mbps")
+        return (f"NCCL's all_gather with {peers} over RoCE reached {figure}, below the floor of {floor:g} GB/s "
+                f"(pair_min_busbw_gbs). Likely cause: the cable or port ({link.interface} reports "
+                f"{speed or '?'} Mb/s; a ConnectX-7 negotiates 200000): reseat or replace the QSFP cable, no switch "
+                "between the members; ~20.4 GB/s is a field figure of a healthy direct cable, lower the floor "
+                "(data) if that is what you measure")
+    return None
+
+
+def _measure(state, host, settings: Settings, member: PairMember, link: Link, key: str) -> bool:
+    """Run linkcheck.py in the image on this member (its peers run theirs at the same time),
+    record the result on the host, fail with the figure and the likely cause."""
+    pair = member.pair
+    q = shlex.quote
+    env = {k: v for k, v in settings.serve_env(member).items() if k.startswith("NCCL_")}
+    env_args = " ".join(f"-e {q(f'{k}={v}')}" for k, v in env.items())
+    reference = local_image(settings)
+    run = (f"docker rm -f {CHECK_CONTAINER} >/dev/null 2>&1; docker run --rm --pull never --name {CHECK_CONTAINER} "
+           f"--network host --ipc host --ulimit memlock=-1:-1 --device {RDMA_DEVICES} --cap-add IPC_LOCK "
+           f"{container_runtime.unit_gpu_flag(settings)} {env_args} -v {RUNTIME_DIR}:/host:ro --entrypoint python3 "
+           f"{q(reference)} /host/linkcheck.py --rank {pair.rank} --world {pair.size} --master {pair.master_addr} "
+           f"--port {settings.pair_check_port} --timeout 120")
+    done = remote.run(host, run, timeout=240)
+    try:
+        found = json.loads(done.stdout[-1])
+    except (ValueError, IndexError):
+        found = {"error": " ".join((done.stdout + done.stderr)[-5:]) or "no answer"}
+    gids = RoceGids().process(remote.run(host, "show_gids 2>/dev/null || true").stdout)
+    right = gid_index(gids, link.hcas, link.address, AUTO) if gids else None
+    problem = judged_measurement(found, link, settings.pair_min_busbw_gbs, right)
+    record = {
+        "checked_at": datetime.now(UTC).isoformat(timespec="seconds"), "key": key, "ok": problem is None,
+        "pair": pair.group, "rank": pair.rank, "peers": [name for name, _ in link.peers],
+        "interface": link.interface, "transport": found.get("transport") or "", "busbw_gbs": found.get("busbw_gbs"),
+        "floor_gbs": settings.pair_min_busbw_gbs, "gid_index": link.gid_index, "mtu": found.get("mtu"),
+        "nccl": found.get("nccl") or "", "image": reference, "problem": problem,
+    }
+    remote.run(host, f"mkdir -p {q(str(Path(LINK_CHECK).parent))} && cat > {q(LINK_CHECK)}",
+               stdin=json.dumps(record, indent=1) + "\n")
+    if problem:
+        raise OperationError(problem)
+    host.log(f"NCCL over {link.interface}: RoCE, all_gather {found['busbw_gbs']:g} GB/s (floor "
+             f"{settings.pair_min_busbw_gbs:g}), NCCL {record['nccl']}", logger.info)
+    return True
+
+
+@operation(is_idempotent=False)
+def measured(settings: Settings, member: PairMember):
+    """
+    Prove NCCL uses RoCE on the link at the pair's floor: a short all_gather between the
+    members inside the serving image (runtime/linkcheck.py), asserting the IB transport and
+    the bus bandwidth, recorded in ``/var/lib/sparkfleet/link-check.json``.
+
+    + settings: validated settings (``pair_min_busbw_gbs``, ``pair_check_port``, ``image``)
+    + member: this host's part of its pair (``joined``)
+
+    Every member runs it at once; a pair whose every member recorded a pass for the same
+    image and link settings runs nothing.
+    """
+    pair = member.pair
+    key = check_key(settings, pair)
+    state = _current_state()
+    records = [record_of(state.inventory.get_host(name)) for name in pair.members]
+    if all(r and r.get("ok") and r.get("key") == key for r in records):
+        mine = records[pair.rank] or {}
+        host.noop(f"NCCL over {mine.get('interface')}: {mine.get('transport')} at {mine.get('busbw_gbs')} GB/s "
+                  f"(floor {mine.get('floor_gbs')}), checked {mine.get('checked_at')}")
+        return
+    yield remote.callback(_measure, settings, member, resolved(settings, pair), key)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import yaml
 
 from sparkfleet import link
-from sparkfleet.facts import Answers, RoceNetdevs, RouteSource
+from sparkfleet.facts import Answers, RoceGids, RoceNetdevs, RouteSource
 from sparkfleet.fleet import Mirror
 from sparkfleet.pairs import Pair
 
@@ -147,21 +147,21 @@ def test_roce_devices_and_dev_infiniband_are_required():
 class Host:
     """Just enough of a pyinfra host: the facts link.resolved reads."""
 
-    def __init__(self, roce):
-        self.roce, self.name = roce, "spark-2"
+    def __init__(self, roce, gids=()):
+        self.roce, self.gids, self.name = roce, list(gids), "spark-2"
 
     def get_fact(self, fact, **_):
-        assert fact is RoceNetdevs
-        return self.roce
+        assert fact in (RoceNetdevs, RoceGids)
+        return self.roce if fact is RoceNetdevs else self.gids
 
 
 def test_resolved_is_this_members_end_of_the_pair(monkeypatch):
-    settings = SimpleNamespace(pair_interface="auto", pair_hcas="auto", pair_mtu=9000)
-    monkeypatch.setattr(link, "host", Host(ROCE))
+    settings = SimpleNamespace(pair_interface="auto", pair_hcas="auto", pair_mtu=9000, pair_gid_index="auto")
+    monkeypatch.setattr(link, "host", Host(ROCE, GIDS))
     monkeypatch.setattr(link, "host_mirror", lambda: None)
     end = link.resolved(settings, PAIR)
     assert (end.interface, end.hcas) == ("enp1s0f1np1", "rocep1s0f1,roceP2p1s0f1")  # what serve.env is given
-    assert (end.address, end.prefix_len, end.mtu) == ("192.168.100.2", 24, 9000)
+    assert (end.address, end.prefix_len, end.mtu, end.gid_index) == ("192.168.100.2", 24, 9000, 5)
     assert end.peers == (("spark-1", "192.168.100.1"),)
     settings.pair_hcas = "rocep1s0f1"
     assert link.resolved(settings, PAIR).hcas == "rocep1s0f1"
@@ -170,3 +170,47 @@ def test_resolved_is_this_members_end_of_the_pair(monkeypatch):
     monkeypatch.setattr(link, "host_mirror", lambda: Mirror("spark-1", "10.213.0.11", 8090, 5000, False))
     monkeypatch.setattr(link, "mirror_route", lambda name, mirror: ("192.168.100.2", "192.168.100.1"))
     assert link.resolved(settings, PAIR).routes == (("10.213.0.11", "192.168.100.1"),)
+
+
+# show_gids on a Spark whose link port also has IPv6 GIDs: the RoCE v2 GID of the IPv4 address at 5.
+SHOW_GIDS = """DEV\tPORT\tINDEX\tGID\t\t\t\t\tIPv4  \t\tVER\tDEV
+---\t----\t-----\t---\t\t\t\t\t------------  \t---\t---
+rocep1s0f1\t1\t0\tfe80:0000:0000:0000:0200:4b1e:00aa:0001\t\t\tv1\tenp1s0f1np1
+rocep1s0f1\t1\t1\tfe80:0000:0000:0000:0200:4b1e:00aa:0001\t\t\tv2\tenp1s0f1np1
+rocep1s0f1\t1\t2\tfd00:0000:0000:0000:0200:4b1e:00aa:0001\t\t\tv1\tenp1s0f1np1
+rocep1s0f1\t1\t3\tfd00:0000:0000:0000:0200:4b1e:00aa:0001\t\t\tv2\tenp1s0f1np1
+rocep1s0f1\t1\t4\t0000:0000:0000:0000:0000:ffff:c0a8:6402\t192.168.100.2  \tv1\tenp1s0f1np1
+rocep1s0f1\t1\t5\t0000:0000:0000:0000:0000:ffff:c0a8:6402\t192.168.100.2  \tv2\tenp1s0f1np1
+n_gids_found=6""".splitlines()
+GIDS = RoceGids().process(SHOW_GIDS)
+
+
+def test_show_gids_is_read_with_its_empty_ipv4_column():
+    assert len(GIDS) == 6
+    assert GIDS[1] == {"hca": "rocep1s0f1", "port": 1, "index": 1, "gid": "fe80:0000:0000:0000:0200:4b1e:00aa:0001",
+                       "ipv4": "", "version": "v2", "netdev": "enp1s0f1np1"}
+    assert (GIDS[5]["ipv4"], GIDS[5]["version"]) == ("192.168.100.2", "v2")
+
+
+def test_gid_index_is_the_roce_v2_gid_of_the_links_address():
+    hcas = "rocep1s0f1,roceP2p1s0f1"
+    assert link.gid_index(GIDS, hcas, "192.168.100.2", "auto") == 5
+    assert link.gid_index(GIDS[:4], hcas, "192.168.100.2", "auto") == link.SPARK_GID_INDEX  # not applied yet
+    assert link.gid_index(GIDS, hcas, "192.168.100.2", 3) == 3  # pair_gid_index wins
+
+
+def _measured_link():
+    return link.Link(interface="enp1s0f1np1", netdevs=("enp1s0f1np1",), hcas="rocep1s0f1", address="192.168.100.2",
+                     prefix_len=24, mtu=9000, peers=(("spark-1", "192.168.100.1"),), gid_index=1)
+
+
+def test_measurement_names_the_transport_the_figure_and_the_cause():
+    gid = link.judged_measurement({"transport": "Socket", "busbw_gbs": 4.0, "mtu": 9000}, _measured_link(), 21.875, 3)
+    assert "NET/Socket, not RoCE, at 4 GB/s (floor 21.875 GB/s" in gid
+    assert "NCCL_IB_GID_INDEX=1, but this host's RoCE v2 GID of 192.168.100.2 is index 3" in gid
+    assert "pair_gid_index=3" in gid
+    mtu = link.judged_measurement({"transport": "Socket", "busbw_gbs": 4.0, "mtu": 1500}, _measured_link(), 21.875, 1)
+    assert "MTU 1500 on enp1s0f1np1 (pair_mtu)" in mtu and "pair_mtu=9000" in mtu
+    slow = link.judged_measurement({"transport": "IB", "busbw_gbs": 12.5, "speed_mbps": 100000}, _measured_link(), 21.875, 1)
+    assert "over RoCE reached 12.5 GB/s, below the floor of 21.875" in slow and "100000 Mb/s" in slow
+    assert link.judged_measurement({"transport": "IB", "busbw_gbs": 23.0}, _measured_link(), 21.875, 1) is None

@@ -11,7 +11,8 @@ paired host here gets:
   MTU 9000, link up, **no address** (the deploy's netplan step gives it one);
 * the other port's two netdevs, down (no cable);
 * ``/usr/bin/ibdev2netdev`` printing the four RoCE devices as mlx5's tool does, each with
-  its netdev's live state (``(Up)`` / ``(Down)``);
+  its netdev's live state (``(Up)`` / ``(Down)``), and ``/usr/sbin/show_gids`` their GID
+  tables (the RoCE v2 GID of the link's IPv4 address at index 3, once it has one);
 * ``/dev/infiniband/`` (``uverbs0..3``, ``rdma_cm``: character devices with the kernel's
   numbers, made at boot by ``sparkfleet-sim-cx7.service``) for ``docker run --device``, and
   the cabled netdevs' ``/sys/class/net/<netdev>/speed`` reading 200000 (bound over the
@@ -28,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import network, paths, simhw
+from .engine.nccl import LINK_FACTOR
 from .proc import TestbedError, log, run
 from .state import HostState
 
@@ -45,7 +47,8 @@ CABLED_HCAS = ("rocep1s0f1", "roceP2p1s0f1")
 UNCABLED = tuple(n for _, n in ROCE_NETDEVS if n not in CABLED)
 #: The netdev the deploy addresses and NCCL/GLOO use (the first of the cabled port).
 INTERFACE = CABLED[0]
-LINK_SPEED_MBPS = 200000
+#: The veth's 10 Gb/s times the testbed's one link factor: the ConnectX-7's 200 Gb/s.
+LINK_SPEED_MBPS = 10000 * LINK_FACTOR
 
 IBDEV2NETDEV = """#!/bin/sh
 # Simulated ibdev2netdev (sparkfleet testbed): the ConnectX-7's RoCE devices and the
@@ -57,6 +60,33 @@ for pair in {pairs}; do
     [ "$(cat /sys/class/net/$net/operstate 2>/dev/null)" = up ] && state=Up
     echo "$dev port 1 ==> $net ($state)"
 done
+""".format(pairs=" ".join(f"{d}:{n}" for d, n in ROCE_NETDEVS))
+
+#: Simulated show_gids: each RoCE device's GID table as mlx5's tool prints it from sysfs
+#: (/sys/class/infiniband/<hca>/ports/1/gids, gid_attrs/types): 0/1 the link-local RoCE v1/v2
+#: GIDs, and once its netdev has an IPv4 address, 2/3 that address IPv4-mapped (v1/v2), as
+#: on a Spark: index 3 is the one NCCL needs (engine/nccl.py, ROCE_V2_IPV4_GID_INDEX).
+SHOW_GIDS = """#!/bin/sh
+# Simulated show_gids (sparkfleet testbed): RoCE GID tables, read live from the netdevs.
+printf 'DEV\tPORT\tINDEX\tGID\t\t\t\t\tIPv4  \t\tVER\tDEV\n'
+printf -- '---\t----\t-----\t---\t\t\t\t\t------------  \t---\t---\n'
+n=0
+for pair in {pairs}; do
+    dev=${{pair%%:*}}; net=${{pair#*:}}
+    [ -e /sys/class/net/$net ] || continue
+    mac=$(cat /sys/class/net/$net/address 2>/dev/null || echo 00:00:00:00:00:00)
+    ll=fe80:0000:0000:0000:$(echo 0200$mac | tr -d : | sed 's/\\(....\\)/\\1:/g; s/:$//')
+    printf '%s\t1\t0\t%s\t\t\tv1\t%s\n' $dev $ll $net
+    printf '%s\t1\t1\t%s\t\t\tv2\t%s\n' $dev $ll $net
+    n=$((n + 2))
+    ip4=$(ip -4 -o addr show dev $net 2>/dev/null | awk '{{split($4, a, "/"); print a[1]; exit}}')
+    [ -n "$ip4" ] || continue
+    hex=$(echo $ip4 | awk -F. '{{printf "%02x%02x:%02x%02x", $1, $2, $3, $4}}')
+    printf '%s\t1\t2\t0000:0000:0000:0000:0000:ffff:%s\t%s  \tv1\t%s\n' $dev $hex $ip4 $net
+    printf '%s\t1\t3\t0000:0000:0000:0000:0000:ffff:%s\t%s  \tv2\t%s\n' $dev $hex $ip4 $net
+    n=$((n + 2))
+done
+echo "n_gids_found=$n"
 """.format(pairs=" ".join(f"{d}:{n}" for d, n in ROCE_NETDEVS))
 
 CX7_STAND_INS = """#!/bin/sh
@@ -137,6 +167,7 @@ def provision(h: HostState) -> None:
     """The paired host's stand-ins, written into its root before it boots."""
     simhw.write_files(h.mnt, {
         "usr/bin/ibdev2netdev": (IBDEV2NETDEV, 0o755),
+        "usr/sbin/show_gids": (SHOW_GIDS, 0o755),
         "usr/lib/sparkfleet-sim/cx7-stand-ins": (CX7_STAND_INS, 0o755),
         "etc/systemd/system/sparkfleet-sim-cx7.service": (CX7_UNIT, 0o644),
     })
