@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from sparkfleet.hostpaths import CONTAINER
+from sparkfleet.hostpaths import CONTAINER, LINK_CHECK
 from sparkfleet.testbed import paths, traffic
 from tests.e2e.conftest import module_fleet
 
@@ -75,6 +75,10 @@ def out_of(result) -> str:
     return (result.stdout + result.stderr)[-6000:]
 
 
+def full(result) -> str:
+    return result.stdout + result.stderr
+
+
 def test_a_pair_whose_members_differ_is_refused_naming_both(pairs4, deploy_run, tmp_path):
     inventory = tmp_path / "mismatched.py"
     inventory.write_text(
@@ -107,11 +111,18 @@ def test_two_pairs_serve_at_their_heads_behind_one_endpoint(pairs4, deploy_run, 
             assert (wenv["SF_NODE_RANK"], wenv["SF_HEADLESS"]) == ("1", "1")
             assert wenv["SF_MASTER_ADDR"] == LINK[head] and wenv["VLLM_HOST_IP"] == LINK[worker]
             assert wenv["NCCL_SOCKET_IFNAME"] == "enp1s0f1np1" and wenv["NCCL_IB_HCA"] == "rocep1s0f1,roceP2p1s0f1"
+            # The pinned 0.23 image: eager, no custom all-reduce (vLLM #46253); RoCE v2 GID of the address.
+            assert (wenv["SF_ENFORCE_EAGER"], wenv["SF_DISABLE_CUSTOM_ALL_REDUCE"]) == ("1", "1")
+            assert wenv["NCCL_IB_GID_INDEX"] == "3"
             # The worker joined its head over the link, from its own link address.
             logs = pairs4.exec(head, f"docker logs {CONTAINER} 2>&1").stdout
             assert f"node_rank 1 joined from {LINK[worker]}" in logs, logs[-2000:]
             assert f"rank 1 of pair_{HEADS.index(head) + 1} (headless)" in proc.stdout + proc.stderr, out
         assert answers(pairs4, head)
+        for member in (head, *workers):  # the link check's record: NCCL over RoCE, above NVIDIA's floor
+            rec = json.loads(pairs4.exec(member, f"cat {LINK_CHECK}").stdout)
+            assert (rec["ok"], rec["transport"], rec["gid_index"], rec["mtu"]) == (True, "IB", 3, 9000), rec
+            assert rec["busbw_gbs"] >= rec["floor_gbs"] == 21.875, rec
     # The checks ran on the heads only, and the endpoint routes to the two heads.
     results = {p.stem: json.loads(p.read_text()) for p in (tmp_path / "pairs").glob("spark-*.json")}
     assert {n: r["status"] for n, r in results.items()} == {pairs4.inventory_name(h): "ok" for h in HEADS}, results
@@ -155,6 +166,24 @@ def test_a_converged_rerun_changes_nothing(pairs4, deploy_run):
     assert proc.returncode == 0, out_of(proc)
     assert {n: started_at(pairs4, n) for n in pairs4.names} == before
     assert "netplan apply" not in proc.stdout and "rolls in batch" not in proc.stdout
+
+
+def test_graphs_below_the_floor_a_wrong_gid_and_mtu_fail_naming_them(pairs4, deploy_run):
+    """Each refused before the engines restart: pair_enforce_eager off on the 0.23 image; a GID
+    index that is not RoCE v2's; jumbo frames off. A default run then measures RoCE again."""
+    before = {n: started_at(pairs4, n) for n in pairs4.names}
+    graphs = full(deploy_run("deploy.py", *data(pairs4), "--data", "pair_enforce_eager=False"))
+    assert "would serve without --enforce-eager (pair_enforce_eager=False)" in graphs, graphs[-4000:]
+    assert "vLLM 0.23.0 with NCCL 2.27.7, below the cross-node CUDA graph floor" in graphs, graphs[-4000:]
+    gid = deploy_run("deploy.py", *data(pairs4), "--data", "pair_gid_index=1")
+    said = full(gid)
+    assert gid.returncode != 0 and re.search(r"NET/Socket, not RoCE, at \d+(\.\d+)? GB/s", said), said[-4000:]
+    assert "NCCL_IB_GID_INDEX=1, but this host's RoCE v2 GID of 192.168.100.2 is index 3" in said, said[-4000:]
+    mtu = full(deploy_run("deploy.py", *data(pairs4), "--data", "pair_mtu=1500"))
+    assert "MTU 1500 on enp1s0f1np1 (pair_mtu)" in mtu and "pair_mtu=9000" in mtu, mtu[-4000:]
+    assert {n: started_at(pairs4, n) for n in pairs4.names} == before
+    healthy = deploy_run("deploy.py", *data(pairs4))
+    assert healthy.returncode == 0 and "RoCE, all_gather 23 GB/s (floor 21.875)" in full(healthy), full(healthy)
 
 
 def test_a_killed_worker_engine_brings_its_pair_back_without_a_deploy(pairs4):
