@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 
 from .flags import NCCL_VERSION
@@ -64,8 +65,11 @@ def roce_ready(env: dict[str, str], interface: str) -> tuple[bool, str]:
 
 
 def _exchange(sock: socket.socket, mine: dict) -> dict:
-    """Send our line and a payload, read theirs (one JSON line, then the payload)."""
-    sock.sendall(json.dumps(mine).encode() + b"\n" + b"\0" * PAYLOAD_BYTES)
+    """Send our line and a payload while reading theirs (one JSON line, then the payload):
+    both ends send at once, so sending waits on no read (small buffers at MTU 1500)."""
+    sender = threading.Thread(target=sock.sendall, args=(json.dumps(mine).encode() + b"\n" + b"\0" * PAYLOAD_BYTES,),
+                              daemon=True)
+    sender.start()
     buf = b""
     while b"\n" not in buf:
         chunk = sock.recv(65536)
@@ -79,6 +83,7 @@ def _exchange(sock: socket.socket, mine: dict) -> dict:
         if not chunk:
             raise ConnectionError("the peer closed the connection during the collective")
         left -= len(chunk)
+    sender.join(timeout=sock.gettimeout())
     return json.loads(line)
 
 
