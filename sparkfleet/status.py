@@ -34,6 +34,7 @@ from sparkfleet.hostpaths import (
     AUTH_HEADER,
     CONTAINER,
     LAST_GOOD_DIR,
+    LINK_CHECK,
     OPERATOR_LOCK,
     SERVE_ENV,
     STARTED_FILE,
@@ -170,6 +171,7 @@ def _host_command(s: Settings) -> str:
         "echo '== metrics'",
         f'curl -s -m 5 -H @$auth "{api}/metrics" 2>/dev/null | grep -E {q("^(" + metric_names + ")")}',
         "echo '== lock'", f"cat {OPERATOR_LOCK} 2>/dev/null; echo",
+        "echo '== link'", f"cat {LINK_CHECK} 2>/dev/null; echo",
         "echo '== watchdog'", f"tail -n 1 {WATCHDOG_LOG} 2>/dev/null; cat {AGENT_ANSWER} 2>/dev/null",
         "echo '== refs'",
         f"for f in {q(s.hf_home)}/hub/models--*/refs/*; do [ -f \"$f\" ] && echo \"$f $(cat \"$f\")\"; done 2>/dev/null",
@@ -232,7 +234,12 @@ def parse_host(lines: list[str], s: Settings) -> dict[str, Any]:
         held = json.loads("\n".join(sec.get("lock", [])).strip() or "null")
     except ValueError:
         held = {"run": "?"}
-    row["operator_lock"] = held or None  # a deploy in progress (sparkfleet/oplock.py), or one that died
+    row["operator_lock"] = held or None
+    try:  # a pair member's last link measurement (sparkfleet/link.py)
+        link = json.loads("\n".join(sec.get("link", [])).strip() or "null")
+    except ValueError:
+        link = None
+    row["link"] = link if isinstance(link, dict) else None  # a deploy in progress (sparkfleet/oplock.py), or one that died
     # The watchdog's last event (a wedge, memory pressure, back) and whether it keeps the
     # member out of the endpoint now (its agent-check answer).
     watch = [line.strip() for line in sec.get("watchdog", []) if line.strip()]
@@ -354,6 +361,13 @@ def table(doc: dict[str, Any]) -> str:
         head, lines = [head[0], *head[2:]], [[line[0], *line[2:]] for line in lines]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
     out = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip() for row in [head, *lines]]
+    for r in doc["hosts"]:
+        link = r.get("link")
+        if link and link.get("rank") == 0:  # one line per pair, from its head
+            figure = (f"{'RoCE' if link.get('transport') == 'IB' else link.get('transport') or '?'} "
+                      f"{link.get('busbw_gbs', 0):.1f} GB/s (floor {link.get('floor_gbs', 0):g})")
+            out.append(f"\n{link.get('pair', r['host'])}: link {figure}, measured {link.get('checked_at', '?')}"
+                       + ("" if link.get("ok") else f" — FAILED: {link.get('problem')}"))
     locks = {}
     for r in doc["hosts"]:
         if r.get("operator_lock"):

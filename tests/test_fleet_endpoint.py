@@ -146,7 +146,7 @@ def test_a_host_row_from_what_it_printed():
         "unit": "active", "restarts": 1, "uptime_s": 3900, "profile": "dflash", "image_digest": "sha256:abc123",
         "model": "Intel/Qwen3.5-122B-A10B-int4-AutoRound", "revision": "main",
         "commit": "0123456789abcdef0123456789abcdef01234567", "ready": True, "running": 2, "waiting": 1,
-        "kv_cache": 0.25, "acceptance_length": 4.5, "pending": None, "operator_lock": None,
+        "kv_cache": 0.25, "acceptance_length": 4.5, "pending": None, "operator_lock": None, "link": None,
         "agent": None, "watchdog": None,
     }
     down = status.parse_host("== unit\nActiveState=failed\n== models\n\n== metrics\n".splitlines(), s)
@@ -167,6 +167,12 @@ def test_a_host_row_from_what_it_printed():
                      r"sparkfleet unlock", shown), shown
     assert "deploy lock" not in status.table({"hosts": [{"host": "spark-01", "reachable": True, **row}],
                                               "endpoint": None})
+    # A pair's head shows the link's last measurement: transport and bandwidth.
+    measured = status.parse_host((HOST_OUTPUT + '== link\n{"ok": true, "pair": "pair_1", "rank": 0, '
+                                  '"transport": "IB", "busbw_gbs": 23.0, "floor_gbs": 21.875, '
+                                  '"checked_at": "2026-12-02T12:40:01+00:00"}\n').splitlines(), s)
+    assert "pair_1: link RoCE 23.0 GB/s (floor 21.875), measured 2026-12-02T12:40:01+00:00" in status.table(
+        {"hosts": [{"host": "spark-01", "reachable": True, **measured}], "endpoint": None})
     assert "dflash (on disk: dense)" in status.table({"hosts": [{"host": "spark-01", "reachable": True, **behind}],
                                                       "endpoint": None})
     # A pair: its column, the head's READY for the headless member.
