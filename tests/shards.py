@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 #: modules' measured minutes (``--durations=0``, three shards on two cores beside other
 #: e2e runs): deploy 27 + endpoint_rollout 7 + pair_serving 6 + pair_link 1; faults 22 +
 #: mirror_fleet 10 + endpoint 9 + serving_host 3; the rest 41 (rollout_faults 10,
-#: watchdog 9, image_patches 6, fleet_checks 5, operator_lock 3, the tests without a
+#: wedge 9, image_patches 6, fleet_checks 5, operator_lock 3, the tests without a
 #: fleet 8). A module on the session's fleet must sort before a shard's modules that boot
 #: their own (mirror_fleet, pair_*, serving_host): those replace the session's fleet.
 SHARDS = (
