@@ -469,13 +469,6 @@ class NewLines(FactBase["dict"]):
         return {"lines": [line.strip() for line in output[1:] if line.strip()], "total": total}
 
 
-class NewKills(NewLines):
-    """The OOM guard's kills the deploy has not reported yet."""
-
-    def command(self) -> str:  # type: ignore[override]
-        return super().command(hostpaths.OOM_LOG, hostpaths.OOM_REPORTED)
-
-
 class BootReport(FactBase["dict"]):
     """This boot's id, the one the last deploy saw, and when they differ the previous boot's
     last kernel and GPU errors (NVIDIA's Xid lines, driver faults) from the journal:

@@ -21,13 +21,11 @@ from __future__ import annotations
 import re
 import shlex
 
-from pyinfra import host, logger
-from pyinfra.api import deploy, operation
+from pyinfra.api import deploy
 from pyinfra.operations import systemd
 
-from sparkfleet import apt, snapshot
+from sparkfleet import apt, snapshot, tasks
 from sparkfleet.config import Settings
-from sparkfleet.facts import NewKills
 from sparkfleet.hostpaths import (
     CONTAINER,
     EARLYOOM_DEFAULTS,
@@ -103,18 +101,6 @@ def installed(apt_repo: str | None, apt_key_url: str | None, **op_args):
                          **op_args)
 
 
-@operation()
-def reported():
-    """Say on the deploy's output what the guard killed since the last deploy (once)."""
-    kills = host.get_fact(NewKills)
-    if not kills["lines"]:
-        host.noop("the OOM guard killed nothing since the last deploy")
-        return
-    for line in kills["lines"]:
-        logger.warning(f"{host.print_prefix}{line}")
-    yield f"echo {kills['total']} > {OOM_REPORTED}"
-
-
 @deploy("OOM guard")
 def configured(settings: Settings) -> None:
     """earlyoom installed, configured for the engine and running; restarted only when its
@@ -133,4 +119,5 @@ def configured(settings: Settings) -> None:
         name="earlyoom restarted for its new settings", service="earlyoom.service", restarted=True,
         _if=lambda: any(op.did_change() for op in (package, kill_hook, args, dropin)),
     )
-    reported(name="kills since the last deploy")
+    tasks.events_reported(name="kills since the last deploy", log=OOM_LOG, reported=OOM_REPORTED, prefix="",
+                          nothing="the OOM guard killed nothing since the last deploy")

@@ -31,11 +31,12 @@ import time
 from collections.abc import Callable
 
 import gevent
-from pyinfra import logger
-from pyinfra.api import FunctionCommand
+from pyinfra import host, logger
+from pyinfra.api import FunctionCommand, operation
 from pyinfra.api.exceptions import OperationError
 
 from sparkfleet import remote
+from sparkfleet.facts import NewLines
 from sparkfleet.hostpaths import TASK_UNIT_PREFIX
 
 PROGRESS_EVERY_S = 15.0
@@ -174,3 +175,21 @@ def detached(name: str, command: str, describe_progress=None, timeout_s: float =
         return True
 
     return remote.callback(_run)
+
+
+@operation()
+def events_reported(log: str, reported: str, prefix: str, nothing: str):
+    """
+    Say on the deploy's output the lines a host-side event log (``log``) gained since the
+    last deploy, once: the host keeps how many it has shown in ``reported``.
+
+    + prefix: what each line is said as (``watchdog: ``)
+    + nothing: the noop's words when there is nothing new
+    """
+    events = host.get_fact(NewLines, log=log, reported=reported)
+    if not events["lines"]:
+        host.noop(nothing)
+        return
+    for line in events["lines"]:
+        logger.warning(f"{host.print_prefix}{prefix}{line}")
+    yield f"echo {events['total']} > {shlex.quote(reported)}"

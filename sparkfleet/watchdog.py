@@ -22,9 +22,9 @@ from pyinfra import host, logger
 from pyinfra.api import deploy, operation
 from pyinfra.operations import systemd
 
-from sparkfleet import snapshot
+from sparkfleet import snapshot, tasks
 from sparkfleet.config import Settings
-from sparkfleet.facts import BootReport, NewLines
+from sparkfleet.facts import BootReport
 from sparkfleet.hostpaths import (
     AGENT_ANSWER,
     AGENT_SERVICE,
@@ -112,18 +112,6 @@ DynamicUser=false
 
 
 @operation()
-def reported():
-    """Say on the deploy's output what the watchdog did since the last deploy (once)."""
-    events = host.get_fact(NewLines, log=WATCHDOG_LOG, reported=WATCHDOG_REPORTED)
-    if not events["lines"]:
-        host.noop("the watchdog saw no wedge and no memory pressure since the last deploy")
-        return
-    for line in events["lines"]:
-        logger.warning(f"{host.print_prefix}watchdog: {line}")
-    yield f"echo {events['total']} > {WATCHDOG_REPORTED}"
-
-
-@operation()
 def boot_reported():
     """Say when the host booted since the last deploy (a reboot, or a hard reset under
     memory pressure), with the previous boot's last kernel and GPU errors (e.g. Xid)."""
@@ -160,7 +148,9 @@ def configured(settings: Settings) -> None:
     systemd.service(name="agent-check on its new port", service=AGENT_SOCKET, restarted=True,
                     _if=socket.did_change)
     snapshot.service(WATCHDOG_TIMER, name="watchdog timer running")
-    reported(name="watchdog events since the last deploy")
+    tasks.events_reported(name="watchdog events since the last deploy", log=WATCHDOG_LOG,
+                          reported=WATCHDOG_REPORTED, prefix="watchdog: ",
+                          nothing="the watchdog saw no wedge and no memory pressure since the last deploy")
     boot_reported(name="reboots since the last deploy, and why")
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sparkfleet.facts import CDI_ALL, GPUS_ALL, ContainerdRoot, GpuAccess, ManifestSize, NewKills
+from sparkfleet.facts import CDI_ALL, GPUS_ALL, ContainerdRoot, GpuAccess, ManifestSize, NewLines
 from sparkfleet.image import store_of
 from sparkfleet.oomguard import earlyoom_args
 
@@ -46,9 +46,9 @@ def test_manifest_size_needs_the_scripts_answer():
 
 
 def test_new_kills_and_the_guard_line():
-    assert NewKills().process(["total 2", "T1 killed a", "T2 killed b"]) == {"lines": ["T1 killed a", "T2 killed b"],
+    assert NewLines().process(["total 2", "T1 killed a", "T2 killed b"]) == {"lines": ["T1 killed a", "T2 killed b"],
                                                                           "total": 2}
-    assert NewKills().process(["total 2"])["lines"] == []
+    assert NewLines().process(["total 2"])["lines"] == []
 
     args = earlyoom_args(4.0)
     assert args.startswith("-M 4194304 -s 100,100 ") and "--avoid" in args and "sshd" in args
