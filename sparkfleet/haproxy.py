@@ -15,11 +15,17 @@ import time
 from dataclasses import dataclass
 
 import gevent
+import gevent.lock
 from pyinfra.api.exceptions import OperationError
 
 from sparkfleet import remote
+from sparkfleet.fleet import once
 
 UNIT = "haproxy.service"
+#: Runtime-API commands at once on the endpoint host's one SSH connection: a batch of hosts
+#: draining and polling together must stay under sshd's MaxSessions 10 (DGX OS's default)
+#: beside the endpoint host's own commands.
+AT_ONCE = 4
 ADMIN_SOCKET = "/run/haproxy/admin.sock"
 STATE_FILE = "/var/lib/haproxy/server-state"
 #: The members' backends: ``members``, or with an API key ``members_<key id>``, one per key
@@ -87,7 +93,8 @@ def runtime(endpoint, command: str) -> list[str]:
     """One HAProxy runtime-API command on the endpoint host; its answer's lines."""
     if not endpoint.connected:  # a host this run could not reach has no connection to run on
         raise OperationError(f"{endpoint.name}: the fleet endpoint's host is not reachable from the controller")
-    done = remote.run(endpoint, runtime_shell(command), timeout=30)
+    with once(("haproxy runtime", endpoint.name), lambda: gevent.lock.BoundedSemaphore(AT_ONCE), endpoint.state):
+        done = remote.run(endpoint, runtime_shell(command), timeout=30)
     ok, lines = done.ok, done.stdout
     if not ok:
         raise OperationError(f"{endpoint.name}: the HAProxy runtime API did not answer `{command}` "

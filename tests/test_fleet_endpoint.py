@@ -220,3 +220,28 @@ def test_an_agent_checked_members_state_reads_as_without_the_agent():
     states = {name: m.state for name, m in haproxy.members_of(None, stat).items()}
     assert states == {"a": "DRAIN", "b": "DOWN", "c": "UP"}
     assert haproxy.members_of(None, stat)["c"].in_rotation
+
+
+def test_a_batch_draining_at_once_never_opens_more_runtime_channels_than_it_may(monkeypatch):
+    """Sixteen hosts polling the endpoint together (rollout_batch=16) share its host's one
+    SSH connection, whose sshd refuses an eleventh channel (MaxSessions 10): the runtime
+    API is asked at most haproxy.AT_ONCE at a time."""
+    import gevent
+    from support.fleetdata import fake_state
+
+    from sparkfleet import remote
+
+    open_now, most = [0], [0]
+
+    def answering(target, command, **kwargs):
+        open_now[0] += 1
+        most[0] = max(most[0], open_now[0])
+        gevent.sleep(0.01)
+        open_now[0] -= 1
+        return remote.Result(True, ["# pxname,svname,status", "members,spark-2,UP"], [])
+
+    monkeypatch.setattr(remote, "run", answering)
+    with fake_state(["@fake/spark-1"]) as state:
+        ep = state.inventory.get_host("@fake/spark-1")
+        gevent.joinall([gevent.spawn(haproxy.show_stat, ep) for _ in range(16)], raise_error=True)
+    assert most[0] == haproxy.AT_ONCE
