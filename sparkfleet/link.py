@@ -37,7 +37,7 @@ from pyinfra.operations import files, server
 from sparkfleet import container_runtime, remote
 from sparkfleet.config import Settings
 from sparkfleet.facts import Answers, RoceGids, RoceNetdevs, RouteSource
-from sparkfleet.fleet import _current_state, all_settings, host_mirror, mirror_route
+from sparkfleet.fleet import all_settings, host_mirror, mirror_route
 from sparkfleet.hostpaths import LINK_CHECK, NETPLAN_CX7, RDMA_DEVICES, RUNTIME_DIR
 from sparkfleet.mirror import local_image
 from sparkfleet.pairs import Pair, PairMember
@@ -405,7 +405,7 @@ def measured(settings: Settings, member: PairMember):
     """
     pair = member.pair
     key = check_key(settings, pair)
-    state = _current_state()
+    state = host.state
     records = [record_of(state.inventory.get_host(name)) for name in pair.members]
     if all(r and r.get("ok") and r.get("key") == key for r in records):
         mine = records[pair.rank] or {}
