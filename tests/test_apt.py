@@ -71,7 +71,7 @@ def recorded(monkeypatch):
         return present.get(kwargs.get("command", fact.__name__))
 
     fake = SimpleNamespace(noop=noops.append, get_fact=get_fact)
-    for module in (apt, container_runtime, endpoint, oomguard, registry):
+    for module in (apt, container_runtime, endpoint, registry):
         monkeypatch.setattr(module, "host", fake)
     monkeypatch.setattr(snapshot, "program", present.get)
     return SimpleNamespace(present=present, noops=noops)
