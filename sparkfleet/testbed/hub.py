@@ -680,9 +680,10 @@ class _HubHandler(BaseHTTPRequestHandler):
                     chunk = fh.read(min(_CHUNK, budget - sent))
                     if not chunk:
                         break
+                    # Counted before it is written: a client that has every byte finds them counted.
+                    self.server.counter.add(repo_id, client, len(chunk))
                     self.wfile.write(chunk)
                     sent += len(chunk)
-                    self.server.counter.add(repo_id, client, len(chunk))
         finally:
             entry["bytes"] = sent
             entry["aborted"] = sent < length
