@@ -18,6 +18,7 @@ from pathlib import Path
 
 from pydantic import SecretStr
 
+from sparkfleet import config
 from sparkfleet.config import Settings
 from sparkfleet.fleet import Mirror
 
@@ -77,11 +78,7 @@ def api_key(settings: Settings) -> str | None:
 # --- HF token ----------------------------------------------------------------------------
 
 
-def hf_token(settings: Settings) -> str | None:
-    """HF token from data, else from the controller's environment."""
-    if settings.hf_token is not None:
-        return settings.hf_token.get_secret_value() or None
-    return os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN") or None
+hf_token = config.hf_token  # from data, else the controller's environment (the fleet lock reads it too)
 
 
 # --- the mirror registry's TLS certificate -----------------------------------------------

@@ -6,6 +6,8 @@ takes them from another. docs/architecture.md ("On a host") lists the same files
 
 from __future__ import annotations
 
+import hashlib
+
 # --- serving (every host) --------------------------------------------------------------
 ETC_DIR = "/etc/sparkfleet"
 SERVE_ENV = f"{ETC_DIR}/serve.env"  # non-secret serving settings, 0644
@@ -21,6 +23,17 @@ REVISION_FILE = f"{ETC_DIR}/serving.rev"  # hash of everything the service runs,
 STARTED_FILE = "/run/sparkfleet-serve/started.rev"  # the revision the running service started with
 LAST_GOOD_DIR = "/var/lib/sparkfleet/last-good"  # the last settings that got READY, for rollback
 COMPILE_SIGNATURE = "sparkfleet-compile-signature"  # in hf_home/.vllm_cache
+LOCAL_IMAGE_REPOSITORY = "localhost/sparkfleet/serve"  # the name hosts run the serving image by
+
+
+def local_image(image: str) -> str:
+    """The name a host runs the serving image ``image`` by, whichever registry it came
+    from: its digest for a pinned image (sparkfleet.lock pins every image), else a hash of
+    ``image``. The unit and every one-shot run use it, so a mirror that moves (a new
+    address in the pull reference) changes nothing that runs, and restarts nothing."""
+    digest = image.partition("@")[2]
+    tag = digest.replace(":", "-") if digest else "ref-" + hashlib.sha256(image.encode()).hexdigest()[:20]
+    return f"{LOCAL_IMAGE_REPOSITORY}:{tag}"
 
 # --- one operator at a time (every host of a deploy) ----------------------------------
 OPERATOR_LOCK = "/run/sparkfleet-operator.lock"  # which deploy changes the fleet now; /run: a reboot frees it
