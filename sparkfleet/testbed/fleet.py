@@ -320,6 +320,36 @@ class Testbed:
 
         return blob_stats(mark)
 
+    # --- upstream moves under the fleet ------------------------------------------------
+
+    def hub_move(self, repo: str, ref: str = "main") -> str:
+        """Upstream moves ``ref`` of ``repo`` to a new commit (the hub's /_testbed/move); its sha."""
+        return self._hub("move", {"repo": repo, "ref": ref})["sha"]
+
+    def hub_delete(self, repo: str, revision: str) -> None:
+        """Upstream deletes the commit ``revision`` of ``repo`` (a ref must not name it)."""
+        self._hub("delete", {"repo": repo, "revision": revision})
+
+    def _hub(self, what: str, spec: dict[str, Any]) -> dict[str, Any]:
+        import requests
+
+        answer = requests.post(f"{paths.HUB_URL}/_testbed/{what}", json=spec, timeout=60)
+        if answer.status_code != 200:
+            raise TestbedError(f"hub: {what} {spec}: HTTP {answer.status_code} {answer.text[:300]}")
+        return answer.json()
+
+    def registry_move(self, repo: str = paths.IMAGE_REPO, tag: str = paths.IMAGE_TAG) -> str:
+        """Upstream re-points ``repo:tag`` to a new image (same layers, new config); its digest."""
+        from .registry import RegistryClient, move_tag
+
+        return move_tag(RegistryClient(f"http://{paths.REGISTRY}"), repo, tag)
+
+    def registry_delete(self, digest: str, repo: str = paths.IMAGE_REPO) -> None:
+        """Upstream deletes the manifest ``digest`` of ``repo`` (and the tags naming it)."""
+        from .registry import RegistryClient
+
+        RegistryClient(f"http://{paths.REGISTRY}").delete_manifest(repo, digest)
+
     @property
     def apt_url(self) -> str:
         return paths.APT_URL

@@ -32,6 +32,12 @@ configured one is refused on every endpoint (401 "Invalid credentials").
 ``POST /api/models/{repo}/paths-info/{revision}`` answers like the Hub (mirrors such as
 olah ask it for a file's size and LFS oid before serving it).
 
+Upstream moves, as the Hub's do (``POST``, JSON body): ``/_testbed/move`` (``{"repo",
+"ref"}``): a new commit on ``ref`` (default ``main``), its tree with
+``sparkfleet-generation.txt`` counting the moves, so every byte before stays as it was;
+answers ``{"sha"}``. ``/_testbed/delete`` (``{"repo", "revision"}``): that commit is gone
+(a force-push); refused (409) while a ref points at it.
+
 Testbed endpoints: ``GET /_testbed/stats`` (body bytes served, per repo and client IP;
 ``cas_requests`` and ``xet_token_requests``),
 ``POST /_testbed/reset``, ``GET /_testbed/requests`` (recent request log) and
@@ -51,6 +57,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
@@ -73,6 +80,8 @@ _LFS_SUFFIXES = (
     ".xz", ".zip", ".zst", ".gguf",
 )
 _LFS_MIN_SIZE = 10 * 1024 * 1024
+#: The file a moved ref's new commit adds (its count of moves): the only byte that differs.
+GENERATION_FILE = "sparkfleet-generation.txt"
 _LFS_POINTER_SIZE = 134
 _CHUNK = 1 << 20
 _REQUEST_LOG_LEN = 2000
@@ -134,6 +143,7 @@ class RepoStore:
         self.gated = set(gated)
         self._hash_cache: dict[Path, tuple[int, int, str, str | None]] = {}
         self._lock = threading.Lock()
+        self._moves = threading.Lock()  # one upstream move at a time (the hash cache has its own)
 
     # -- repositories and revisions ---------------------------------------------------
     def repo_dir(self, repo_id: str) -> Path:
@@ -183,6 +193,45 @@ class RepoStore:
                 newest = max(shas, key=lambda d: (d.stat().st_mtime_ns, d.name))
                 return self._revision(repo_id, newest.name, newest)
         raise not_found
+
+    # -- upstream moves ------------------------------------------------------------------
+    def _refs(self, repo_dir: Path) -> dict[str, str]:
+        refs_file = repo_dir / "refs.json"
+        return json.loads(refs_file.read_text()) if refs_file.is_file() else {}
+
+    def move_ref(self, repo_id: str, ref: str = "main") -> str:
+        """A new commit on ``ref``: the tree it names now with ``sparkfleet-generation.txt``
+        counting the moves; ``ref`` points at it (refs.json). Returns its sha."""
+        with self._moves:
+            repo_dir = self.repo_dir(repo_id)
+            current = self.resolve(repo_id, ref)
+            marker = current.directory / GENERATION_FILE
+            generation = int(marker.read_text().strip() or "1") + 1 if marker.is_file() else 2
+            work = repo_dir / f".move-{os.getpid()}-{threading.get_ident()}"
+            # Hard links: the files that stay are the same bytes, and cost no space.
+            shutil.copytree(current.directory, work, copy_function=os.link)
+            (work / GENERATION_FILE).unlink(missing_ok=True)
+            (work / GENERATION_FILE).write_text(f"{generation}\n")
+            sha = self._content_sha(repo_id, work)
+            os.rename(work, repo_dir / sha)
+            refs = {**self._refs(repo_dir), ref: sha}
+            (repo_dir / "refs.json.tmp").write_text(json.dumps(refs, indent=1, sort_keys=True) + "\n")
+            os.replace(repo_dir / "refs.json.tmp", repo_dir / "refs.json")
+            return sha
+
+    def delete_revision(self, repo_id: str, revision: str) -> None:
+        """The commit ``revision`` is gone (a force-push upstream). A commit a ref names is kept."""
+        with self._moves:
+            repo_dir = self.repo_dir(repo_id)
+            rev = self.resolve(repo_id, revision)
+            named = {name for name, sha in self._refs(repo_dir).items() if sha == rev.sha}
+            if self.resolve(repo_id, "main").sha == rev.sha:
+                named.add("main")
+            if named:
+                raise HubError(409, None, f"{rev.sha} is what {', '.join(sorted(named))} names: move it first")
+            if rev.directory.parent.resolve() != repo_dir.resolve():
+                raise HubError(400, None, f"{revision} is not a commit of {repo_id}")
+            shutil.rmtree(rev.directory)
 
     def _revision(self, repo_id: str, sha: str, directory: Path) -> Revision:
         return Revision(repo_id=repo_id, sha=sha, directory=directory, mtime=directory.stat().st_mtime)
@@ -492,6 +541,13 @@ class _HubHandler(BaseHTTPRequestHandler):
                 self.server.counter.reset()
                 self.server.faults.clear()
                 return self._send_json(200, {"ok": True})
+            if segs == ["_testbed", "move"]:
+                spec = json.loads(body or b"{}")
+                return self._send_json(200, {"sha": self.server.store.move_ref(spec["repo"], spec.get("ref", "main"))})
+            if segs == ["_testbed", "delete"]:
+                spec = json.loads(body or b"{}")
+                self.server.store.delete_revision(spec["repo"], spec["revision"])
+                return self._send_json(200, {"ok": True})
             if segs == ["_testbed", "fault"]:
                 spec = json.loads(body or b"{}")
                 if "delay_s" in spec:
@@ -748,6 +804,14 @@ class HubServer:
     def inject_abort(self, repo_id: str, path: str, after_bytes: int, times: int = 1) -> None:
         """Make the next ``times`` GETs of ``path`` stop after ``after_bytes`` body bytes."""
         self.httpd.faults.add_abort(repo_id, path, after_bytes, times)
+
+    def move_ref(self, repo_id: str, ref: str = "main") -> str:
+        """Upstream moves ``ref`` to a new commit; its sha."""
+        return self.store.move_ref(repo_id, ref)
+
+    def delete_revision(self, repo_id: str, revision: str) -> None:
+        """Upstream deletes the commit ``revision``."""
+        self.store.delete_revision(repo_id, revision)
 
     def inject_delay(self, repo_id: str, path: str, seconds: float, times: int = 1) -> None:
         """Make the next ``times`` GETs of ``path`` start their body ``seconds`` late."""

@@ -1,6 +1,7 @@
 """The image registry at 10.213.0.1:5000 (Debian's `docker-registry`, distribution 2.8),
 and a minimal registry-v2 client to push the simulated serving image without a docker
-engine on the controller.
+engine on the controller; upstream moves as registries see them: a tag re-pointed to a
+new image (:func:`move_tag`), a manifest deleted (``RegistryClient.delete_manifest``).
 
 The registry starts fresh on every `up` (storage under STATE_DIR is wiped with it); the
 image's layers are cached, so the push is only a local upload.
@@ -149,6 +150,41 @@ class RegistryClient:
                           timeout=self.timeout)
         r.raise_for_status()
         return r.json(), r.headers.get("Docker-Content-Digest", "")
+
+    def get_blob(self, repo: str, digest: str) -> bytes:
+        r = self.http.get(f"{self.base}/v2/{repo}/blobs/{digest}", timeout=self.timeout)
+        r.raise_for_status()
+        return r.content
+
+    def delete_manifest(self, repo: str, digest: str) -> None:
+        """The manifest ``digest`` is gone (and every tag that named it), as a registry's
+        owner deletes one; its blobs stay until a garbage collection."""
+        r = self.http.delete(f"{self.base}/v2/{repo}/manifests/{digest}", timeout=self.timeout)
+        if r.status_code != 202:
+            raise TestbedError(f"registry: delete {repo}@{digest}: HTTP {r.status_code} {r.text[:300]}")
+
+
+#: The label a moved tag's new image carries (its count of moves): its only difference.
+GENERATION_LABEL = "org.sparkfleet.testbed.generation"
+
+
+def move_tag(client: RegistryClient, repo: str, tag: str) -> str:
+    """Upstream re-points ``tag`` to a new image: the same layers, a config with
+    :data:`GENERATION_LABEL` counting the moves (so a new manifest digest, and a pull of it
+    moves only the config). Returns its digest."""
+    manifest, _ = client.get_manifest(repo, tag)
+    config = json.loads(client.get_blob(repo, manifest["config"]["digest"]))
+    inner = config.setdefault("config", {})
+    labels = inner.get("Labels") or {}
+    labels[GENERATION_LABEL] = str(int(labels.get(GENERATION_LABEL, "1")) + 1)
+    inner["Labels"] = labels
+    blob = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
+    digest = "sha256:" + hashlib.sha256(blob).hexdigest()
+    client.push_blob(repo, blob, digest)
+    manifest["config"] = {**manifest["config"], "digest": digest, "size": len(blob)}
+    moved = client.put_manifest(repo, tag, json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode())
+    log(f"moved {repo}:{tag} to {moved}")
+    return moved
 
 
 def push_image(client: RegistryClient, repo: str, tag: str, config: bytes,

@@ -287,6 +287,37 @@ def test_ref_resolution_without_refs_file(tmp_path: Path) -> None:
         assert (body, headers["x-repo-commit"]) == (b"old", OLD)
 
 
+def test_upstream_moves_a_branch_and_deletes_the_commit_it_named(tmp_path: Path) -> None:
+    """POST /_testbed/move: a new commit on main, every other byte as it was; POST
+    /_testbed/delete: the old commit is gone (a force-push), refused while a ref names it."""
+    write_revision(tmp_path, "o/d", OLD, {"model.safetensors": b"4 layers" * 1000, "config.json": b"{}"})
+    with HubServer(tmp_path) as hub:
+        api = huggingface_hub.HfApi(endpoint=hub.url)
+
+        def post(what: str, spec: dict) -> tuple[int, dict]:
+            conn = http.client.HTTPConnection(hub.host, hub.port, timeout=10)
+            conn.request("POST", f"/_testbed/{what}", body=json.dumps(spec), headers={"Content-Type": "application/json"})
+            answer = conn.getresponse()
+            return answer.status, json.loads(answer.read() or b"{}")
+
+        assert api.model_info("o/d", revision="main").sha == OLD
+        status, moved = post("move", {"repo": "o/d"})
+        assert status == 200 and len(moved["sha"]) == 40 and moved["sha"] != OLD
+        assert api.model_info("o/d", revision="main").sha == moved["sha"]
+        new = read_tree(snapshot_download("o/d", revision="main", endpoint=hub.url, cache_dir=tmp_path / "x"))
+        assert new == {"model.safetensors": b"4 layers" * 1000, "config.json": b"{}",
+                       "sparkfleet-generation.txt": b"2\n"}
+        assert post("move", {"repo": "o/d"})[1]["sha"] not in (OLD, moved["sha"])  # generation 3
+        assert post("delete", {"repo": "o/d", "revision": api.model_info("o/d").sha})[0] == 409  # main names it
+        # The old commit still downloads, until it is deleted.
+        assert snapshot_download("o/d", revision=OLD, endpoint=hub.url, cache_dir=tmp_path / "y")
+        assert post("delete", {"repo": "o/d", "revision": OLD}) == (200, {"ok": True})
+        with pytest.raises(RevisionNotFoundError):
+            api.model_info("o/d", revision=OLD)
+        with pytest.raises(RevisionNotFoundError):
+            snapshot_download("o/d", revision=OLD, endpoint=hub.url, cache_dir=tmp_path / "z")
+
+
 def test_synthetic_checkpoints_round_trip(tmp_path: Path) -> None:
     from sparkfleet.testbed import checkpoints
 
