@@ -2,16 +2,17 @@
 
     pyinfra inventory/sparks.py deploy.py [--data profile=dense]
 
-preflight -> NVIDIA container runtime -> the ConnectX-7 link of a pair -> mirror (one host
-serves the image and the weights to the others) -> serving image -> cached weights ->
-hybrid build -> systemd unit for the profile (a pair: one rank each) -> READY (-> post-deploy
-checks, with --data checks=...).
+sparkfleet.lock (the bytes each tag and branch stands for) -> preflight -> NVIDIA container
+runtime -> the ConnectX-7 link of a pair -> mirror (one host serves the image and the weights
+to the others) -> serving image -> cached weights -> hybrid build -> systemd unit for the
+profile (a pair: one rank each) -> READY (-> post-deploy checks, with --data checks=...).
 Every host's data is validated first: a bad value stops the run before any host changes.
 """
 
 from sparkfleet import (
     container_runtime,
     endpoint,
+    fleetlock,
     hybrid,
     image,
     link,
@@ -25,11 +26,12 @@ from sparkfleet import (
     weights,
 )
 from sparkfleet.bench.deploy import run_checks
-from sparkfleet.fleet import fleet_settings, host_pair
+from sparkfleet.fleet import fleet_lock, fleet_settings, host_pair
 
-settings = fleet_settings()
+settings = fleet_settings()  # its image and revisions as sparkfleet.lock pins them (a digest, commits)
 pair = host_pair()  # a pair_* group: this host is one rank of its pair's engine
 oplock.held()  # one operator at a time: another deploy's lock stops every host here, before any change
+fleetlock.recorded(fleet_lock())  # sparkfleet.lock written on the controller, before any host changes
 
 if not settings.serving:
     service.stopped()
@@ -51,7 +53,7 @@ else:
         if member:  # NCCL on the link inside the image: RoCE, at the bus bandwidth floor
             link.measured(name="ConnectX-7 link: NCCL all_gather over RoCE", settings=settings, member=member)
         patchcheck.checked(name="runtime patches and serve flags fit the image", settings=settings, member=member)
-        service.running(settings, also_restart_for=(*host_files, build), member=member)
+        service.running(settings, also_restart_for=(*host_files, build, pulled), member=member)
         endpoint.served(settings)  # fleet_endpoint: HAProxy over every serving host (a pair's head)
         if settings.checks:  # a pair is checked at its head
             run_checks(settings.checks)

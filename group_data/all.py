@@ -13,7 +13,8 @@ error, so a typo cannot silently fall back to a default.
 profile = "dense"
 # Serve another repo id than the profile's checkpoint (None: the profile's).
 model = None
-# repo id -> branch, tag or commit. Pin commits for a reproducible fleet.
+# repo id -> branch, tag or commit (default: main). sparkfleet.lock records the commit each
+# branch or tag resolved to on the first deploy, and every host serves that commit after.
 model_revisions = {}
 # A checkpoint directory already on the host, served instead of a download (mounted ro).
 model_dir = None
@@ -26,7 +27,8 @@ verify_weights = False
 hybrid_dir = "/var/lib/sparkfleet/hybrid-int4-fp8"
 
 # --- Where it comes from ---------------------------------------------------------------
-# The sm121 vLLM 0.23 image with DFlash. The tag is mutable: pin `@sha256:...` for a fleet.
+# The sm121 vLLM 0.23 image with DFlash. The tag is mutable: sparkfleet.lock records the
+# digest it resolved to on the first deploy, and every host runs that digest after.
 image = "ghcr.io/aeon-7/aeon-vllm-ultimate:2026-06-18-v0.23.0-dflashfix"
 # The host's Hugging Face cache (mounted at /hf in the container).
 hf_home = "/var/lib/sparkfleet/hf"
@@ -55,8 +57,17 @@ mirror_olah = "olah==0.5.4"
 # The registry's TLS certificate, made once per mirror address on the controller (hosts
 # trust it in /etc/docker/certs.d, so docker needs no insecure-registries and no restart).
 mirror_tls_dir = ".sparkfleet/mirror-tls"
-# How the mirror reaches the image's registry; None: https://<the registry in `image`>.
+# How the mirror (and the controller, resolving the fleet lock) reach the image's registry;
+# None: https://<the registry in `image`>.
 image_registry_url = None
+
+# --- The fleet lock: sparkfleet.lock, the bytes every host serves ------------------------------
+# Where it lives; None: beside the inventory file (the current directory when the inventory
+# is a list of hosts). Commit it with the inventory.
+fleet_lock_file = None
+# Per run: resolve these references again and roll the fleet to what they name now:
+# all, image, or repo ids (comma-separated). With --dry: only show what would move.
+fleet_lock_update = []
 
 # --- The fleet endpoint: one OpenAI-compatible URL over every serving host -----------------
 # HAProxy (from the host's archives, or apt_repo) on one host of the inventory:

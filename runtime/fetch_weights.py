@@ -81,7 +81,10 @@ def explain(exc: BaseException, repo: str, revision: str, endpoint: str) -> str 
     names = {cls.__name__ for cls in type(exc).__mro__}
     status = getattr(getattr(exc, "response", None), "status_code", None)
     if "RevisionNotFoundError" in names:
-        return f"{repo} has no revision {revision!r} at {endpoint} — fix model_revisions (a branch, tag or commit of it)"
+        return (f"{repo} has no revision {revision!r} at {endpoint} — fix model_revisions (a branch, tag or commit of "
+                f"it); a commit sparkfleet.lock names that upstream deleted needs a mirror that holds it, or the "
+                f"lock moved: --data fleet_lock_update={repo}")
+
     if "GatedRepoError" in names:
         return (f"{repo} is gated and the HF token has no access — accept its terms on the Hub with the "
                 "token's account, or set hf_token")

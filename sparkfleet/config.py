@@ -33,7 +33,7 @@ from pydantic import (
 )
 
 from runtime import serve_args, startup  # the one builder of the `vllm serve` argv (also in the container)
-from sparkfleet.profiles import INTEL_INT4, PROFILES, Profile
+from sparkfleet.profiles import FP8_DONOR, INTEL_INT4, PROFILES, Profile
 
 try:  # pyinfra is the runtime, but the model is also used by plain unit tests
     from pyinfra.api.exceptions import PyinfraError as _BaseError
@@ -112,6 +112,7 @@ FIXES: dict[str, str] = {
     "pair_graphs_min_vllm": "use a version such as 0.27.1",
     "pair_graphs_min_nccl": "use a version such as 2.30.4",
     "pair_hcas": "use 'auto' (the RoCE devices of the cabled port) or a comma list such as rocep1s0f1,roceP2p1s0f1",
+    "fleet_lock_update": "use all, image, or the repo ids to move (comma-separated), e.g. --data fleet_lock_update=all",
 }
 
 
@@ -170,6 +171,9 @@ class Settings(BaseModel):
     mirror_olah: Requirement
     mirror_tls_dir: ControllerPath
     image_registry_url: Url | None
+    # The fleet lock: sparkfleet.lock (sparkfleet/fleetlock.py)
+    fleet_lock_file: ControllerPath | None
+    fleet_lock_update: list[str]
     # The fleet endpoint: HAProxy over every serving host (sparkfleet/endpoint.py)
     fleet_endpoint: str | None
     endpoint_port: int = Field(ge=1, le=65535)
@@ -330,12 +334,20 @@ class Settings(BaseModel):
             raise ValueError("must be 'auto', 'none' or 16+ characters of letters, digits and ._~+-")
         return value
 
-    @field_validator("checks", "bench", "patches", mode="before")
+    @field_validator("checks", "bench", "patches", "fleet_lock_update", mode="before")
     @classmethod
     def _comma_list(cls, value: Any) -> Any:
         # `--data checks=smoke,decode` arrives as one string.
         if isinstance(value, str):
             return [name.strip() for name in value.split(",") if name.strip()]
+        return value
+
+    @field_validator("fleet_lock_update")
+    @classmethod
+    def _lock_update(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if name not in ("all", "image") and not _REPO_ID.match(name):
+                raise ValueError(f"{name!r} is neither all, image nor a repo id")
         return value
 
     @field_validator("checks", "bench")
@@ -436,6 +448,12 @@ class Settings(BaseModel):
         if self.drafter:
             repos.append(self.drafter)
         return repos
+
+    @property
+    def hub_repos(self) -> list[str]:
+        """Hub repositories whose revision this host uses: those it fetches, and the FP8
+        donor a hybrid build reads shard-wise (sparkfleet.lock pins each)."""
+        return self.repos_to_fetch + ([FP8_DONOR] if self.build_hybrid else [])
 
     @property
     def patch_plan(self) -> list[str]:

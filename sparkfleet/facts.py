@@ -131,6 +131,37 @@ class CachedSnapshot(FactBase["str | None"]):
         return commits[0] if commits else None
 
 
+class HeldArtifacts(FactBase["dict"]):
+    """What this host holds from downloads and pulls: runtime/fetch_weights.py's completion
+    markers (``repo--name@revision`` -> commit) and the digests of the ``images`` (local
+    names) it has. ``{"markers": {...}, "images": {name: [sha256:...]}}``."""
+
+    @staticmethod
+    def default():
+        return {"markers": {}, "images": {}}
+
+    def command(self, hf_home: str, images: list[str]) -> str:
+        q = shlex.quote
+        markers = q(hostpaths.snapshot_markers_dir(hf_home))
+        inspect = "".join(
+            f"docker image inspect --format '{{{{range .RepoDigests}}}}{{{{println .}}}}{{{{end}}}}' {q(name)} "
+            f"2>/dev/null | sed -n {q('s|.*@|image ' + name + ' |p')}; "
+            for name in images
+        )
+        return (f'for f in {markers}/*; do [ -f "$f" ] && echo "marker ${{f##*/}} $(head -n 1 "$f")"; done; '
+                f"{inspect}true")
+
+    def process(self, output):
+        held = self.default()
+        for line in output:
+            parts = line.split()
+            if len(parts) == 3 and parts[0] == "marker" and len(parts[2]) == 40:
+                held["markers"][parts[1]] = parts[2]
+            elif len(parts) == 3 and parts[0] == "image" and parts[2].startswith("sha256:"):
+                held["images"].setdefault(parts[1], []).append(parts[2])
+        return held
+
+
 # --- the service ---------------------------------------------------------------------
 
 

@@ -2,8 +2,10 @@
 
 Imports run one way: one host's model (:mod:`sparkfleet.config`) -> the fleet (this
 module) -> the steps. Here: the whole inventory validated together (every fleet-wide key
-must agree), which host serves the mirror and the endpoint, the pairs, and the mirror's
-address as the other hosts reach it. Each answer is computed once per run by
+must agree), the fleet lock applied to every host (:mod:`sparkfleet.fleetlock`: the
+bytes each tag and branch stands for, so a pair is checked on commits and digests),
+which host serves the mirror and the endpoint, the pairs, and the mirror's address as
+the other hosts reach it. Each answer is computed once per run by
 :func:`once`, the one per-run store: pyinfra plans every host in its own greenlet, so a
 store that is checked before and filled after a lookup that yields would run that
 lookup once per host (N x (N-1) commands on the mirror at N hosts, past sshd's
@@ -22,6 +24,7 @@ from typing import Any, TypeVar
 
 import gevent.lock
 
+from sparkfleet import fleetlock
 from sparkfleet.config import (
     FIXES,
     MEASURED_GPU_MEMORY_UTILIZATION,
@@ -36,7 +39,7 @@ T = TypeVar("T")
 
 #: Keys a run applies to the fleet as a whole (the rollout's shape): every host must give
 #: the same value, or which host's value wins would depend on which host plans first.
-FLEET_WIDE = ("rollout", "rollout_batch", "drain_timeout_s")
+FLEET_WIDE = ("rollout", "rollout_batch", "drain_timeout_s", "fleet_lock_file", "fleet_lock_update")
 
 
 # --- the per-run store ----------------------------------------------------------------------
@@ -82,8 +85,10 @@ def once(key: Any, compute: Callable[[], T], state=None) -> T:
 # --- the whole inventory, validated together ------------------------------------------------
 
 
-def validate_fleet(hosts: Iterable[Any]) -> dict[str, Settings]:
-    """Validate every host; one error lists all problems of all hosts."""
+def validate_fleet(hosts: Iterable[Any], check_pairs: bool = True) -> dict[str, Settings]:
+    """Validate every host; one error lists all problems of all hosts. ``check_pairs``:
+    pairs too, on the settings as asked (a deploy checks them on sparkfleet.lock's bytes,
+    :func:`_planned`)."""
     hosts = list(hosts)
     settings: dict[str, Settings] = {}
     problems: list[str] = []
@@ -93,8 +98,9 @@ def validate_fleet(hosts: Iterable[Any]) -> dict[str, Settings]:
         except ConfigError as exc:
             problems.extend(str(exc).split("\n  ")[1:])
     if not problems:
-        problems = (_disagreements(settings) + _chosen_mirrors(hosts, settings)[1]
-                    + chosen_endpoint(hosts, settings)[1] + fleet_pairs(hosts, settings)[1])
+        problems = _disagreements(settings) + _chosen_mirrors(hosts, settings)[1] + chosen_endpoint(hosts, settings)[1]
+    if not problems and check_pairs:
+        problems = fleet_pairs(hosts, settings)[1]
     if problems:
         raise ConfigError(
             "\n  ".join(["invalid configuration, nothing was changed on any host:", *problems])
@@ -114,7 +120,8 @@ def _disagreements(settings: dict[str, Settings]) -> list[str]:
     for key in FLEET_WIDE:
         values: dict[Any, list[str]] = {}
         for name, s in settings.items():
-            values.setdefault(getattr(s, key), []).append(name)
+            value = getattr(s, key)
+            values.setdefault(tuple(value) if isinstance(value, list) else value, []).append(name)
         if len(values) > 1:
             shown = "; ".join(f"{value!r} on {', '.join(names)}" for value, names in values.items())
             problems.append(f"`{key}` differs between hosts ({shown}); it applies to the whole fleet. "
@@ -122,47 +129,100 @@ def _disagreements(settings: dict[str, Settings]) -> list[str]:
     return problems
 
 
-def _planned(state) -> dict[str, Any]:
-    fleet = validate_fleet(state.inventory)
+def _asked(state) -> dict[str, Any]:
+    """The fleet as its data asks, before the lock: every host validated (its pairs as
+    groups only: a pair is checked on the locked bytes), the mirrors, the pairs."""
+    asked = validate_fleet(state.inventory, check_pairs=False)
     # Hosts outside --limit are not connected to, and count as reachable.
     unreachable = {h.name for h in state.inventory
                    if state.is_host_in_limit(h) and h not in state.activated_hosts}
-    return {"settings": fleet, "mirrors": fleet_mirrors(state.inventory, fleet, unreachable),
-            "pairs": fleet_pairs(state.inventory, fleet)[0]}
+    return {"settings": asked, "mirrors": fleet_mirrors(state.inventory, asked, unreachable),
+            "pairs": fleet_pairs(state.inventory, asked)[0]}
 
 
-def _fleet() -> dict[str, Any]:
-    state = _current_state()
-    return once("fleet", lambda: _planned(state), state)
+def _planned(state) -> dict[str, Any]:
+    """The fleet as it deploys: its settings with sparkfleet.lock's bytes, pairs checked on them."""
+    asked = once("fleet asked", lambda: _asked(state), state)
+    run, problems = _fleet_lock(state, asked["settings"])
+    fleet = {name: fleetlock.locked(s, run.lock) for name, s in asked["settings"].items()}
+    problems = problems or fleet_pairs(state.inventory, fleet)[1]
+    if problems:
+        raise ConfigError("\n  ".join(["invalid configuration, nothing was changed on any host:", *problems]))
+    fleetlock.announce(run, bool(fleetlock.cli_params().get("dry")))
+    return {**asked, "settings": fleet, "lock": run}
 
 
-def fleet_settings() -> Settings:
-    """The current host's settings, validating the whole inventory once per run."""
+def _fleet_lock(state, asked: dict[str, Settings]) -> tuple[fleetlock.LockRun, list[str]]:
+    """This run's fleet lock: the file completed for what the hosts ask (sparkfleet.fleetlock)."""
+    first = next(iter(asked.values()))
+    path = fleetlock.lock_path(first.fleet_lock_file, fleetlock.cli_params().get("inventory"))
+    lock, before = fleetlock.read(path)
+    planned = fleetlock.plan(
+        asked, lock, set(first.fleet_lock_update), held=lambda names: _held(state, names, asked),
+        upstream=fleetlock.Upstream(), pairs={n: p.group for n, p in fleet_pairs(state.inventory, asked)[0].items()},
+    )
+    writer = next((h.name for h in state.inventory if h in state.activated_hosts), None)
+    return fleetlock.LockRun(path, planned.lock, before, planned.changes, writer), planned.problems
+
+
+def _held(state, names: list[str], asked: dict[str, Settings]) -> dict[str, fleetlock.Held]:
+    """What the connected hosts among ``names`` hold from before the lock (one command each)."""
+    from sparkfleet.facts import HeldArtifacts
+    from sparkfleet.hostpaths import local_image
+    from sparkfleet.remote import check_sudo
+
+    found = {}
+    for name in names:
+        target = state.inventory.get_host(name)
+        if target not in state.activated_hosts:
+            continue
+        once(("sudo", name), lambda target=target: check_sudo(target), state)
+        s = asked[name]
+        facts = target.get_fact(HeldArtifacts, hf_home=s.hf_home, images=[local_image(s.image)])
+        found[name] = fleetlock.Held(facts["markers"], facts["images"])
+    return found
+
+
+def _fleet(locked: bool = True) -> dict[str, Any]:
     from pyinfra import host
 
     from sparkfleet.remote import check_sudo
 
     once(("sudo", host.name), lambda: check_sudo(host))  # before any fact: sudo must not prompt mid-run
-    return _fleet()["settings"][host.name]
+    state = _current_state()
+    if not locked:
+        return once("fleet asked", lambda: _asked(state), state)
+    return once("fleet", lambda: _planned(state), state)
+
+
+def fleet_settings(locked: bool = True) -> Settings:
+    """The current host's settings, validating the whole inventory once per run: its image
+    and revisions as sparkfleet.lock pins them, or (``locked=False``, for what reads
+    neither: the checks) as its data asks, without reading or completing the lock."""
+    from pyinfra import host
+
+    return _fleet(locked)["settings"][host.name]
 
 
 def all_settings() -> dict[str, Settings]:
-    """Every host's settings by inventory name (validated once per run)."""
-    fleet_settings()
+    """Every host's settings by inventory name (validated and locked once per run)."""
     return _fleet()["settings"]
+
+
+def fleet_lock() -> fleetlock.LockRun:
+    """This run's fleet lock (sparkfleet.lock completed for the inventory, once per run)."""
+    return _fleet()["lock"]
 
 
 def all_mirrors() -> dict[str, Mirror | None]:
     """Every host's mirror by inventory name, as chosen once per run (among the reachable
     hosts): without their addresses, which :func:`host_mirror` finds."""
-    fleet_settings()
-    return _fleet()["mirrors"]
+    return _fleet(locked=False)["mirrors"]
 
 
 def all_pairs() -> dict[str, Pair]:
     """Every pair member's Pair by inventory name (hosts outside a pair are absent)."""
-    fleet_settings()
-    return _fleet()["pairs"]
+    return _fleet(locked=False)["pairs"]
 
 
 def host_pair(name: str | None = None) -> Pair | None:

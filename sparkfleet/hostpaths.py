@@ -86,7 +86,11 @@ def repo_cache_dir(hf_home: str, repo_id: str) -> str:
 
 def snapshot_marker(hf_home: str, repo_id: str, revision: str) -> str:
     """Where runtime/fetch_weights.py marks a complete snapshot (kept in step with it)."""
-    return f"{hf_home}/sparkfleet/complete/{repo_id.replace('/', '--')}@{revision.replace('/', '%2F')}"
+    return f"{snapshot_markers_dir(hf_home)}/{repo_id.replace('/', '--')}@{revision.replace('/', '%2F')}"
+
+
+def snapshot_markers_dir(hf_home: str) -> str:
+    return f"{hf_home}/sparkfleet/complete"
 
 
 # --- the mirror host (fleet_mirror) ----------------------------------------------------

@@ -1,11 +1,12 @@
-"""The serving image: pulled when absent, pinnable by digest, nothing done when present.
+"""The serving image: pulled by the digest sparkfleet.lock names when absent, nothing done when present.
 
 With a mirror (``fleet_mirror``) every host pulls the mirror registry's byte-exact copy
 of ``image`` (same digest); without, ``image`` itself. A pull is checked: the host must
 end with the fleet's digest, or it fails saying which. The host then names the image
 locally (:func:`sparkfleet.mirror.names.local_image`) and runs it only by that name, so
-where it was pulled from is not part of what runs. One-shot runs of the image
-(downloads, builds) are made by :func:`one_shot`.
+where it was pulled from is not part of what runs. A host whose image by that name, or by
+the tag, is other bytes (pulled by hand) says so and pulls the locked ones. One-shot runs
+of the image (downloads, builds) are made by :func:`one_shot`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import shlex
 from dataclasses import dataclass
 
-from pyinfra import host
+from pyinfra import host, logger
 from pyinfra.api import deploy, operation
 from pyinfra.api.exceptions import OperationError
 from pyinfra.facts.docker import DockerImage, DockerSystemInfo
@@ -36,15 +37,37 @@ def pinned_digest(reference: str) -> str | None:
 def reads(settings: Settings) -> list[tuple]:
     """The facts this step reads while the deploy plans (read in the preflight's batch)."""
     return [(DockerImage, {"object_id": local_image(settings)}), (DockerImage, {"object_id": settings.image}),
-            (DockerSystemInfo, {})]
+            (DockerImage, {"object_id": settings.image.partition("@")[0]}), (DockerSystemInfo, {})]
+
+
+def _digests(ref: str) -> list[str] | None:
+    """The digests of the image ``ref`` names here (None: no such image)."""
+    images = snapshot.fact(DockerImage, object_id=ref) or []
+    return [d.split("@", 1)[1] for d in images[0].get("RepoDigests") or [] if "@" in d] if images else None
+
+
+def _holds(ref: str, digest: str | None) -> bool:
+    """Whether ``ref`` names an image here, and one of ``digest`` (when given)."""
+    digests = _digests(ref)
+    return digests is not None and (digest is None or digest in digests)
 
 
 def _present(ref: str) -> bool:
-    images = snapshot.fact(DockerImage, object_id=ref) or []
-    if not images:
-        return False
-    digest = pinned_digest(ref)
-    return digest is None or any(d.endswith("@" + digest) for d in images[0].get("RepoDigests") or [])
+    return _holds(ref, pinned_digest(ref))
+
+
+def other_bytes(reference: str, local: str) -> dict[str, list[str]]:
+    """The names of the image here (the local one, the tag) that are not the digest
+    ``reference`` pins: {name: its digests}."""
+    digest = pinned_digest(reference)
+    if digest is None:
+        return {}
+    found = {}
+    for name in (local, reference.partition("@")[0]):
+        digests = _digests(name)
+        if digests is not None and digest not in digests:
+            found[name] = digests
+    return found
 
 
 def is_present(reference: str) -> bool:
@@ -102,7 +125,7 @@ def disk_needs(settings: Settings) -> dict[str, float]:
     layer is deleted once unpacked); the containerd store keeps both under containerd's
     root. Nothing when the image is there or docker does not answer (the preflight says so)."""
     store = image_store()
-    if store is None or _present(local_image(settings)) or is_present(settings.image):
+    if store is None or _holds(local_image(settings), pinned_digest(settings.image)) or is_present(settings.image):
         return {}
     size = sizes(settings)
     return {store["path"]: size.unpacked_gib + (size.compressed_gib if store["containerd"] else 0.0)}
@@ -194,14 +217,19 @@ def pulled(reference: str, local: str):
       pin it as ``name@sha256:...`` for a fleet)
     + local: the name the host runs it by (``local_image``)
 
-    A tag that moved upstream is not re-pulled: pin a digest to change what runs. With a
-    mirror the pull comes from its registry, and a host left with another digest than the
-    fleet's fails with both digests named.
+    A tag that moved upstream is not re-pulled: sparkfleet.lock pins its digest, and
+    moving it (``--data fleet_lock_update=image``) changes what runs. With a mirror the pull
+    comes from its registry, and a host left with another digest than the fleet's fails
+    with both digests named.
     """
     used = host_mirror()
-    if _present(local):
+    digest = pinned_digest(reference)
+    if _holds(local, digest):
         host.noop(f"image {local} is present")
         return
+    for name, digests in other_bytes(reference, local).items():
+        logger.warning(f"    [{host.name}] holds {name} as {', '.join(d[:19] for d in digests) or 'no digest'}, "
+                       f"not the {digest[:19]} sparkfleet.lock names: pulling that")
     if _present(reference):
         yield f"docker tag {shlex.quote(reference)} {shlex.quote(local)}"
         return

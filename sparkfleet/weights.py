@@ -4,19 +4,21 @@ Downloads run inside the serving image with its huggingface_hub (the host needs 
 docker), into the host's HF cache, resumably; with a mirror (fleet_mirror) through the
 mirror's HF endpoint, every host at once. A repository counts as cached when
 ``runtime/fetch_weights.py`` wrote its completion marker, the snapshot it names exists and
-every blob of it was verified against its hash at its present size.
+every blob of it was verified against its hash at its present size. The revisions are
+the commits sparkfleet.lock names: a host holding another commit of a repository (cached
+before the lock, or before the lock moved) says so and fetches the locked one.
 """
 
 from __future__ import annotations
 
 import shlex
 
-from pyinfra import host
+from pyinfra import host, logger
 from pyinfra.api import deploy, operation
 
 from sparkfleet import mirror, remote, snapshot
 from sparkfleet.config import Settings
-from sparkfleet.facts import CachedSnapshot
+from sparkfleet.facts import CachedSnapshot, HeldArtifacts
 from sparkfleet.fleet import host_mirror
 from sparkfleet.hostpaths import repo_cache_dir
 from sparkfleet.image import one_shot
@@ -44,8 +46,22 @@ def _missing(repos: dict[str, str], hf_home: str, verify: bool = False) -> list[
 
 def reads(settings: Settings) -> list[tuple]:
     """The facts this step reads while the deploy plans (read in the preflight's batch)."""
-    return [(CachedSnapshot, {"hf_home": settings.hf_home, "repo_id": repo, "revision": revision})
-            for repo, revision in wanted(settings).items()]
+    return [*((CachedSnapshot, {"hf_home": settings.hf_home, "repo_id": repo, "revision": revision})
+              for repo, revision in wanted(settings).items()),
+            (HeldArtifacts, {"hf_home": settings.hf_home, "images": []})]
+
+
+def other_commits(repos: dict[str, str], missing: list[str], hf_home: str) -> dict[str, list[str]]:
+    """For each missing repository, the other commits of it this host holds complete
+    (cached before sparkfleet.lock, or before the lock moved)."""
+    markers = snapshot.fact(HeldArtifacts, hf_home=hf_home, images=[])["markers"]
+    found: dict[str, list[str]] = {}
+    for repo in missing:
+        prefix = repo.replace("/", "--") + "@"
+        held = {commit for name, commit in markers.items() if name.startswith(prefix) and commit != repos[repo]}
+        if held:
+            found[repo] = sorted(held)
+    return found
 
 
 def wanted(settings: Settings) -> dict[str, str]:
@@ -71,7 +87,7 @@ def cached(repos: dict[str, str], hf_home: str, image: str, hf_endpoint: str | N
     """
     Download each repository into the host's HF cache, unless its snapshot is complete.
 
-    + repos: repo id -> revision (branch, tag or commit)
+    + repos: repo id -> revision (the commit sparkfleet.lock names)
     + hf_home: the host's HF cache
     + image: the serving image's reference on the host (downloads run inside it)
     + hf_endpoint: where to download from (the mirror's HF endpoint; None: the hub)
@@ -82,6 +98,9 @@ def cached(repos: dict[str, str], hf_home: str, image: str, hf_endpoint: str | N
     if not missing:
         host.noop(f"cached: {', '.join(repos) or 'nothing to fetch'}")
         return
+    for repo, held in other_commits(repos, missing, hf_home).items():
+        logger.warning(f"    [{host.name}] holds {repo} at {', '.join(c[:12] for c in held)}, not the "
+                       f"{repos[repo][:12]} sparkfleet.lock names: fetching that")
     yield f"mkdir -p {shlex.quote(hf_home)}"
     used = host_mirror()
     if used:

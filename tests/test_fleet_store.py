@@ -102,7 +102,7 @@ def test_each_run_has_its_own_store_gone_with_its_state():
 def test_the_fleet_is_validated_once_per_run_and_each_hosts_sudo_checked_once(monkeypatch):
     validated, sudo = [], []
     real = fleet.validate_fleet
-    monkeypatch.setattr(fleet, "validate_fleet", lambda hosts: validated.append(1) or real(hosts))
+    monkeypatch.setattr(fleet, "validate_fleet", lambda hosts, **kw: validated.append(1) or real(hosts, **kw))
 
     def check_sudo(host):
         sudo.append(host.name)

@@ -9,13 +9,14 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from pyinfra import host
 from pyinfra.api import Config, Inventory, State
 from pyinfra.api.connect import connect_all
 from pyinfra.context import ctx_host, ctx_state
-from support.fleetdata import defaults
+from support.fleetdata import StubUpstream, defaults
 
 from sparkfleet import preflight
 
@@ -65,7 +66,7 @@ def pair_state():
     inventory = Inventory((names, {**defaults(), "fake_delay": 0, "fake_delay_jitter": 0}),
                           pair_a=(names[:2], {}))
     state = State(inventory, Config())
-    with ctx_state.use(state):
+    with ctx_state.use(state), mock.patch("sparkfleet.fleetlock.Upstream", StubUpstream):
         connect_all(state)
         yield state
 

@@ -50,6 +50,7 @@ def closed_port() -> int:
 
 @pytest.mark.parametrize("case,needle,key", [
     ("revision", "has no revision 'v9'", "model_revisions"),
+    ("gone", "has no revision 'v9'", "fleet_lock_update"),
     ("repo", "acme/missing does not exist", "hf_token"),
     ("gated", "is gated and the HF token has no access", "hf_token"),
     ("token", "refused the HF token", "hf_token"),
@@ -58,7 +59,7 @@ def closed_port() -> int:
 def test_an_expected_failure_is_one_line_with_its_fix(hub, tmp_path, case, needle, key):
     endpoint = f"http://127.0.0.1:{closed_port()}" if case == "network" else hub.url
     repo = {"repo": "acme/missing", "gated": GATED}.get(case, REPO)
-    revision = "v9" if case == "revision" else "main"
+    revision = "v9" if case in ("revision", "gone") else "main"
     token = "hf_wrong_token_0123456789" if case == "token" else None
     done = fetch(endpoint, tmp_path, repo, revision, token)
     out = done.stdout + done.stderr

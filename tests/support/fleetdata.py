@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import runpy
 import socket
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,9 +45,24 @@ def fake_state(names: list, data: dict | None = None, **groups: list[str]):
     from pyinfra.api.connect import connect_all
     from pyinfra.context import ctx_state
 
-    shared = {**defaults(), "fake_delay": 0, "fake_delay_jitter": 0, **(data or {})}
-    inventory = Inventory((list(names), shared), **{group: (members, {}) for group, members in groups.items()})
-    state = State(inventory, Config())
-    with ctx_state.use(state):
-        connect_all(state)
-        yield state
+    with tempfile.TemporaryDirectory() as tmp, mock.patch("sparkfleet.fleetlock.Upstream", StubUpstream):
+        # The fleet lock: a file of its own, and an upstream that answers without a network.
+        shared = {**defaults(), "fake_delay": 0, "fake_delay_jitter": 0, "fleet_lock_file": f"{tmp}/sparkfleet.lock",
+                  **(data or {})}
+        inventory = Inventory((list(names), shared), **{group: (members, {}) for group, members in groups.items()})
+        state = State(inventory, Config())
+        with ctx_state.use(state):
+            connect_all(state)
+            yield state
+
+
+class StubUpstream:
+    """sparkfleet.fleetlock.Upstream without a network: a commit and a digest made from the
+    reference, 1 GiB each."""
+
+    def model(self, endpoint: str, repo: str, revision: str, token: str | None) -> tuple[str, int]:
+        return revision if len(revision) == 40 else hashlib.sha1(f"{repo}@{revision}".encode()).hexdigest(), 1 << 30
+
+    def image(self, registry_url: str, reference: str) -> tuple[str, int]:
+        digest = reference.partition("@")[2]
+        return digest or "sha256:" + hashlib.sha256(reference.encode()).hexdigest(), 1 << 30
