@@ -36,6 +36,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                          f"controller resolves, through a generated ssh_config (default {login.DEFAULT_NAMES})")
     up.add_argument("--pairs", type=int, default=0,
                     help="join spark-1 + spark-2, spark-3 + spark-4, ... by a simulated ConnectX-7 link (default 0)")
+    up.add_argument("--unpinned", action="store_true",
+                    help="declare the image by its tag and every repository at main, as a real fleet is "
+                         "(sparkfleet.lock then resolves them); default: pinned by digest and commit")
     up.add_argument("--keep-on-failure", action="store_true", help="leave a failed fleet for inspection")
     up.set_defaults(func=_handled(_cmd_up))
 
@@ -83,7 +86,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise TestbedError(str(exc)) from None
     tb = fleet.up(args.hosts, sw, keep_on_failure=args.keep_on_failure, login_kind=args.login, names=args.names,
-                  n_pairs=args.pairs)
+                  n_pairs=args.pairs, pinned=not args.unpinned)
     _print_status(tb.status())
     print(f"\ninventory: {tb.inventory_path.relative_to(paths.REPO_ROOT)}  (hosts: {tb.hosts_json})")
     return 0

@@ -81,11 +81,12 @@ def _check_env() -> None:
 
 def up(n_hosts: int, host_switches: dict[str, dict[str, Any]] | None = None, *,
        keep_on_failure: bool = False, login_kind: str = login.DEFAULT_LOGIN,
-       names: str = login.DEFAULT_NAMES, n_pairs: int = 0) -> "Testbed":
+       names: str = login.DEFAULT_NAMES, n_pairs: int = 0, pinned: bool = True) -> "Testbed":
     """Boot a fresh fleet of *n_hosts* hosts (spark-1..N); return it. *login_kind* and
     *names* say how the controller logs in and what the inventory calls the hosts
     (login.py); *n_pairs* joins spark-1 + spark-2, ... by a simulated ConnectX-7 link
-    (pairs.py)."""
+    (pairs.py). *pinned* gives the image by digest and each repository by commit; False
+    leaves the tag and ``main``, as a fleet is declared (sparkfleet.lock resolves them)."""
     if not 1 <= n_hosts <= 50:
         raise TestbedError(f"--hosts must be 1..50, not {n_hosts}")
     login.check(login_kind, names)
@@ -112,7 +113,7 @@ def up(n_hosts: int, host_switches: dict[str, dict[str, Any]] | None = None, *,
         paths.LOG_DIR.mkdir(parents=True, exist_ok=True)
         state.save()
         try:
-            _up(state, host_names, host_switches, mark, t)
+            _up(state, host_names, host_switches, mark, t, pinned)
         except BaseException:
             state.save()
             if keep_on_failure:
@@ -150,7 +151,8 @@ def _mount_state_tmpfs() -> None:
          paths.STATE_DIR], timeout=30)
 
 
-def _up(state: State, names: list[str], host_switches: dict[str, dict[str, Any]], mark, t: float) -> None:
+def _up(state: State, names: list[str], host_switches: dict[str, dict[str, Any]], mark, t: float,
+        pinned: bool = True) -> None:
     # Cold cache: host root (~75 s), then the image root reusing its .debs (~45 s), while
     # the wheels download; warm, these are cache lookups.
     with ThreadPoolExecutor(max_workers=1) as pool:
@@ -201,11 +203,11 @@ def _up(state: State, names: list[str], host_switches: dict[str, dict[str, Any]]
     t = mark("hosts_ready", t)
 
     state.data = {
-        "image": state.image["pinned"],
+        "image": state.image["pinned"] if pinned else state.image["ref"],
         "hf_endpoint": paths.HUB_URL,
         "nvidia_apt_repo": paths.APT_URL,
         "nvidia_apt_key_url": paths.APT_KEY_URL,
-        "model_revisions": revisions,
+        **({"model_revisions": revisions} if pinned else {}),
         "image_size_gib": round(state.image["size_bytes"] / hubservice.GIB, 6),
         "artifact_sizes_gib": hubservice.repo_sizes_gib(revisions),
         # The hosts report a GB10's memory (simhw/meminfo.py) and the engine takes it as vLLM
@@ -220,6 +222,8 @@ def _up(state: State, names: list[str], host_switches: dict[str, dict[str, Any]]
         "image_registry_url": f"http://{paths.REGISTRY}",
         "api_key_file": paths.API_KEY_FILE,
         "mirror_tls_dir": paths.MIRROR_TLS_DIR,
+        # The fleet's sparkfleet.lock: in its state, gone with the fleet (never in the checkout).
+        "fleet_lock_file": str(paths.SPARKFLEET_LOCK),
     }
 
 

@@ -48,6 +48,9 @@ CACHE_DIR = Path("/var/cache/sparkfleet-testbed")
 #: Runtime state of one fleet; wiped by `up` and `down`.
 STATE_DIR = Path("/var/lib/sparkfleet-testbed" + _SUFFIX)
 STATE_FILE = STATE_DIR / "state.json"
+#: The fleet's sparkfleet.lock (its fleet_lock_file): removed with the fleet, so a fresh fleet
+#: resolves its references again and no test leaves a lock in the checkout.
+SPARKFLEET_LOCK = STATE_DIR / "sparkfleet.lock"
 HOSTS_DIR = STATE_DIR / "hosts"
 LOG_DIR = STATE_DIR / "logs"
 #: Outside STATE_DIR on purpose: it must survive the wipe of STATE_DIR it guards.
