@@ -60,6 +60,10 @@ mirror_tls_dir = ".sparkfleet/mirror-tls"
 # How the mirror (and the controller, resolving the fleet lock) reach the image's registry;
 # None: https://<the registry in `image`>.
 image_registry_url = None
+# A second olah on the mirror, offline: it serves its cache only. A host whose download of a
+# locked revision upstream refuses (the revision or repo deleted, history rewritten) fetches
+# it from there (olah online asks upstream about every file, and relays its 404).
+mirror_hf_offline_port = 8089
 
 # --- The fleet lock: sparkfleet.lock, the bytes every host serves ------------------------------
 # Where it lives; None: beside the inventory file (the current directory when the inventory

@@ -7,6 +7,11 @@ interrupted download resumes from the partial files on the next run; the complet
 marker is written only after every file of the snapshot is in place, so its presence
 is what "cached" means to the deploy.
 
+A revision the endpoint refuses (upstream deleted it, or the whole repository) is
+fetched from ``--fallback-endpoint`` when given: the fleet mirror's offline HF endpoint,
+which serves what the mirror holds without asking upstream (sparkfleet.lock's revisions
+stay deployable after upstream moved or deleted them).
+
 Every blob is checked against its own name before the marker is written: the cache
 names a blob by the Hub's ETag, the sha256 of an LFS file's content or the git blob
 sha1 of a small file. A blob that does not match is deleted and downloaded again, and
@@ -74,6 +79,16 @@ def corrupt_files(snapshot: Path, hf_home: str, recheck: bool,
     return bad
 
 
+#: What an endpoint answers for a revision, a repository or a file that is not (or no
+#: longer) there; a gated repository (a subclass of the repository's) is the token's problem.
+GONE = {"RevisionNotFoundError", "RepositoryNotFoundError", "EntryNotFoundError", "RemoteEntryNotFoundError"}
+
+
+def gone(exc: BaseException) -> bool:
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    return bool(names & GONE) and "GatedRepoError" not in names
+
+
 def explain(exc: BaseException, repo: str, revision: str, endpoint: str) -> str | None:
     """What went wrong and what to do, for the failures a download is expected to meet
     (by class name: huggingface_hub's errors moved between modules across versions);
@@ -84,7 +99,6 @@ def explain(exc: BaseException, repo: str, revision: str, endpoint: str) -> str 
         return (f"{repo} has no revision {revision!r} at {endpoint} — fix model_revisions (a branch, tag or commit of "
                 f"it); a commit sparkfleet.lock names that upstream deleted needs a mirror that holds it, or the "
                 f"lock moved: --data fleet_lock_update={repo}")
-
     if "GatedRepoError" in names:
         return (f"{repo} is gated and the HF token has no access — accept its terms on the Hub with the "
                 "token's account, or set hf_token")
@@ -107,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--revision", default="main")
     parser.add_argument("--allow", action="append", default=None, help="only files matching these globs")
     parser.add_argument("--verify", action="store_true", help="re-hash every blob, not only new ones")
+    parser.add_argument("--fallback-endpoint", default=None,
+                        help="where a revision the endpoint refuses comes from (the mirror's cache, offline)")
     args = parser.parse_args(argv)
 
     from huggingface_hub import snapshot_download
@@ -116,12 +132,28 @@ def main(argv: list[str] | None = None) -> int:
     endpoint = os.environ.get("HF_ENDPOINT", "the hub")
     print(f"fetching {args.repo_id}@{args.revision} from {endpoint}", flush=True)
 
+    def fetch(where: str | None) -> Path:
+        return Path(snapshot_download(
+            repo_id=args.repo_id, revision=args.revision, allow_patterns=args.allow, max_workers=4, endpoint=where,
+        ))
+
     def download() -> Path:
         try:
-            return Path(snapshot_download(
-                repo_id=args.repo_id, revision=args.revision, allow_patterns=args.allow, max_workers=4,
-            ))
+            return fetch(None)
         except Exception as exc:
+            if args.fallback_endpoint and gone(exc):
+                # "report: " lines reach the deploy's output (sparkfleet/tasks.py).
+                print(f"report: {args.repo_id}@{args.revision} is gone from {endpoint} ({type(exc).__name__}): "
+                      f"fetching it from the mirror's cache, {args.fallback_endpoint}", flush=True)
+                try:
+                    return fetch(args.fallback_endpoint)
+                except Exception as again:  # noqa: BLE001 - said below, with what upstream said
+                    print(f"{type(again).__name__} from {args.fallback_endpoint}: "
+                          f"{str(again).splitlines()[0] if str(again) else ''}", flush=True)
+                    print(f"error: {args.repo_id}@{args.revision} is gone from {endpoint}, and the mirror does not "
+                          "hold it either — pin a revision that exists (model_revisions), or move the lock: "
+                          f"--data fleet_lock_update={args.repo_id}", flush=True)
+                    raise SystemExit(2) from None
             what = explain(exc, args.repo_id, args.revision, endpoint)
             if what is None:
                 raise

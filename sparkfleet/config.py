@@ -171,6 +171,7 @@ class Settings(BaseModel):
     mirror_olah: Requirement
     mirror_tls_dir: ControllerPath
     image_registry_url: Url | None
+    mirror_hf_offline_port: int = Field(ge=1, le=65535)
     # The fleet lock: sparkfleet.lock (sparkfleet/fleetlock.py)
     fleet_lock_file: ControllerPath | None
     fleet_lock_update: list[str]

@@ -346,6 +346,7 @@ class Mirror:
     hf_port: int
     registry_port: int
     is_self: bool  # the current host is the mirror
+    hf_offline_port: int = 0  # the HF mirror serving its cache only (0: none)
 
     @property
     def netloc_host(self) -> str:
@@ -355,6 +356,11 @@ class Mirror:
     @property
     def hf_endpoint(self) -> str:
         return f"http://{self.netloc_host}:{self.hf_port}"
+
+    @property
+    def hf_offline_endpoint(self) -> str | None:
+        """The HF mirror that serves its cache only: revisions upstream no longer has."""
+        return f"http://{self.netloc_host}:{self.hf_offline_port}" if self.hf_offline_port else None
 
     @property
     def registry(self) -> str:
@@ -428,7 +434,8 @@ def fleet_mirrors(hosts: Iterable[Any], settings: dict[str, Settings],
         ms = settings[mirror]
         # The controller's name for the mirror (an SSH alias, a .local name) may mean
         # nothing to the other hosts: unless mirror_address says, it is found on them.
-        sources[name] = Mirror(mirror, ms.mirror_address, ms.mirror_hf_port, ms.mirror_registry_port, name == mirror)
+        sources[name] = Mirror(mirror, ms.mirror_address, ms.mirror_hf_port, ms.mirror_registry_port, name == mirror,
+                               ms.mirror_hf_offline_port)
     return sources
 
 

@@ -102,6 +102,10 @@ DOCKER_AUTH = "/root/.docker/config.json"  # docker login's credentials, also re
 HF_MIRROR_UNIT = "sparkfleet-hf-mirror.service"
 HF_MIRROR_UNIT_PATH = f"/etc/systemd/system/{HF_MIRROR_UNIT}"
 HF_MIRROR_CONFIG = f"{ETC_DIR}/hf-mirror.toml"
+# The same cache served offline (mirror_hf_offline_port): locked revisions upstream deleted.
+HF_MIRROR_OFFLINE_UNIT = "sparkfleet-hf-mirror-offline.service"
+HF_MIRROR_OFFLINE_UNIT_PATH = f"/etc/systemd/system/{HF_MIRROR_OFFLINE_UNIT}"
+HF_MIRROR_OFFLINE_CONFIG = f"{ETC_DIR}/hf-mirror-offline.toml"
 REGISTRY_UNIT = "docker-registry.service"
 REGISTRY_CONFIG = "/etc/docker/registry/config.yml"
 REGISTRY_CERT = "/etc/docker/registry/sparkfleet-mirror.crt"

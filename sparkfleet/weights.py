@@ -2,7 +2,8 @@
 
 Downloads run inside the serving image with its huggingface_hub (the host needs only
 docker), into the host's HF cache, resumably; with a mirror (fleet_mirror) through the
-mirror's HF endpoint, every host at once. A repository counts as cached when
+mirror's HF endpoint, every host at once, and a revision upstream no longer has from the
+mirror's cache (its offline HF endpoint). A repository counts as cached when
 ``runtime/fetch_weights.py`` wrote its completion marker, the snapshot it names exists and
 every blob of it was verified against its hash at its present size. The revisions are
 the commits sparkfleet.lock names: a host holding another commit of a repository (cached
@@ -83,7 +84,7 @@ def disk_needs(settings: Settings) -> dict[str, float]:
 
 @operation()
 def cached(repos: dict[str, str], hf_home: str, image: str, hf_endpoint: str | None, sizes_gib: dict[str, float],
-           verify: bool = False):
+           verify: bool = False, fallback_endpoint: str | None = None):
     """
     Download each repository into the host's HF cache, unless its snapshot is complete.
 
@@ -93,6 +94,8 @@ def cached(repos: dict[str, str], hf_home: str, image: str, hf_endpoint: str | N
     + hf_endpoint: where to download from (the mirror's HF endpoint; None: the hub)
     + sizes_gib: expected sizes, for the progress lines
     + verify: hash every cached blob again (``verify_weights``), not only new ones
+    + fallback_endpoint: where a revision upstream refuses comes from (the mirror's offline
+      HF endpoint, its cache only; None: nowhere)
     """
     missing = _missing(repos, hf_home, verify)
     if not missing:
@@ -110,6 +113,8 @@ def cached(repos: dict[str, str], hf_home: str, image: str, hf_endpoint: str | N
         args = f"/host/fetch_weights.py {shlex.quote(repo)} --revision {shlex.quote(repos[repo])}"
         if verify:
             args += " --verify"
+        if fallback_endpoint:
+            args += f" --fallback-endpoint {shlex.quote(fallback_endpoint)}"
         command = one_shot(image, hf_home, hf_endpoint, "sparkfleet-" + task.lower(), args)
         yield detached(task, command,
                        _progress(repo, hf_home, sizes_gib.get(repo, 0.0)))
@@ -120,4 +125,5 @@ def fetched(settings: Settings):
     """The profile's weights in the HF cache. Returns the download operation (for the report)."""
     return cached(name="weights in the HF cache", repos=wanted(settings), hf_home=settings.hf_home,
                   image=mirror.local_image(settings), hf_endpoint=mirror.hf_endpoint(settings),
-                  sizes_gib=settings.artifact_sizes_gib, verify=settings.verify_weights)
+                  sizes_gib=settings.artifact_sizes_gib, verify=settings.verify_weights,
+                  fallback_endpoint=mirror.hf_offline_endpoint(settings))

@@ -22,11 +22,11 @@ from sparkfleet.config import Settings
 from sparkfleet.fleet import host_mirror
 from sparkfleet.mirror import clients, server, tls
 from sparkfleet.mirror.clients import answers
-from sparkfleet.mirror.names import ImageName, hf_endpoint, image_reference, local_image
+from sparkfleet.mirror.names import ImageName, hf_endpoint, hf_offline_endpoint, image_reference, local_image
 from sparkfleet.mirror.report import track
 
-__all__ = ["ImageName", "answers", "configured", "disk_needs", "hf_endpoint", "image_reference", "local_image",
-           "track"]
+__all__ = ["ImageName", "answers", "configured", "disk_needs", "hf_endpoint", "hf_offline_endpoint", "image_reference",
+           "local_image", "track"]
 
 
 @deploy("Mirror")

@@ -10,7 +10,14 @@ from pyinfra.api import StringCommand, operation
 
 from sparkfleet import remote, snapshot
 from sparkfleet.fleet import Mirror
-from sparkfleet.hostpaths import FIREWALL_UNIT, HF_MIRROR_UNIT, REGISTRY_CONFIG, REGISTRY_UNIT, registry_ca_path
+from sparkfleet.hostpaths import (
+    FIREWALL_UNIT,
+    HF_MIRROR_OFFLINE_UNIT,
+    HF_MIRROR_UNIT,
+    REGISTRY_CONFIG,
+    REGISTRY_UNIT,
+    registry_ca_path,
+)
 
 
 def _probe(mirror: Mirror, service: str) -> tuple[str, str]:
@@ -35,7 +42,7 @@ def answers(mirror: Mirror, service: str) -> StringCommand:
 def _former_units() -> list[str]:
     """The mirror's services that run or are enabled here; docker-registry only when its
     configuration is ours (a registry the host runs for itself is not ours to stop)."""
-    units = [HF_MIRROR_UNIT, FIREWALL_UNIT]
+    units = [HF_MIRROR_UNIT, HF_MIRROR_OFFLINE_UNIT, FIREWALL_UNIT]
     if "sparkfleet" in (snapshot.text(REGISTRY_CONFIG) or ""):
         units.append(REGISTRY_UNIT)
     return [unit for unit in units if snapshot.unit(unit).get("ActiveState") == "active"
@@ -44,7 +51,8 @@ def _former_units() -> list[str]:
 
 def former_mirror_stopped(mirror: Mirror | None, **op_args):
     """An operation: :func:`_former_mirror_stopped` (what it reads declared to the snapshot)."""
-    snapshot.expect(texts=[REGISTRY_CONFIG], units=[HF_MIRROR_UNIT, FIREWALL_UNIT, REGISTRY_UNIT])
+    snapshot.expect(texts=[REGISTRY_CONFIG], units=[HF_MIRROR_UNIT, HF_MIRROR_OFFLINE_UNIT, FIREWALL_UNIT,
+                                                    REGISTRY_UNIT])
     return _former_mirror_stopped(mirror=mirror, **op_args)
 
 

@@ -50,19 +50,22 @@ class RegistryManifest(FactBase["str | None"]):
 
 
 class MirrorAnswers(FactBase[bool]):
-    """Whether the mirror registry and the HF mirror both answer on this host."""
+    """Whether the mirror registry and the HF mirrors (online, and offline on ``hf_offline_port``)
+    all answer on this host."""
 
     @staticmethod
     def default():
         return False
 
-    def requires_command(self, registry: str, hf_port: int) -> str:
+    def requires_command(self, registry: str, hf_port: int, hf_offline_port: int = 0) -> str:
         return "curl"
 
-    def command(self, registry: str, hf_port: int) -> str:
+    def command(self, registry: str, hf_port: int, hf_offline_port: int = 0) -> str:
         return (
             f"curl -sf -m 5 --cacert {hostpaths.REGISTRY_CERT} https://{registry}/v2/ >/dev/null && "
-            f"curl -s -m 5 -o /dev/null http://127.0.0.1:{hf_port}/ && echo yes || echo no"
+            + "".join(f"curl -s -m 5 -o /dev/null http://127.0.0.1:{port}/ && " for port in (hf_port, hf_offline_port)
+                      if port)
+            + "echo yes || echo no"
         )
 
     def process(self, output):

@@ -1,4 +1,4 @@
-"""The mirror's registry and HF mirror answer the fleet's hosts only: nftables rules.
+"""The mirror's registry and HF mirrors answer the fleet's hosts only: nftables rules.
 
 Why nftables and not the services' own access control: olah has none; the registry's
 (htpasswd or token auth) would put one more credential on every host and in every
@@ -29,7 +29,14 @@ from pyinfra.operations import systemd
 from sparkfleet import snapshot
 from sparkfleet.facts import RouteSource
 from sparkfleet.fleet import Mirror, all_mirrors, mirror_route
-from sparkfleet.hostpaths import FIREWALL_RULES, FIREWALL_UNIT, FIREWALL_UNIT_PATH, HF_MIRROR_UNIT, REGISTRY_UNIT
+from sparkfleet.hostpaths import (
+    FIREWALL_RULES,
+    FIREWALL_UNIT,
+    FIREWALL_UNIT_PATH,
+    HF_MIRROR_OFFLINE_UNIT,
+    HF_MIRROR_UNIT,
+    REGISTRY_UNIT,
+)
 
 TABLE = "sparkfleet_mirror"
 
@@ -94,7 +101,7 @@ def rules(sources: list[str], ports: list[int]) -> str:
 UNIT_TEXT = f"""# Rendered by sparkfleet: the mirror's fleet-only rules ({FIREWALL_RULES}).
 [Unit]
 Description=sparkfleet: the mirror answers the fleet's hosts only (nftables table {TABLE})
-Before={REGISTRY_UNIT} {HF_MIRROR_UNIT}
+Before={REGISTRY_UNIT} {HF_MIRROR_UNIT} {HF_MIRROR_OFFLINE_UNIT}
 
 [Service]
 Type=oneshot
@@ -123,7 +130,8 @@ def nftables_installed():
 def fleet_only(mirror: Mirror) -> list:
     """The registry and HF mirror ports open to the fleet's hosts only. Returns the ops."""
     installed = nftables_installed(name="nftables installed")
-    table = snapshot.file(FIREWALL_RULES, rules(fleet_sources(mirror), [mirror.registry_port, mirror.hf_port]),
+    ports = [mirror.registry_port, mirror.hf_port, mirror.hf_offline_port]
+    table = snapshot.file(FIREWALL_RULES, rules(fleet_sources(mirror), [p for p in ports if p]),
                           name="mirror firewall rules (fleet hosts only)")
     unit = snapshot.file(FIREWALL_UNIT_PATH, UNIT_TEXT, name=f"systemd unit {FIREWALL_UNIT}")
     systemd.daemon_reload(name=f"systemd reload for {FIREWALL_UNIT}", _if=unit.did_change)

@@ -7,7 +7,7 @@ from sparkfleet import hostpaths
 from sparkfleet.config import ImageName, Settings, upstream_registry_url
 from sparkfleet.fleet import Mirror, host_mirror
 
-__all__ = ["ImageName", "LOCAL_REPOSITORY", "hf_endpoint", "image_reference", "local_image",
+__all__ = ["ImageName", "LOCAL_REPOSITORY", "hf_endpoint", "hf_offline_endpoint", "image_reference", "local_image",
            "upstream_registry_url"]
 
 
@@ -30,3 +30,10 @@ def hf_endpoint(settings: Settings, mirror: Mirror | None = None) -> str | None:
     """The HF endpoint downloads use: the mirror's HF endpoint, or ``hf_endpoint``."""
     mirror = mirror if mirror is not None else host_mirror()
     return mirror.hf_endpoint if mirror else settings.hf_endpoint
+
+
+def hf_offline_endpoint(settings: Settings, mirror: Mirror | None = None) -> str | None:
+    """The mirror's HF endpoint that serves its cache only (None without a mirror): where a
+    download goes when upstream no longer has a locked revision."""
+    mirror = mirror if mirror is not None else host_mirror()
+    return mirror.hf_offline_endpoint if mirror else None

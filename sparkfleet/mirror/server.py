@@ -15,6 +15,9 @@ from sparkfleet.config import Settings
 from sparkfleet.fleet import Mirror
 from sparkfleet.hostpaths import (
     HF_MIRROR_CONFIG,
+    HF_MIRROR_OFFLINE_CONFIG,
+    HF_MIRROR_OFFLINE_UNIT,
+    HF_MIRROR_OFFLINE_UNIT_PATH,
     HF_MIRROR_UNIT,
     HF_MIRROR_UNIT_PATH,
     OLAH_LIB,
@@ -56,28 +59,14 @@ def served(settings: Settings, mirror: Mirror) -> list:
     )
 
     olah = hf.installed(name=f"HF mirror ({settings.mirror_olah}) installed", requirement=settings.mirror_olah)
-    scheme, netloc, lfs_netloc = hf.upstream_hub(settings.hf_endpoint)
-    hf_config = snapshot.template(
-        HF_MIRROR_CONFIG, str(TEMPLATES / "hf-mirror.toml.j2"), op_args={"name": "HF mirror configuration"},
-        port=mirror.hf_port, repos=mirror_hf_cache(settings.mirror_dir),
-        scheme=scheme, netloc=netloc, lfs_netloc=lfs_netloc, address=mirror.netloc_host,
-        listen="::" if ":" in str(mirror.address) else "0.0.0.0",
-    )
-    hf_unit = snapshot.template(
-        HF_MIRROR_UNIT_PATH, str(TEMPLATES / "sparkfleet-hf-mirror.service.j2"),
-        op_args={"name": f"systemd unit {HF_MIRROR_UNIT}"}, lib=OLAH_LIB, config=HF_MIRROR_CONFIG,
-        data_dir=f"{settings.mirror_dir}/hf", requirement=settings.mirror_olah,
-        # olah spends ~tens of ms of CPU per request; one process per core, up to 4.
-        workers=max(1, min(4, snapshot.cpus())),
-    )
     hf_data = snapshot.directory(mirror_hf_cache(settings.mirror_dir), name="HF mirror cache")
-    systemd.daemon_reload(name="systemd reload for the HF mirror unit", _if=hf_unit.did_change)
-    snapshot.service(HF_MIRROR_UNIT, name=f"{HF_MIRROR_UNIT} running")
-    hf_feeds = (olah, hf_config, hf_unit, hf_data)
-    systemd.service(
-        name=f"{HF_MIRROR_UNIT} restarted for its new configuration", service=HF_MIRROR_UNIT,
-        restarted=True, _if=lambda: any(op.did_change() for op in hf_feeds),
-    )
+    # The same cache twice: online (fetches from the hub), and offline (serves only what
+    # it holds: the locked revisions upstream refuses since, sparkfleet.fleetlock).
+    for offline, port, config_path, unit_name, unit_path, logs in (
+            (False, mirror.hf_port, HF_MIRROR_CONFIG, HF_MIRROR_UNIT, HF_MIRROR_UNIT_PATH, "logs"),
+            (True, mirror.hf_offline_port, HF_MIRROR_OFFLINE_CONFIG, HF_MIRROR_OFFLINE_UNIT,
+             HF_MIRROR_OFFLINE_UNIT_PATH, "logs-offline")):
+        _olah_served(settings, mirror, olah, hf_data, offline, port, config_path, unit_name, unit_path, logs)
     # Both answer before anything is fetched from them.
     ready = answering(name="registry and HF mirror answer", mirror=mirror)
     copy = registry.image_copied(
@@ -88,23 +77,56 @@ def served(settings: Settings, mirror: Mirror) -> list:
     return [installed, olah, ready, copy]
 
 
+def _olah_served(settings: Settings, mirror: Mirror, olah, hf_data, offline: bool, port: int, config_path: str,
+                 unit_name: str, unit_path: str, logs: str) -> None:
+    """One olah service over the mirror's HF cache: configured, running, restarted when
+    what it runs changed."""
+    scheme, netloc, lfs_netloc = hf.upstream_hub(settings.hf_endpoint)
+    what = "HF mirror" + (" (offline)" if offline else "")
+    hf_config = snapshot.template(
+        config_path, str(TEMPLATES / "hf-mirror.toml.j2"), op_args={"name": f"{what} configuration"},
+        port=port, repos=mirror_hf_cache(settings.mirror_dir), offline=offline,
+        scheme=scheme, netloc=netloc, lfs_netloc=lfs_netloc, address=mirror.netloc_host,
+        listen="::" if ":" in str(mirror.address) else "0.0.0.0",
+    )
+    hf_unit = snapshot.template(
+        unit_path, str(TEMPLATES / "sparkfleet-hf-mirror.service.j2"),
+        op_args={"name": f"systemd unit {unit_name}"}, lib=OLAH_LIB, config=config_path,
+        data_dir=f"{settings.mirror_dir}/hf", requirement=settings.mirror_olah, offline=offline, logs=logs,
+        # olah spends ~tens of ms of CPU per request; one process per core, up to 4 (offline:
+        # one, it serves only what upstream no longer has).
+        workers=1 if offline else max(1, min(4, snapshot.cpus())),
+    )
+    systemd.daemon_reload(name=f"systemd reload for the {what} unit", _if=hf_unit.did_change)
+    snapshot.service(unit_name, name=f"{unit_name} running")
+    feeds = (olah, hf_config, hf_unit, hf_data)
+    systemd.service(
+        name=f"{unit_name} restarted for its new configuration", service=unit_name,
+        restarted=True, _if=lambda: any(op.did_change() for op in feeds),
+    )
+
+
 @operation(is_idempotent=False)
 def answering(mirror: Mirror):
     """
-    Wait (up to 60 s) until the mirror registry and the HF mirror answer.
+    Wait (up to 60 s) until the mirror registry and the HF mirrors answer.
 
     + mirror: this host, the mirror
     """
-    if host.get_fact(MirrorAnswers, registry=mirror.registry, hf_port=mirror.hf_port):
-        host.noop("the registry and the HF mirror answer")
+    if host.get_fact(MirrorAnswers, registry=mirror.registry, hf_port=mirror.hf_port,
+                     hf_offline_port=mirror.hf_offline_port):
+        host.noop("the registry and the HF mirrors answer")
         return
+    offline = f"curl -s -m 5 -o /dev/null http://127.0.0.1:{mirror.hf_offline_port}/ && " if mirror.hf_offline_port else ""
     yield StringCommand(
         "sh", "-c",
         shlex.quote(
             "for i in $(seq 60); do "
             f"curl -sf -m 5 --cacert {REGISTRY_CERT} https://{mirror.registry}/v2/ >/dev/null && "
-            f"curl -s -m 5 -o /dev/null http://127.0.0.1:{mirror.hf_port}/ && exit 0; sleep 1; done; "
-            f"echo 'the mirror does not answer: see journalctl -u {REGISTRY_UNIT} -u {HF_MIRROR_UNIT}' >&2; "
-            f"journalctl -u {REGISTRY_UNIT} -u {HF_MIRROR_UNIT} -n 20 --no-pager -o cat >&2; exit 1"
+            f"curl -s -m 5 -o /dev/null http://127.0.0.1:{mirror.hf_port}/ && {offline}exit 0; sleep 1; done; "
+            f"echo 'the mirror does not answer: see journalctl -u {REGISTRY_UNIT} -u {HF_MIRROR_UNIT} "
+            f"-u {HF_MIRROR_OFFLINE_UNIT}' >&2; "
+            f"journalctl -u {REGISTRY_UNIT} -u {HF_MIRROR_UNIT} -u {HF_MIRROR_OFFLINE_UNIT} -n 20 --no-pager -o cat >&2; "
+            "exit 1"
         ),
     )

@@ -18,8 +18,8 @@ def test_auto_is_the_first_host_and_everyone_uses_it():
     got = mirrors(hosts)
     # No mirror_address: the address is found on the hosts (mirror.names.located), never
     # taken from the controller's name or ssh_hostname for it.
-    assert got["spark-1"] == Mirror("spark-1", None, 8090, 5000, True)
-    assert got["spark-2"] == Mirror("spark-1", None, 8090, 5000, False)
+    assert got["spark-1"] == Mirror("spark-1", None, 8090, 5000, True, 8089)
+    assert got["spark-2"] == Mirror("spark-1", None, 8090, 5000, False, 8089)
     given = fleet(("spark-1", {"mirror_address": "10.0.0.11"}), ("spark-2", {}))
     assert mirrors(given)["spark-2"].hf_endpoint == "http://10.0.0.11:8090"
     assert mirrors(given)["spark-2"].registry == "10.0.0.11:5000"

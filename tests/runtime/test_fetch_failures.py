@@ -32,13 +32,15 @@ def hub(tmp_path_factory):
         yield server
 
 
-def fetch(endpoint: str, tmp_path: Path, repo: str, revision: str, token: str | None = None):
+def fetch(endpoint: str, tmp_path: Path, repo: str, revision: str, token: str | None = None,
+          fallback: str | None = None):
     env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_DISABLE_XET": "1",
            "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_ETAG_TIMEOUT": "3", "HF_HUB_DOWNLOAD_TIMEOUT": "3"}
     env.pop("HF_TOKEN", None)
     if token:
         env["HF_TOKEN"] = token
-    return subprocess.run([sys.executable, str(FETCH), repo, "--revision", revision], env=env,
+    more = ["--fallback-endpoint", fallback] if fallback else []
+    return subprocess.run([sys.executable, str(FETCH), repo, "--revision", revision, *more], env=env,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -75,3 +77,26 @@ def test_a_complete_download_still_succeeds(hub, tmp_path):
     done = fetch(hub.url, tmp_path, REPO, "main")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "complete: acme/tiny@" in done.stdout
+
+
+def test_a_revision_upstream_deleted_comes_from_the_fallback_and_says_so(tmp_path):
+    """The mirror's offline endpoint stands in (here a second hub that still holds it)."""
+    gone, kept = tmp_path / "upstream", tmp_path / "mirror"
+    for root in (gone, kept):
+        (root / REPO / REV).mkdir(parents=True)
+        (root / REPO / REV / "config.json").write_text('{"a": 1}')
+    with HubServer(gone, "127.0.0.1", 0) as upstream, HubServer(kept, "127.0.0.1", 0) as mirror:
+        upstream.move_ref(REPO)
+        upstream.delete_revision(REPO, REV)  # a force-push: the locked commit is gone upstream
+        done = fetch(upstream.url, tmp_path, REPO, REV, fallback=mirror.url)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"report: {REPO}@{REV} is gone from {upstream.url} (RevisionNotFoundError): fetching it " \
+               f"from the mirror's cache, {mirror.url}" in done.stdout
+        assert f"complete: {REPO}@{REV}" in done.stdout
+        # Not there either: one line, with the fix.
+        mirror.move_ref(REPO)
+        mirror.delete_revision(REPO, REV)
+        failed = fetch(upstream.url, tmp_path / "again", REPO, REV, fallback=mirror.url)
+        assert failed.returncode == 2 and "Traceback" not in failed.stdout + failed.stderr
+        assert f"error: {REPO}@{REV} is gone from {upstream.url}, and the mirror does not hold it either" in failed.stdout
+        assert f"--data fleet_lock_update={REPO}" in failed.stdout
