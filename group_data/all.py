@@ -64,6 +64,12 @@ image_registry_url = None
 # locked revision upstream refuses (the revision or repo deleted, history rewritten) fetches
 # it from there (olah online asks upstream about every file, and relays its 404).
 mirror_hf_offline_port = 8089
+# Besides what sparkfleet.lock names, the mirror keeps this many artifacts per repository that
+# a lock named before (the image's digests, each model's commits), most recent first: a
+# redeploy, a rollback (the previous lock from version control) and a new host work after
+# upstream moved or deleted them. Older ones are deleted from the mirror. Each kept artifact
+# costs its full size (olah stores each commit's files apart; image layers are shared).
+mirror_keep_previous = 1
 
 # --- The fleet lock: sparkfleet.lock, the bytes every host serves ------------------------------
 # Where it lives; None: beside the inventory file (the current directory when the inventory

@@ -125,6 +125,11 @@ def mirror_registry_storage(mirror_dir: str) -> str:
     return f"{mirror_dir}/registry"
 
 
+def mirror_kept_record(mirror_dir: str) -> str:
+    """What the mirror keeps for the fleet lock, per repository, most recent first (mirror.keep)."""
+    return f"{mirror_dir}/kept.json"
+
+
 DOCKER_CERTS_DIR = "/etc/docker/certs.d"
 #: Beside a mirror registry's ca.crt: says the directory is sparkfleet's, to remove when
 #: the mirror moves (docker reads only *.crt, *.cert and *.key there).

@@ -10,9 +10,9 @@ from pyinfra import host
 from pyinfra.api import StringCommand, operation
 from pyinfra.operations import systemd
 
-from sparkfleet import snapshot
+from sparkfleet import fleetlock, snapshot
 from sparkfleet.config import Settings
-from sparkfleet.fleet import Mirror
+from sparkfleet.fleet import Mirror, fleet_lock
 from sparkfleet.hostpaths import (
     HF_MIRROR_CONFIG,
     HF_MIRROR_OFFLINE_CONFIG,
@@ -27,9 +27,10 @@ from sparkfleet.hostpaths import (
     REGISTRY_UNIT,
     REGISTRY_USER,
     mirror_hf_cache,
+    mirror_kept_record,
     mirror_registry_storage,
 )
-from sparkfleet.mirror import firewall, hf, registry, tls
+from sparkfleet.mirror import firewall, hf, keep, registry, tls
 from sparkfleet.mirror.facts import MirrorAnswers
 from sparkfleet.mirror.names import upstream_registry_url
 
@@ -74,6 +75,11 @@ def served(settings: Settings, mirror: Mirror) -> list:
         upstream=upstream_registry_url(settings.image, settings.image_registry_url),
         result_dir=settings.mirror_dir, mirror=mirror,
     )
+    snapshot.expect(texts=[mirror_kept_record(settings.mirror_dir)])
+    keep.kept(name="the mirror keeps what sparkfleet.lock names, and the previous ones",
+              record_path=mirror_kept_record(settings.mirror_dir), locked=fleetlock.artifacts(fleet_lock().lock),
+              keep_previous=settings.mirror_keep_previous, hf_cache=mirror_hf_cache(settings.mirror_dir),
+              registry=mirror.registry)
     return [installed, olah, ready, copy]
 
 
