@@ -49,6 +49,7 @@ else:
         pulled = image.present(settings)
         cached = weights.fetched(settings)
         mirror.track(settings, mirror_ops, pulled, cached, weights.repo_dirs(settings))
+        mirror.holds(settings)  # every file the lock names, so a host added after upstream deleted them deploys
         build = hybrid.checkpoint(settings)
         if member:  # NCCL on the link inside the image: RoCE, at the bus bandwidth floor
             link.measured(name="ConnectX-7 link: NCCL all_gather over RoCE", settings=settings, member=member)

@@ -130,6 +130,16 @@ def mirror_kept_record(mirror_dir: str) -> str:
     return f"{mirror_dir}/kept.json"
 
 
+def mirror_held_marker(mirror_dir: str, repo_id: str, commit: str) -> str:
+    """Says the HF mirror's cache holds every file of ``repo_id@commit`` (mirror.keep)."""
+    return f"{mirror_dir}/held/{repo_id.replace('/', '--')}@{commit}"
+
+
+def mirror_commit_dir(mirror_dir: str, repo_id: str, commit: str) -> str:
+    """Where olah keeps the files of ``repo_id@commit`` it served (each commit's apart)."""
+    return f"{mirror_hf_cache(mirror_dir)}/files/models/{repo_id}/resolve/{commit}"
+
+
 DOCKER_CERTS_DIR = "/etc/docker/certs.d"
 #: Beside a mirror registry's ca.crt: says the directory is sparkfleet's, to remove when
 #: the mirror moves (docker reads only *.crt, *.cert and *.key there).

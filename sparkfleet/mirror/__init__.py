@@ -19,14 +19,14 @@ from __future__ import annotations
 from pyinfra.api import deploy
 
 from sparkfleet.config import Settings
-from sparkfleet.fleet import host_mirror
-from sparkfleet.mirror import clients, server, tls
+from sparkfleet.fleet import all_settings, host_mirror
+from sparkfleet.mirror import clients, keep, server, tls
 from sparkfleet.mirror.clients import answers
 from sparkfleet.mirror.names import ImageName, hf_endpoint, hf_offline_endpoint, image_reference, local_image
 from sparkfleet.mirror.report import track
 
-__all__ = ["ImageName", "answers", "configured", "disk_needs", "hf_endpoint", "hf_offline_endpoint", "image_reference",
-           "local_image", "track"]
+__all__ = ["ImageName", "answers", "configured", "disk_needs", "hf_endpoint", "hf_offline_endpoint", "holds",
+           "image_reference", "local_image", "track"]
 
 
 @deploy("Mirror")
@@ -46,6 +46,20 @@ def configured(settings: Settings) -> list:
     else:
         ops.append(clients.former_mirror_stopped(name="former mirror: its services stopped", mirror=mirror))
     return ops
+
+
+@deploy("Mirror")
+def holds(settings: Settings) -> None:
+    """On the mirror host, once the hosts fetched: every file of each commit sparkfleet.lock
+    names in its HF cache, so a host added after upstream deleted them still deploys."""
+    mirror = host_mirror()
+    if not mirror or not mirror.is_self:
+        return
+    commits = sorted({(repo, s.revision(repo)) for s in all_settings().values() if s.serving
+                      for repo in s.repos_to_fetch})
+    keep.expected(settings.mirror_dir, commits)
+    keep.complete(name="the HF mirror holds every file of the locked commits", commits=commits,
+                  mirror_dir=settings.mirror_dir, hf_port=mirror.hf_port)
 
 
 def disk_needs(settings: Settings, image_gib: float, hf_gib: float) -> dict[str, float]:

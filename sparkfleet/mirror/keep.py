@@ -1,6 +1,6 @@
 """What the mirror keeps for the fleet lock, and what it deletes.
 
-It keeps every artifact sparkfleet.lock names (the image's manifest by digest in its
+It holds every artifact sparkfleet.lock names (the image's manifest by digest in its
 registry, each model commit's files in olah's cache) and, per repository, the last
 ``mirror_keep_previous`` that a lock named before them, most recent first: so a
 redeploy, a rollback (an older lock from version control) and a new host work after
@@ -12,6 +12,12 @@ registry's garbage collection (layers another kept manifest uses stay).
 
 The mirror host remembers what it keeps in ``mirror_dir/kept.json``; it changes only
 when the lock does, so a converged run changes nothing here.
+
+olah caches what it served, under the commit it was asked for: a host that already held a
+file of a new commit (unchanged since the last) never asks for it, so after a move the
+mirror may hold only the files that changed. So once the hosts fetched, the mirror asks
+its own HF mirror for every file of each locked commit it does not hold whole yet
+(:func:`complete`): what is cached comes from disk, the rest from upstream, once.
 """
 
 from __future__ import annotations
@@ -24,7 +30,15 @@ from pyinfra import host, logger
 from pyinfra.api import StringCommand, operation
 
 from sparkfleet import snapshot
-from sparkfleet.hostpaths import REGISTRY_CERT, REGISTRY_CONFIG
+from sparkfleet.hostpaths import (
+    HF_ENV,
+    REGISTRY_CERT,
+    REGISTRY_CONFIG,
+    mirror_commit_dir,
+    mirror_held_marker,
+    mirror_hf_cache,
+)
+from sparkfleet.tasks import detached
 
 GIB = 1024**3
 
@@ -75,15 +89,15 @@ def disk(record: dict[str, list[dict]], locked: list[dict[str, Any]]) -> str:
     return f"{total(True)}, {total(False)}"
 
 
-def deletion(artifact: dict[str, Any], hf_cache: str, registry: str) -> str:
+def deletion(artifact: dict[str, Any], mirror_dir: str, registry: str) -> str:
     """The command that deletes one artifact from the mirror."""
     q = shlex.quote
     if artifact["kind"] == "model":
-        org, _, name = artifact["name"].partition("/")
-        commit = artifact["pin"]
-        dirs = [f"{hf_cache}/files/models/{org}/{name}/resolve/{commit}",
-                f"{hf_cache}/heads/models/{org}/{name}/resolve_head/{commit}",
-                *(f"{hf_cache}/api/models/{org}/{name}/{kind}/{commit}" for kind in ("revision", "tree", "paths-info"))]
+        repo, commit = artifact["name"], artifact["pin"]
+        hf_cache = mirror_hf_cache(mirror_dir)
+        dirs = [mirror_commit_dir(mirror_dir, repo, commit), mirror_held_marker(mirror_dir, repo, commit),
+                f"{hf_cache}/heads/models/{repo}/resolve_head/{commit}",
+                *(f"{hf_cache}/api/models/{repo}/{kind}/{commit}" for kind in ("revision", "tree", "paths-info"))]
         return "rm -rf " + " ".join(q(d) for d in dirs)
     url = f"https://{registry}/v2/{artifact['name']}/manifests/{artifact['pin']}"
     # 202: deleted; 404: not there (never copied, or deleted before).
@@ -93,7 +107,7 @@ def deletion(artifact: dict[str, Any], hf_cache: str, registry: str) -> str:
 
 
 @operation()
-def kept(record_path: str, locked: list[dict[str, Any]], keep_previous: int, hf_cache: str, registry: str):
+def kept(record_path: str, locked: list[dict[str, Any]], keep_previous: int, mirror_dir: str, registry: str):
     """
     Keep what the fleet lock names and the last ``keep_previous`` per repository before it;
     delete the rest from the mirror.
@@ -101,7 +115,7 @@ def kept(record_path: str, locked: list[dict[str, Any]], keep_previous: int, hf_
     + record_path: the mirror's record of what it keeps (``mirror_dir/kept.json``)
     + locked: what sparkfleet.lock names (fleetlock.artifacts)
     + keep_previous: ``mirror_keep_previous``
-    + hf_cache / registry: olah's cache and the mirror registry (host:port)
+    + mirror_dir / registry: the mirror's state (olah's cache in it) and its registry (host:port)
     """
     record = parse_record(snapshot.text(record_path))
     new, deleted = next_record(record, locked, keep_previous)
@@ -111,10 +125,82 @@ def kept(record_path: str, locked: list[dict[str, Any]], keep_previous: int, hf_
     logger.info(f"    [{host.name}] the mirror keeps {disk(new, locked)}"
                 + (f"; deletes {', '.join(a['name'] + '@' + a['pin'][:19] for a in deleted)}" if deleted else ""))
     for artifact in deleted:
-        yield deletion(artifact, hf_cache, registry)
+        yield deletion(artifact, mirror_dir, registry)
     if any(a["kind"] == "image" for a in deleted):
         # Blobs no kept manifest references; the registry takes no upload meanwhile (the
         # image copy ran before this, the hosts pull after).
         yield f"docker-registry garbage-collect {REGISTRY_CONFIG} >/dev/null"
     text = json.dumps(new, indent=1, sort_keys=True) + "\n"
     yield StringCommand("printf", "%s", shlex.quote(text), ">", shlex.quote(record_path))
+
+
+#: Runs on the mirror host (its python3, stdlib only): asks its own HF mirror for the
+#: revision's metadata, its tree and every file of it (the bodies are dropped: olah keeps
+#: them), with the fleet's HF token from its 0600 file; marks the commit held when all came.
+_HOLD_PY = r"""
+import json, os, sys, urllib.parse, urllib.request
+base, repo, commit, marker, env_file = sys.argv[1:6]
+token = None
+try:
+    for line in open(env_file):
+        if line.startswith("HF_TOKEN="):
+            token = line.split("=", 1)[1].strip() or None
+except OSError:
+    pass
+headers = {"Authorization": "Bearer " + token} if token else {}
+def get(path):
+    return urllib.request.urlopen(urllib.request.Request(base + path, headers=headers), timeout=900)
+try:
+    get(f"/api/models/{repo}/revision/{commit}").read()
+    tree = json.load(get(f"/api/models/{repo}/tree/{commit}?recursive=true"))
+    files = [entry["path"] for entry in tree if entry.get("type") == "file"]
+    for path in files:
+        with get(f"/{repo}/resolve/{commit}/{urllib.parse.quote(path)}") as answer:
+            while answer.read(1 << 20):
+                pass
+except Exception as exc:
+    print(f"report: the mirror does not hold every file of {repo}@{commit} ({type(exc).__name__}: {exc}): "
+          "a host added after upstream deletes it cannot fetch it; the next deploy tries again", flush=True)
+    sys.exit(0)
+os.makedirs(os.path.dirname(marker), exist_ok=True)
+with open(marker, "w") as out:
+    out.write(f"{len(files)} files\n")
+print(f"the mirror holds {repo}@{commit}: {len(files)} files", flush=True)
+"""
+
+
+def held(mirror_dir: str, repo: str, commit: str) -> bool:
+    """Whether the HF mirror's cache holds every file of ``repo@commit`` (as far as the host
+    said when the deploy planned)."""
+    return bool(snapshot.text(mirror_held_marker(mirror_dir, repo, commit))) and \
+        (snapshot.file_state(mirror_commit_dir(mirror_dir, repo, commit)) or (0, "", ""))[2] == "directory"
+
+
+@operation()
+def complete(commits: list[tuple[str, str]], mirror_dir: str, hf_port: int):
+    """
+    Every file of each locked commit the hosts fetch, in the HF mirror's cache.
+
+    + commits: (repo id, commit) the fleet fetches, as sparkfleet.lock names them
+    + mirror_dir: the mirror's state (olah's cache, the markers of what it holds whole)
+    + hf_port: the (online) HF mirror on this host
+
+    Run once the hosts fetched (what they asked for is cached by then): a file no host
+    asked for (unchanged from a commit it held) comes from upstream once. A commit
+    upstream no longer serves whole is reported, never fails the mirror host.
+    """
+    missing = [(repo, commit) for repo, commit in commits if not held(mirror_dir, repo, commit)]
+    if not missing:
+        host.noop(f"the HF mirror holds every file of {len(commits)} locked commit(s)")
+        return
+    q = shlex.quote
+    for repo, commit in missing:
+        args = " ".join(q(a) for a in (f"http://127.0.0.1:{hf_port}", repo, commit,
+                                        mirror_held_marker(mirror_dir, repo, commit), HF_ENV))
+        yield detached(f"mirror-holds-{repo.replace('/', '--')}", f"python3 -c {q(_HOLD_PY)} {args}")
+
+
+def expected(mirror_dir: str, commits: list[tuple[str, str]]) -> None:
+    """Declare what :func:`complete` reads to the host's one read (sparkfleet.snapshot)."""
+    snapshot.expect(texts=[mirror_held_marker(mirror_dir, r, c) for r, c in commits],
+                    files=[mirror_commit_dir(mirror_dir, r, c) for r, c in commits])

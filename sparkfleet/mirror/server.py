@@ -78,8 +78,7 @@ def served(settings: Settings, mirror: Mirror) -> list:
     snapshot.expect(texts=[mirror_kept_record(settings.mirror_dir)])
     keep.kept(name="the mirror keeps what sparkfleet.lock names, and the previous ones",
               record_path=mirror_kept_record(settings.mirror_dir), locked=fleetlock.artifacts(fleet_lock().lock),
-              keep_previous=settings.mirror_keep_previous, hf_cache=mirror_hf_cache(settings.mirror_dir),
-              registry=mirror.registry)
+              keep_previous=settings.mirror_keep_previous, mirror_dir=settings.mirror_dir, registry=mirror.registry)
     return [installed, olah, ready, copy]
 
 

@@ -49,11 +49,43 @@ def test_what_it_takes_is_said_locked_and_previous_apart():
 
 
 def test_a_commit_leaves_olah_s_cache_and_an_image_the_registry_through_its_api():
-    model = deletion({"kind": "model", "name": DRAFTER, "pin": "1" * 40}, "/m/hf/repos", "10.0.0.1:5000")
+    model = deletion({"kind": "model", "name": DRAFTER, "pin": "1" * 40}, "/m", "10.0.0.1:5000")
     assert model.startswith("rm -rf ")
     for path in (f"/m/hf/repos/files/models/{DRAFTER}/resolve/{'1' * 40}",
                  f"/m/hf/repos/heads/models/{DRAFTER}/resolve_head/{'1' * 40}",
-                 f"/m/hf/repos/api/models/{DRAFTER}/tree/{'1' * 40}"):
+                 f"/m/hf/repos/api/models/{DRAFTER}/tree/{'1' * 40}", f"/m/held/z-lab--Qwen3.5-122B-A10B-DFlash@{'1' * 40}"):
         assert path in model
-    image = deletion({"kind": "image", "name": IMAGE, "pin": "sha256:" + "b" * 64}, "/m/hf/repos", "10.0.0.1:5000")
+    image = deletion({"kind": "image", "name": IMAGE, "pin": "sha256:" + "b" * 64}, "/m", "10.0.0.1:5000")
     assert "-X DELETE" in image and f"https://10.0.0.1:5000/v2/{IMAGE}/manifests/sha256:{'b' * 64}" in image
+
+
+def test_the_mirror_asks_its_hf_mirror_for_every_file_of_a_commit_and_marks_it_held(tmp_path):
+    """The hold program against a hub that answers as olah does (revision, tree, resolve)."""
+    import subprocess
+    import sys
+
+    from sparkfleet.mirror.keep import _HOLD_PY
+    from sparkfleet.testbed.hub import HubServer
+
+    commit = "1" * 40
+    (tmp_path / "repos" / DRAFTER / commit / "sub").mkdir(parents=True)
+    (tmp_path / "repos" / DRAFTER / commit / "model.safetensors").write_bytes(b"w" * 5000)
+    (tmp_path / "repos" / DRAFTER / commit / "sub" / "a b.json").write_text("{}")
+    (tmp_path / "hf.env").write_text("HF_TOKEN=hf_token_of_the_fleet_0123456789\n")
+    marker = tmp_path / "held" / f"z-lab--Qwen3.5-122B-A10B-DFlash@{commit}"
+
+    def hold(url: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", _HOLD_PY, url, DRAFTER, commit, str(marker), str(tmp_path / "hf.env")],
+                              capture_output=True, text=True, timeout=60)
+
+    with HubServer(tmp_path / "repos", "127.0.0.1", 0, token="hf_token_of_the_fleet_0123456789") as hub:
+        done = hold(hub.url)
+        assert done.returncode == 0 and f"the mirror holds {DRAFTER}@{commit}: 2 files" in done.stdout, done
+        assert marker.read_text() == "2 files\n" and hub.stats()["total"] == 5002
+        hub.move_ref(DRAFTER)
+        hub.delete_revision(DRAFTER, commit)
+        marker.unlink()
+        gone = hold(hub.url)
+    # Reported, the mirror host not failed, nothing marked: the next deploy tries again.
+    assert gone.returncode == 0 and gone.stdout.startswith(f"report: the mirror does not hold every file of {DRAFTER}@")
+    assert not marker.exists() and "hf_token_of_the_fleet" not in gone.stdout + gone.stderr
