@@ -119,7 +119,7 @@ def render(lock: FleetLock) -> str:
                       f"commit = {_q(entry.pin)}"]
         if entry.size is not None:
             what = "compressed, as the registry sends it" if entry.kind == "image" else "every file of the commit"
-            lines.append(f"size = {entry.size}  # {entry.size / GIB:.2f} GiB, {what}")
+            lines.append(f"size = {entry.size}  # {size_text(entry.size)}, {what}")
         lines += [f"resolved = {_q(entry.resolved)}", f"source = {_q(entry.source)}"]
     return "\n".join(lines) + "\n"
 
@@ -464,8 +464,11 @@ def _selected(w: Wanted, update: set[str]) -> bool:
     return bool(update & {"all", w.name} or ("image" in update and w.kind == "image"))
 
 
-def _gib(size: int | None) -> str:
-    return f"{size / GIB:.2f} GiB" if size is not None else "size unknown"
+def size_text(size: int | None) -> str:
+    """Bytes as the lock and the deploy show them: GiB, MiB for what is smaller."""
+    if size is None:
+        return "size unknown"
+    return f"{size / GIB:.2f} GiB" if size >= GIB / 10 else f"{size / 2**20:.1f} MiB"
 
 
 def changes(old: FleetLock, new: FleetLock) -> list[str]:
@@ -475,10 +478,10 @@ def changes(old: FleetLock, new: FleetLock) -> list[str]:
     for key, entry in sorted(new.entries.items()):
         before = old.get(key)
         if before is None:
-            lines.append(f"    + {entry.label}: {entry.short} ({_gib(entry.size)}, from {entry.source})")
+            lines.append(f"    + {entry.label}: {entry.short} ({size_text(entry.size)}, from {entry.source})")
         elif before.pin != entry.pin:
             lines.append(f"    ~ {entry.label}: {before.short} -> {entry.short} "
-                         f"({_gib(before.size)} -> {_gib(entry.size)})")
+                         f"({size_text(before.size)} -> {size_text(entry.size)})")
     return lines
 
 

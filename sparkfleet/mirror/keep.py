@@ -30,6 +30,7 @@ from pyinfra import host, logger
 from pyinfra.api import StringCommand, operation
 
 from sparkfleet import snapshot
+from sparkfleet.fleetlock import size_text
 from sparkfleet.hostpaths import (
     HF_ENV,
     REGISTRY_CERT,
@@ -39,8 +40,6 @@ from sparkfleet.hostpaths import (
     mirror_hf_cache,
 )
 from sparkfleet.tasks import detached
-
-GIB = 1024**3
 
 
 def next_record(record: dict[str, list[dict]], locked: list[dict[str, Any]],
@@ -82,8 +81,8 @@ def disk(record: dict[str, list[dict]], locked: list[dict[str, Any]]) -> str:
     def total(current: bool) -> str:
         known = [size for now, size in sizes if now == current]
         unknown = sum(1 for size in known if size is None)
-        gib = sum(size for size in known if size is not None) / GIB
-        return f"{len(known)} {'locked' if current else 'previous'} ({gib:.2f} GiB" + (
+        taken = size_text(sum(size for size in known if size is not None))
+        return f"{len(known)} {'locked' if current else 'previous'} ({taken}" + (
             f", {unknown} of unknown size)" if unknown else ")")
 
     return f"{total(True)}, {total(False)}"
