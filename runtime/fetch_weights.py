@@ -133,8 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"fetching {args.repo_id}@{args.revision} from {endpoint}", flush=True)
 
     def fetch(where: str | None) -> Path:
+        elsewhere = {"endpoint": where} if where else {}  # None: HF_ENDPOINT, as before
         return Path(snapshot_download(
-            repo_id=args.repo_id, revision=args.revision, allow_patterns=args.allow, max_workers=4, endpoint=where,
+            repo_id=args.repo_id, revision=args.revision, allow_patterns=args.allow, max_workers=4, **elsewhere,
         ))
 
     def download() -> Path:
