@@ -1,8 +1,9 @@
 """Per-host switches of the simulated hardware (docs/architecture.md).
 
 `gpu` (name, e.g. "NVIDIA H100 80GB HBM3") with optional `compute_cap` ("9.0"; looked up
-from the name if absent), `arch` ("x86_64"), `disk_full` and `no_nvidia_runtime`
-(booleans). On the CLI: `--switch spark-2:gpu=NVIDIA H100 80GB HBM3`,
+from the name if absent), `arch` ("x86_64"), `disk_full`, `no_nvidia_runtime` and
+`driver_mismatch` (booleans; the last: the driver was updated without a reboot, so
+nvidia-smi and every new GPU container fail with NVML's version mismatch). On the CLI: `--switch spark-2:gpu=NVIDIA H100 80GB HBM3`,
 `--switch spark-1:disk_full`, `--switch spark-3:arch=x86_64`.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-BOOL_SWITCHES = {"disk_full", "desktop", "no_nvidia_runtime", "nvidia_runtime", "cdi", "containerd_store"}  # hostkinds.py: the last three
+BOOL_SWITCHES = {"disk_full", "desktop", "no_nvidia_runtime", "driver_mismatch", "nvidia_runtime", "cdi", "containerd_store"}  # hostkinds.py: the last three
 STR_SWITCHES = {"gpu", "compute_cap", "arch"}
 ALL_SWITCHES = BOOL_SWITCHES | STR_SWITCHES
 

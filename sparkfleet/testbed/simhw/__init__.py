@@ -30,10 +30,15 @@ HOOK_SH = """#!/bin/sh
 # Simulated nvidia-container-runtime-hook (sparkfleet testbed): a real one would mount
 # the GPU devices and driver libraries into the container. There is no GPU here, so it
 # only records the call (for tests), copies nvidia-smi into the container as the real
-# hook mounts it, and succeeds.
+# hook mounts it, and succeeds; with the `driver_mismatch` switch it fails as the real
+# one does after a driver update without a reboot.
 state=$(cat 2>/dev/null)
 mkdir -p /run/sparkfleet-sim 2>/dev/null
 echo "$(date +%s) $*" >> /run/sparkfleet-sim/hook.log 2>/dev/null
+if grep -q '"driver_mismatch": *true' /etc/sparkfleet-sim/switches.json 2>/dev/null; then
+    echo "nvidia-container-cli: initialization error: nvml error: driver/library version mismatch" >&2
+    exit 1
+fi
 printf '%s' "$state" | python3 -c 'import json, os, shutil, sys
 b = json.load(sys.stdin)["bundle"]; r = os.path.join(b, json.load(open(os.path.join(b, "config.json")))["root"]["path"])
 os.makedirs(os.path.join(r, "usr/bin"), exist_ok=True); shutil.copy2("/usr/bin/nvidia-smi", os.path.join(r, "usr/bin/nvidia-smi"))' 2>/dev/null

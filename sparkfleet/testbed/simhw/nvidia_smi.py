@@ -5,7 +5,9 @@ Standalone, stdlib only: it is copied verbatim into each simulated host. It answ
 way the real tool does on a GB10: name `NVIDIA GB10`, compute capability 12.1, and
 `[N/A]` for the framebuffer memory fields (GB10 has unified memory, so nvidia-smi
 reports no dedicated memory). The per-host switch file (JSON, see the testbed docs)
-can turn it into another GPU (`gpu`, `compute_cap`).
+can turn it into another GPU (`gpu`, `compute_cap`), or into a host whose driver was
+updated without a reboot (`driver_mismatch`): then every call but `-h` fails as the real
+tool does, with NVML's "Driver/library version mismatch" and exit status 18.
 
 Supported: plain table; `-L`; `--query-gpu=a,b --format=csv[,noheader][,nounits]`;
 `-i/--id` 0; `--version`; `-q` (short). Unknown query fields fail like the real tool.
@@ -30,6 +32,12 @@ GB10 = {
     "vbios_version": "[N/A]",
     "memory": None,  # unified memory: reported as [N/A]
 }
+
+#: The userspace a driver update without a reboot leaves beside the loaded kernel module.
+UPDATED_LIBRARY = "580.126.09"
+#: nvidia-smi's status for NVML_ERROR_LIB_RM_VERSION_MISMATCH.
+MISMATCH_STATUS = 18
+
 
 #: Known compute capabilities, for a `gpu` switch given without `compute_cap`.
 KNOWN_CC = {
@@ -154,7 +162,16 @@ def table() -> str:
     return "\n".join(lines)
 
 
+def mismatch() -> int:
+    """What nvidia-smi prints when the library is newer than the kernel module."""
+    print("Failed to initialize NVML: Driver/library version mismatch")
+    print(f"NVML library version: {UPDATED_LIBRARY.rsplit('.', 1)[0]}")
+    return MISMATCH_STATUS
+
+
 def main(argv: list[str]) -> int:
+    if load_switches().get("driver_mismatch") and not {"-h", "--help"} & set(argv):
+        return mismatch()
     fields: list[str] | None = None
     fmt: set[str] = set()
     args = list(argv)
