@@ -20,11 +20,11 @@ from pyinfra.facts.docker import DockerSystemInfo
 from pyinfra.facts.files import File
 from pyinfra.facts.server import Arch
 
-from sparkfleet import credentials, hybrid, image, link, mirror, remote, service, snapshot, weights
+from sparkfleet import credentials, endpoint, haproxy, hybrid, image, link, mirror, remote, service, snapshot, weights
 from sparkfleet.config import Settings
-from sparkfleet.facts import BootTarget, FreeSpace, Gpu, Memory, PortHolders
-from sparkfleet.fleet import fleet_settings, host_pair, once
-from sparkfleet.hostpaths import CONTAINER, SECRETS_ENV, UNIT
+from sparkfleet.facts import BootTarget, Firewall, FreeSpace, Gpu, Listeners, Memory
+from sparkfleet.fleet import fleet_settings, host_mirror, host_pair, once
+from sparkfleet.hostpaths import AGENT_SOCKET, CONTAINER, HF_MIRROR_UNIT, REGISTRY_UNIT, SECRETS_ENV, UNIT
 
 EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 
@@ -76,10 +76,11 @@ def host_findings(settings: Settings) -> Findings:
     """Read this host's facts and judge them against what the steps say they still need:
     disk (``still_needed``) and the memory the service claims when it starts."""
     # Every question below, and the steps' own, in one read of the host (sparkfleet.snapshot).
-    snapshot.expect(facts=[(Arch, {}), (Gpu, {}), (Memory, {}), (BootTarget, {}),
-                           (PortHolders, {"port": settings.port, "container": CONTAINER}),
+    ports = listens(settings)
+    snapshot.expect(facts=[(Arch, {}), (Gpu, {}), (Memory, {}), (BootTarget, {}), (Firewall, {}),
+                           (Listeners, {"ports": sorted({p.port for p in ports}), "container": CONTAINER}),
                            *image.reads(settings), *weights.reads(settings)],
-                    files=[SECRETS_ENV], units=[UNIT])
+                    files=[SECRETS_ENV], units=[UNIT, AGENT_SOCKET])
     needs = still_needed(settings)
     memory_share = service.memory_needed(settings)
     found = Findings()
@@ -152,9 +153,10 @@ def host_findings(settings: Settings) -> Findings:
                 "give the key with --data api_key=..."
             )
 
-    port = service.port_problem(settings)
-    if port:
-        found.problems.append(port)
+    found.problems += port_problems(ports, snapshot.fact(Listeners, ports=sorted({p.port for p in ports}),
+                                                         container=CONTAINER),
+                                    agent_socket_active=snapshot.unit(AGENT_SOCKET).get("ActiveState") == "active")
+    found.problems += firewall_problems(ports, snapshot.fact(Firewall))
 
     pair = host_pair()
     if pair:  # the ConnectX-7 cable, its netdevs and RoCE devices
@@ -174,6 +176,120 @@ def host_findings(settings: Settings) -> Findings:
         f"(cc {gpu['compute_cap'] if gpu else '-'}, driver {gpu['driver_version'] if gpu else '-'})"
     )
     return found
+
+
+# --- ports and firewalls ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Listen:
+    """A TCP port this host will listen on, and what may already hold it."""
+
+    port: int
+    what: str  # what listens there, in words
+    key: str  # the setting that moves it
+    units: tuple[str, ...] = ()  # the systemd units whose processes are ours on it
+    container: bool = False  # our serving container holds it
+    agent_socket: bool = False  # systemd holds it for sparkfleet-agent.socket
+    reached_from: str = "<fleet subnet>"  # who connects to it ("": this host only)
+
+
+#: NVIDIA's DGX Spark playbooks run their own services on these ports of the same machines.
+PLAYBOOK_PORTS = (8080, 8090)
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+def listens(settings: Settings) -> list[Listen]:
+    """Every port this host will serve, by its roles: the engine (its API, not on a pair's
+    headless ranks; a pair head's rendezvous), the watchdog's agent answer, the mirror's
+    registry and HF mirror, the endpoint's front and Prometheus ports (its runtime API is a
+    unix socket, :data:`sparkfleet.haproxy.ADMIN_SOCKET`: no port)."""
+    pair = host_pair()
+    has_endpoint = endpoint.endpoint_name(state) is not None
+    found = []
+    if not pair or not pair.headless:
+        found.append(Listen(settings.port, "the engine's API", "port", container=True,
+                            reached_from="" if str(settings.bind_address) in LOOPBACK else "<fleet subnet>"))
+    if pair and pair.is_head:
+        found.append(Listen(pair.port, "the pair's rendezvous (its head's engine)", "pair_master_port",
+                            container=True, reached_from=settings.pair_subnet))
+    found.append(Listen(settings.watchdog_agent_port, "the watchdog's agent-check answer", "watchdog_agent_port",
+                        agent_socket=True, reached_from="<fleet endpoint's address>" if has_endpoint else ""))
+    source = host_mirror()
+    if source and source.is_self:
+        found += [Listen(source.registry_port, "the mirror's image registry", "mirror_registry_port",
+                         units=(REGISTRY_UNIT,)),
+                  Listen(source.hf_port, "the mirror's HF mirror (olah)", "mirror_hf_port", units=(HF_MIRROR_UNIT,))]
+    if endpoint.endpoint_name(state) == host.name:
+        found += [Listen(settings.endpoint_port, "the fleet endpoint (HAProxy)", "endpoint_port",
+                         units=(haproxy.UNIT,), reached_from="<clients' subnet>"),
+                  Listen(settings.endpoint_metrics_port, "the fleet endpoint's Prometheus metrics",
+                         "endpoint_metrics_port", units=(haproxy.UNIT,), reached_from="<clients' subnet>")]
+    return found
+
+
+def _ours(listen: Listen, holder: dict, agent_socket_active: bool) -> bool:
+    return ((listen.container and bool(holder.get("container")))
+            or holder.get("unit") in listen.units
+            or (listen.agent_socket and agent_socket_active and holder.get("pid") == 1))
+
+
+def port_problems(ports: list[Listen], holders: dict[int, list[dict]], agent_socket_active: bool = False) -> list[str]:
+    """A port two roles of this host want, and a port held by a process that is not ours
+    (not our container, not our own service of that role), each with its fix."""
+    problems = []
+    by_port: dict[int, list[Listen]] = {}
+    for listen in ports:
+        by_port.setdefault(listen.port, []).append(listen)
+    for port, wanted in by_port.items():
+        if len(wanted) > 1:
+            problems.append(f"port {port} is wanted by {' and by '.join(f'{w.what} ({w.key})' for w in wanted)}: "
+                            f"give one another port, e.g. --data {wanted[-1].key}=N")
+            continue
+        listen = wanted[0]
+        others = [h for h in holders.get(port, []) if not _ours(listen, h, agent_socket_active)]
+        if not others:
+            continue
+        held = ", ".join(f"{h.get('name') or '?'} (pid {h.get('pid')})" for h in others)
+        playbooks = (f" (NVIDIA's DGX Spark playbooks run their own services on {' and '.join(map(str, PLAYBOOK_PORTS))})"
+                     if port in PLAYBOOK_PORTS else "")
+        problems.append(f"port {port}, {listen.what}, is held by {held}{playbooks}: stop that process, or "
+                        f"choose another port with --data {listen.key}=N")
+    return problems
+
+
+def _open(port: int, ranges) -> bool:
+    return any(port in r for r in ranges)
+
+
+def firewall_problems(ports: list[Listen], firewall: dict) -> list[str]:
+    """A firewall on this host (ufw, or an nftables/iptables input chain whose policy drops)
+    with no accept for a port that other hosts or clients connect to, with the rule to add."""
+    reached = [p for p in ports if p.reached_from]
+    problems = []
+    ufw = firewall.get("ufw") or {}
+    if ufw.get("active") and ufw.get("incoming") != "allow":
+        closed = [p for p in reached if not _open(p.port, ufw.get("allowed", []))]
+        if closed:
+            rules = " && ".join(f"sudo ufw allow from {p.reached_from} to any port {p.port} proto tcp" for p in closed)
+            problems.append(f"ufw is active (incoming: {ufw.get('incoming') or 'deny'}) and allows no connection to "
+                            f"{_named(closed)}: the fleet cannot reach them; allow them: `{rules}`")
+        return problems  # ufw's own chains are the nftables ones below
+    for chain in firewall.get("chains", []):
+        closed = [p for p in reached if not _open(p.port, chain.get("accepted", []))]
+        if not closed:
+            continue
+        where = str(chain["chain"])
+        dports = ", ".join(str(p.port) for p in closed)
+        rule = (f"sudo iptables -I INPUT -p tcp -m multiport --dports {dports.replace(' ', '')} -j ACCEPT"
+                if where.startswith("iptables ") else f"sudo nft insert rule {where} tcp dport {{ {dports} }} accept")
+        problems.append(f"the firewall ({where}, policy {chain.get('policy')}) has no accept for {_named(closed)}: "
+                        f"the fleet cannot reach them; add one (and keep it in the firewall's saved rules): `{rule}`")
+    return problems
+
+
+def _named(ports: list[Listen]) -> str:
+    return ", ".join(f"port {p.port} ({p.what})" for p in ports)
 
 
 DESKTOP_TARGET = "graphical.target"

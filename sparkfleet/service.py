@@ -22,7 +22,6 @@ from pyinfra.operations import server
 
 from sparkfleet import container_runtime, credentials, ready, remote, rollout, snapshot
 from sparkfleet.config import Settings
-from sparkfleet.facts import PortHolders
 from sparkfleet.hostpaths import (
     AUTH_HEADER,
     COMPILE_SIGNATURE,
@@ -51,16 +50,6 @@ def memory_needed(settings: Settings) -> float:
     memory is already ours."""
     running = snapshot.unit(UNIT).get("ActiveState") == "active"
     return 0.0 if running else settings.gpu_memory_utilization
-
-
-def port_problem(settings: Settings) -> str | None:
-    """Why the service could not bind its port here, or None: the port is free or held
-    by our own serving container."""
-    holders = snapshot.fact(PortHolders, port=settings.port, container=CONTAINER)
-    if not holders:
-        return None
-    return (f"port {settings.port} is held by {', '.join(holders)}: stop that process, or choose "
-            "another port with --data port=N")
 
 
 # --- private files ------------------------------------------------------------------------

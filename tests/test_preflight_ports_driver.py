@@ -1,0 +1,226 @@
+"""The preflight's ports and firewalls: what the facts make of hosts' answers, what
+each finding says, and the whole preflight on @fake hosts (no fleet)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from pyinfra.context import ctx_host
+from support.fleetdata import fake_state
+
+from sparkfleet import preflight
+from sparkfleet.facts import ALL, Firewall, Listeners
+from sparkfleet.fleet import fleet_settings
+from sparkfleet.preflight import Listen
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "fake_fleet.py"
+
+
+# --- the facts ------------------------------------------------------------------------------
+
+
+def test_one_read_names_every_ports_holders_and_whether_they_are_our_container():
+    cid = "4f1c" * 16
+    got = Listeners().process([
+        f"container {cid}",
+        f"listen 8000 901 /system.slice/docker-{cid}.scope vllm",
+        f"listen 8000 901 /system.slice/docker-{cid}.scope vllm",  # its IPv6 socket
+        "listen 8080 77 /system.slice/open-webui.service open-webui",
+        "listen 8009 1 /init.scope systemd",
+    ])
+    assert got == {8000: [{"name": "vllm", "pid": 901, "unit": f"docker-{cid}.scope", "container": True}],
+                   8080: [{"name": "open-webui", "pid": 77, "unit": "open-webui.service", "container": False}],
+                   8009: [{"name": "systemd", "pid": 1, "unit": "init.scope", "container": False}]}
+    # No container of ours: nothing is ours by id; a port nobody holds is absent.
+    assert Listeners().process(["container ", "listen 8000 5 /user.slice/x.scope python3"])[8000][0]["container"] is False
+    command = Listeners().command(ports=[8009, 8000, 8000], container="sparkfleet-serve")
+    assert command.count("ss -Hltnp") == 1 and "'( sport = :8000 or sport = :8009 )'" in command
+
+
+UFW_ACTIVE = ["## ufw", "Status: active", "Logging: on (low)", "Default: deny (incoming), allow (outgoing), disabled (routed)",
+              "New profiles: skip", "", "To                         Action      From",
+              "--                         ------      ----",
+              "22/tcp                     ALLOW IN    Anywhere",
+              "8000/tcp                   ALLOW IN    192.168.1.0/24",
+              "5000:5010/tcp              ALLOW IN    Anywhere",
+              "9000/udp                   ALLOW IN    Anywhere",
+              "OpenSSH                    ALLOW IN    Anywhere",
+              "22/tcp (v6)                ALLOW IN    Anywhere (v6)"]
+
+
+def test_ufw_is_read_from_its_status():
+    ufw = Firewall().process(UFW_ACTIVE)["ufw"]
+    assert ufw["active"] and ufw["incoming"] == "deny"
+    assert [(r.start, r.stop - 1) for r in ufw["allowed"]] == [(22, 22), (8000, 8000), (5000, 5010), (22, 22)]
+    assert Firewall().process(["## ufw", "Status: inactive"])["ufw"]["active"] is False
+    assert Firewall().process(["## ufw", "ERROR: You need to be root to run this script"])["ufw"] is None
+    assert Firewall().process([]) == {"ufw": None, "chains": []}
+
+
+NFT = """table inet filter {
+	chain input {
+		type filter hook input priority filter; policy drop;
+		ct state established,related accept
+		iif "lo" accept
+		tcp dport 22 accept
+		tcp dport { 5000, 8090 } accept
+		jump fleet
+	}
+	chain fleet {
+		tcp dport 8000-8009 accept
+	}
+	chain forward {
+		type filter hook forward priority filter; policy drop;
+	}
+}
+table ip nat {
+	chain POSTROUTING {
+		type nat hook postrouting priority srcnat; policy accept;
+	}
+}""".splitlines()
+
+
+def test_an_nftables_input_chain_that_drops_is_read_with_what_it_accepts():
+    chains = Firewall().process(["## nft", *NFT])["chains"]
+    assert [c["chain"] for c in chains] == ["inet filter input"] and chains[0]["policy"] == "drop"
+    opened = chains[0]["accepted"]
+    assert all(any(p in r for r in opened) for p in (22, 5000, 8090, 8000, 8009))
+    assert not any(8080 in r for r in opened)
+    # A rule it cannot read (a named set) counts as open: only a sure block is reported.
+    fuzzy = Firewall().process(["## nft", "table inet f {", "chain input {",
+                                "type filter hook input priority 0; policy drop;", "tcp dport @fleet accept", "}", "}"])
+    assert fuzzy["chains"][0]["accepted"] == list(ALL)
+    # An input chain whose policy accepts (docker's, our mirror's) blocks nothing.
+    assert Firewall().process(["## nft", "table ip filter {", "chain INPUT {",
+                               "type filter hook input priority filter; policy accept;", "}", "}"])["chains"] == []
+
+
+def test_iptables_without_nft_is_read_from_its_input_chain():
+    chains = Firewall().process(["## iptables", "-P INPUT DROP", "-P FORWARD DROP", "-P OUTPUT ACCEPT",
+                                 "-A INPUT -i lo -j ACCEPT", "-A INPUT -p tcp -m tcp --dport 22 -j ACCEPT",
+                                 "-A INPUT -p tcp -m multiport --dports 8000,8009 -j ACCEPT"])["chains"]
+    assert chains[0]["chain"] == "iptables INPUT"
+    assert [p for p in (22, 8000, 8009, 8080) if any(p in r for r in chains[0]["accepted"])] == [22, 8000, 8009]
+
+
+# --- the findings -----------------------------------------------------------------------------
+
+SERVE = Listen(8000, "the engine's API", "port", container=True)
+AGENT = Listen(8009, "the watchdog's agent-check answer", "watchdog_agent_port", agent_socket=True)
+FRONT = Listen(8080, "the fleet endpoint (HAProxy)", "endpoint_port", units=("haproxy.service",),
+               reached_from="<clients' subnet>")
+HF = Listen(8090, "the mirror's HF mirror (olah)", "mirror_hf_port", units=("sparkfleet-hf-mirror.service",))
+
+
+def holder(name: str, pid: int, unit: str, container: bool = False) -> dict:
+    return {"name": name, "pid": pid, "unit": unit, "container": container}
+
+
+def test_a_port_held_by_a_process_not_ours_names_it_the_key_and_nvidias_habit():
+    problems = preflight.port_problems([SERVE, FRONT], {8080: [holder("open-webui", 77, "open-webui.service")]})
+    assert problems == [
+        "port 8080, the fleet endpoint (HAProxy), is held by open-webui (pid 77) (NVIDIA's DGX Spark playbooks run "
+        "their own services on 8080 and 8090): stop that process, or choose another port with --data endpoint_port=N"]
+    problems = preflight.port_problems([SERVE], {8000: [holder("python3", 5, "session-1.scope")]})
+    assert problems == ["port 8000, the engine's API, is held by python3 (pid 5): stop that process, or choose "
+                        "another port with --data port=N"]
+
+
+def test_our_own_holders_are_no_problem():
+    ours = {8000: [holder("vllm", 9, "docker-ab.scope", container=True)],
+            8009: [holder("systemd", 1, "init.scope")],
+            8080: [holder("haproxy", 70, "haproxy.service")],
+            8090: [holder("olah-cli", 80, "sparkfleet-hf-mirror.service")]}
+    assert preflight.port_problems([SERVE, AGENT, FRONT, HF], ours, agent_socket_active=True) == []
+    # systemd on the agent's port is ours only while our socket unit is what listens.
+    assert "8009" in preflight.port_problems([AGENT], ours, agent_socket_active=False)[0]
+    # haproxy is ours on the endpoint's ports, not on the engine's.
+    assert preflight.port_problems([SERVE], {8000: [holder("haproxy", 70, "haproxy.service")]})
+
+
+def test_two_roles_on_one_port_are_a_problem():
+    clash = Listen(8000, "the fleet endpoint (HAProxy)", "endpoint_port", units=("haproxy.service",))
+    assert preflight.port_problems([SERVE, clash], {}) == [
+        "port 8000 is wanted by the engine's API (port) and by the fleet endpoint (HAProxy) (endpoint_port): give "
+        "one another port, e.g. --data endpoint_port=N"]
+
+
+def test_an_active_ufw_without_a_rule_names_the_ports_and_the_rule_to_add():
+    ports = [SERVE, AGENT, FRONT, Listen(8009, "x", "k", reached_from="")]
+    problems = preflight.firewall_problems(ports[:3], Firewall().process(UFW_ACTIVE))
+    assert problems == [
+        "ufw is active (incoming: deny) and allows no connection to port 8009 (the watchdog's agent-check answer), "
+        "port 8080 (the fleet endpoint (HAProxy)): the fleet cannot reach them; allow them: "
+        "`sudo ufw allow from <fleet subnet> to any port 8009 proto tcp && "
+        "sudo ufw allow from <clients' subnet> to any port 8080 proto tcp`"]
+    # 8000 has its rule; ufw inactive or allowing incoming blocks nothing; a port only this host uses needs none.
+    assert preflight.firewall_problems([SERVE], Firewall().process(UFW_ACTIVE)) == []
+    assert preflight.firewall_problems(ports, Firewall().process(["## ufw", "Status: inactive"])) == []
+    assert preflight.firewall_problems([ports[3]], Firewall().process(UFW_ACTIVE)) == []
+
+
+def test_an_input_chain_that_drops_names_the_ports_and_the_rule_to_add():
+    problems = preflight.firewall_problems([SERVE, FRONT, HF], Firewall().process(["## nft", *NFT]))
+    assert problems == [
+        "the firewall (inet filter input, policy drop) has no accept for port 8080 (the fleet endpoint (HAProxy)): "
+        "the fleet cannot reach them; add one (and keep it in the firewall's saved rules): "
+        "`sudo nft insert rule inet filter input tcp dport { 8080 } accept`"]
+
+
+# --- the ports each role serves ----------------------------------------------------------------
+
+
+def settings_with(monkeypatch, name: str = "spark-1", pair=None, mirror=None, endpoint_name=None, **data):
+    from support.fleetdata import fleet
+
+    from sparkfleet.fleet import validate_fleet
+
+    monkeypatch.setattr(preflight, "host", SimpleNamespace(name=name))
+    monkeypatch.setattr(preflight, "host_pair", lambda: pair)
+    monkeypatch.setattr(preflight, "host_mirror", lambda: mirror)
+    monkeypatch.setattr(preflight.endpoint, "endpoint_name", lambda state: endpoint_name)
+    return validate_fleet(fleet((name, data)))[name]
+
+
+def test_each_role_adds_its_ports(monkeypatch):
+    from sparkfleet.fleet import Mirror
+
+    plain = preflight.listens(settings_with(monkeypatch))
+    assert [(p.port, p.key, bool(p.reached_from)) for p in plain] == [(8000, "port", True),
+                                                                      (8009, "watchdog_agent_port", False)]
+    everything = preflight.listens(settings_with(monkeypatch, mirror=Mirror("spark-1", None, 8090, 5000, True),
+                                                 endpoint_name="spark-1"))
+    assert [p.port for p in everything] == [8000, 8009, 5000, 8090, 8080, 8405]
+    assert all(p.reached_from for p in everything)  # the endpoint reaches the agent; clients the rest
+    local = preflight.listens(settings_with(monkeypatch, bind_address="127.0.0.1"))
+    assert not local[0].reached_from
+    head = SimpleNamespace(headless=False, is_head=True, port=29500)
+    rank1 = SimpleNamespace(headless=True, is_head=False, port=29500)
+    assert [p.port for p in preflight.listens(settings_with(monkeypatch, pair=head))] == [8000, 29500, 8009]
+    assert [p.port for p in preflight.listens(settings_with(monkeypatch, pair=rank1))] == [8009]
+
+
+# --- the whole preflight, on @fake hosts --------------------------------------------------------
+
+
+def fake_kind(kind: str) -> dict:
+    spec = importlib.util.spec_from_file_location("fake_fleet_kinds", FIXTURE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module._kinds[kind]
+
+
+@pytest.mark.parametrize("kind, expected", [
+    ("busy", "port 8000, the engine's API, is held by open-webui (pid 4242)"),
+    ("ufw", "ufw is active (incoming: deny) and allows no connection to port 8000 (the engine's API)"),
+])
+def test_the_preflight_stops_a_host_with_each_finding(kind, expected):
+    with fake_state(["@fake/spark-1"], {"fake_responses": fake_kind(kind), "fleet_mirror": None}) as state:
+        with ctx_host.use(state.inventory.get_host("@fake/spark-1")):
+            found = preflight.host_findings(fleet_settings())
+    assert any(problem.startswith(expected) for problem in found.problems), found.problems
+    assert len(found.problems) == 1, found.problems  # nothing else is wrong with that host
+
