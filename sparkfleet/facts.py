@@ -27,18 +27,39 @@ MANIFEST_ACCEPT = (
 # --- the host (preflight) ------------------------------------------------------------
 
 
-class Gpu(FactBase["dict[str, str] | None"]):
-    """The first GPU as ``nvidia-smi`` reports it, or None without a working nvidia-smi."""
+#: What nvidia-smi says when the driver's userspace was updated and its kernel module was not
+#: reloaded (a driver update without a reboot): every new GPU container fails the same way.
+NVML_MISMATCH = "Driver/library version mismatch"
+
+
+class Gpu(FactBase["dict[str, object] | None"]):
+    """The first GPU as ``nvidia-smi`` reports it, or None without a working nvidia-smi.
+
+    A driver updated without a reboot answers NVML's version mismatch: then the name fields
+    are empty and ``mismatch`` holds the loaded kernel module's version and the library's
+    ("" where unread)."""
 
     def requires_command(self) -> str:
         return "nvidia-smi"
 
     def command(self) -> str:
         # A driver that does not answer is an answer too: its message parses as no GPU,
-        # and the preflight says what to do.
-        return "nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader 2>&1 || true"
+        # and the preflight says what to do. On a mismatch, the version of the kernel module
+        # still loaded (the library's is in nvidia-smi's message).
+        return (
+            "o=$(nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader 2>&1); "
+            f'echo "$o"; case "$o" in *{shlex.quote(NVML_MISMATCH)}*) echo "kernel_module=$('
+            "cat /sys/module/nvidia/version 2>/dev/null || grep -o '  [0-9][0-9.]*  ' /proc/driver/nvidia/version "
+            "2>/dev/null | head -n 1 | tr -d ' ')\";; esac; true"
+        )
 
     def process(self, output):
+        if any(NVML_MISMATCH in line for line in output):
+            found = dict(line.strip().split("=", 1) for line in output if line.startswith("kernel_module="))
+            library = next((line.split(":", 1)[1].strip() for line in output
+                            if line.startswith("NVML library version:")), "")
+            return {"name": "", "compute_cap": "", "driver_version": "",
+                    "mismatch": {"kernel_module": found.get("kernel_module", ""), "library": library}}
         for line in output:
             parts = [p.strip() for p in line.split(",")]
             if len(parts) == 3 and parts[0]:

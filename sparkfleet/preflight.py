@@ -96,6 +96,8 @@ def host_findings(settings: Settings) -> Findings:
         found.problems.append(
             "nvidia-smi does not answer: install the NVIDIA driver (DGX OS ships it) and reboot"
         )
+    elif "mismatch" in gpu:
+        found.problems.append(driver_mismatch_problem(gpu["mismatch"]))
     else:
         if gpu["name"] != GB10_NAME or gpu["compute_cap"] != GB10_COMPUTE_CAPABILITY:
             gate.append(
@@ -172,10 +174,19 @@ def host_findings(settings: Settings) -> Findings:
             found.warnings.append(warning)
 
     found.summary = (
-        f"{arch}, {gpu['name'] if gpu else 'no GPU'} "
+        f"{arch}, {gpu['name'] or 'GPU unread' if gpu else 'no GPU'} "
         f"(cc {gpu['compute_cap'] if gpu else '-'}, driver {gpu['driver_version'] if gpu else '-'})"
     )
     return found
+
+
+def driver_mismatch_problem(versions: dict[str, str]) -> str:
+    """A driver updated without a reboot: the kernel module still loaded is the old one."""
+    found = ", ".join(f"{what} {version}" for what, version in (("kernel module", versions.get("kernel_module")),
+                                                               ("library", versions.get("library"))) if version)
+    return (f"the NVIDIA driver was updated without a reboot ({found or 'versions unread'}): nvidia-smi says "
+            "\"Failed to initialize NVML: Driver/library version mismatch\" and every new GPU container would "
+            "fail: reboot the host (`sudo reboot`), then deploy again")
 
 
 # --- ports and firewalls ------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The preflight's ports and firewalls: what the facts make of hosts' answers, what
+"""The preflight's ports, firewalls and driver: what the facts make of hosts' answers, what
 each finding says, and the whole preflight on @fake hosts (no fleet)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pyinfra.context import ctx_host
 from support.fleetdata import fake_state
 
 from sparkfleet import preflight
-from sparkfleet.facts import ALL, Firewall, Listeners
+from sparkfleet.facts import ALL, Firewall, Gpu, Listeners
 from sparkfleet.fleet import fleet_settings
 from sparkfleet.preflight import Listen
 
@@ -106,6 +106,17 @@ def test_iptables_without_nft_is_read_from_its_input_chain():
     assert [p for p in (22, 8000, 8009, 8080) if any(p in r for r in chains[0]["accepted"])] == [22, 8000, 8009]
 
 
+MISMATCH = ["Failed to initialize NVML: Driver/library version mismatch", "NVML library version: 580.126",
+            "kernel_module=580.95.05"]
+
+
+def test_the_gpu_fact_sees_a_driver_updated_without_a_reboot():
+    assert Gpu().process(MISMATCH)["mismatch"] == {"kernel_module": "580.95.05", "library": "580.126"}
+    assert Gpu().process(["NVIDIA GB10, 12.1, 580.95.05"]) == {"name": "NVIDIA GB10", "compute_cap": "12.1",
+                                                               "driver_version": "580.95.05"}
+    assert Gpu().process(["NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver."]) is None
+
+
 # --- the findings -----------------------------------------------------------------------------
 
 SERVE = Listen(8000, "the engine's API", "port", container=True)
@@ -170,6 +181,14 @@ def test_an_input_chain_that_drops_names_the_ports_and_the_rule_to_add():
         "`sudo nft insert rule inet filter input tcp dport { 8080 } accept`"]
 
 
+def test_a_driver_mismatch_says_reboot():
+    assert preflight.driver_mismatch_problem({"kernel_module": "580.95.05", "library": "580.126"}) == (
+        "the NVIDIA driver was updated without a reboot (kernel module 580.95.05, library 580.126): nvidia-smi "
+        "says \"Failed to initialize NVML: Driver/library version mismatch\" and every new GPU container would "
+        "fail: reboot the host (`sudo reboot`), then deploy again")
+    assert "(library 580.126)" in preflight.driver_mismatch_problem({"kernel_module": "", "library": "580.126"})
+
+
 # --- the ports each role serves ----------------------------------------------------------------
 
 
@@ -214,6 +233,7 @@ def fake_kind(kind: str) -> dict:
 
 
 @pytest.mark.parametrize("kind, expected", [
+    ("mismatch", "the NVIDIA driver was updated without a reboot (kernel module 580.95.05, library 580.126)"),
     ("busy", "port 8000, the engine's API, is held by open-webui (pid 4242)"),
     ("ufw", "ufw is active (incoming: deny) and allows no connection to port 8000 (the engine's API)"),
 ])

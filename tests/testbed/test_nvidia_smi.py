@@ -102,3 +102,15 @@ def test_toolkit_package_holds_what_docker_gpus_needs():
     assert set(files) == {"usr/bin/nvidia-container-runtime-hook", "usr/bin/nvidia-container-runtime",
                           "usr/bin/nvidia-ctk"}
     assert all(mode == 0o755 and text.startswith("#!") for text, mode in files.values())
+
+
+def test_driver_mismatch_switch_fails_like_a_driver_updated_without_a_reboot(tmp_path):
+    from sparkfleet.testbed import switches
+
+    assert switches.normalize({"driver_mismatch": "yes"}) == {"driver_mismatch": True}
+    fact = Gpu()
+    cp = smi(*fact.command().split(" 2>")[0].split()[1:], sim_dir=tmp_path, switches={"driver_mismatch": True})
+    assert cp.returncode == 18
+    assert cp.stdout.splitlines()[0] == "Failed to initialize NVML: Driver/library version mismatch"
+    assert fact.process(cp.stdout.splitlines())["mismatch"] == {"kernel_module": "", "library": "580.126"}
+    assert smi("-L", sim_dir=tmp_path).returncode == 18
