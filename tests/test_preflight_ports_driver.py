@@ -4,6 +4,10 @@ each finding says, and the whole preflight on @fake hosts (no fleet)."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -244,3 +248,37 @@ def test_the_preflight_stops_a_host_with_each_finding(kind, expected):
     assert any(problem.startswith(expected) for problem in found.problems), found.problems
     assert len(found.problems) == 1, found.problems  # nothing else is wrong with that host
 
+
+# --- never a crash loop: the unit skips a start into a mismatch ---------------------------------
+
+
+def exec_condition(tmp_path: Path, switches: dict | None) -> subprocess.CompletedProcess:
+    from pyinfra.api.util import get_template
+
+    from sparkfleet.testbed import simhw
+
+    text = get_template(str(Path(__file__).resolve().parents[1] / "templates" / "sparkfleet-serve.service.j2")).render(
+        container="c", serve_env="/e", secrets_env="/s", hf_home="/hf", runtime_dir="/r", revision_file="/rv",
+        started_file="/st", image="i", gpu_flag="--gpus all", rdma_devices=None, model_dir=None)
+    line = next(line for line in text.splitlines() if line.startswith("ExecCondition="))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if switches is not None:  # the simulated host's nvidia-smi, with its switches
+        (tmp_path / "switches.json").write_text(json.dumps(switches))
+        smi = bin_dir / "nvidia-smi"
+        smi.write_text(f"#!/bin/sh\nexec {sys.executable} {simhw.HERE / 'nvidia_smi.py'} \"$@\"\n")
+        smi.chmod(0o755)
+    return subprocess.run(shlex.split(line.split("=", 1)[1]), capture_output=True, text=True, timeout=60,
+                          env={"PATH": f"{bin_dir}:/usr/bin:/bin", "SPARKFLEET_SIM_DIR": str(tmp_path)})
+
+
+def test_the_unit_skips_its_start_on_a_mismatch_with_the_fix_in_the_journal(tmp_path):
+    skipped = exec_condition(tmp_path, {"driver_mismatch": True})
+    # 1..254: systemd skips the start and does not restart it (Restart= does not apply).
+    assert skipped.returncode == 1
+    assert "updated without a reboot; reboot the host" in skipped.stderr
+
+
+@pytest.mark.parametrize("switches", [{}, None], ids=["healthy", "no nvidia-smi"])
+def test_the_unit_starts_on_a_healthy_host_or_without_nvidia_smi(tmp_path, switches):
+    assert exec_condition(tmp_path, switches).returncode == 0
