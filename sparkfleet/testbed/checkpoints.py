@@ -18,7 +18,9 @@ sources, the choice is marked GUESS below.
 
 All content is a pure function of the tensor name (seeded numpy), so file bytes,
 and the revisions (sha1 over the files), are stable across runs and machines.
-Only the standard library and numpy are used (safetensors written by hand).
+Only the standard library and numpy are used (safetensors written by hand). The
+tokenizer is a real byte-level BPE in Qwen's format, trained here on fixed text
+(engine/tokenizer.py), with a Qwen-shaped chat template (engine/template.py).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime.safetensors_io import TensorSource, write_file
+from sparkfleet.testbed.engine import template, tokenizer
 
 INTEL = "Intel/Qwen3.5-122B-A10B-int4-AutoRound"
 DONOR = "Qwen/Qwen3.5-122B-A10B-FP8"
@@ -509,13 +512,27 @@ def write_json(path: Path, doc: dict) -> None:
     path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
 
 
+def tokenizer_config(doc: dict) -> dict:
+    """Qwen's ``tokenizer_config.json``: the class, the special tokens, the chat template."""
+    return {
+        "add_bos_token": False, "add_prefix_space": False, "bos_token": None,
+        "added_tokens_decoder": {str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in doc["added_tokens"]},
+        "chat_template": template.CHAT_TEMPLATE, "clean_up_tokenization_spaces": False,
+        "eos_token": tokenizer.EOS, "errors": "replace", "model_max_length": 262144, "pad_token": tokenizer.PAD,
+        "split_special_tokens": False, "tokenizer_class": "Qwen2Tokenizer", "unk_token": None,
+        "sparkfleet_synthetic": True,
+    }
+
+
 def common_files(d: Path, dims: Dims) -> None:
-    write_json(d / "generation_config.json", {"bos_token_id": None, "eos_token_id": [dims.vocab - 6],
+    """What a Qwen repo carries beside the weights: generation config, tokenizer, chat template."""
+    doc = tokenizer.build(dims.vocab)
+    eos = next(t["id"] for t in doc["added_tokens"] if t["content"] == tokenizer.EOS)
+    write_json(d / "generation_config.json", {"bos_token_id": None, "eos_token_id": [eos],
                                               "do_sample": True, "temperature": 0.6, "top_p": 0.95})
-    write_json(d / "tokenizer_config.json", {"model_max_length": 262144, "tokenizer_class": "Qwen2Tokenizer",
-                                             "sparkfleet_synthetic": True})
-    (d / "chat_template.jinja").write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n"
-                                           "{{ m.content }}<|im_end|>\n{% endfor %}")
+    (d / "tokenizer.json").write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    write_json(d / "tokenizer_config.json", tokenizer_config(doc))
+    (d / "chat_template.jinja").write_text(template.CHAT_TEMPLATE, encoding="utf-8")
 
 
 def content_revision(d: Path) -> str:

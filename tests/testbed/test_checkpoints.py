@@ -163,3 +163,19 @@ def test_files_load_with_the_safetensors_package(repos):
             shard = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"][n]
             with safe_open(str(d / shard), framework="pt") as st:
                 assert st.get_tensor(n).dtype == torch.float8_e4m3fn
+
+
+def test_served_repos_carry_one_real_tokenizer(repos):
+    """The target repos (the hybrid copies it) ship the same tokenizer, the drafter none."""
+    from sparkfleet.testbed.engine import tokenizer as tk
+
+    served = [repo_dir(repos, r) for r in (ck.INTEL, ck.DONOR, ck.HYBRID)]
+    files = {(d / "tokenizer.json").read_bytes() for d in served}
+    assert len(files) == 1
+    assert not (repo_dir(repos, ck.DFLASH) / "tokenizer.json").exists()
+    for d in served:
+        config = json.loads((d / "tokenizer_config.json").read_text())
+        assert config["tokenizer_class"] == "Qwen2Tokenizer" and "<tool_call>" in config["chat_template"]
+        assert (d / "chat_template.jinja").read_text() == config["chat_template"]
+    tok = tk.Tokenizer.from_file(served[0] / "tokenizer.json")
+    assert len(tok) == ck.D.vocab and tok.count("The capital of France is Paris.") > 1
