@@ -15,7 +15,9 @@ Timing is the known truth the benches are checked against: each request's first 
 comes ``perf.ttft_s(prompt)`` after it arrives, then its tokens in accepted blocks, each
 block due ``size / rate x slowdown(streams decoding)`` after the previous one on an
 absolute monotonic schedule (no drift). ``n``, ``stop``, ``logprobs`` and sampling
-parameters are accepted and ignored.
+parameters are accepted and ignored. ``usage.prompt_tokens`` is what the snapshot's
+tokenizer counts for the prompt (for a chat, the chat template's text), as a client that
+tokenizes with ``AutoTokenizer`` and ``apply_chat_template`` counts it.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from .flags import VERSION
 from .logs import LOG_LOCK, log
 from .metrics import Metrics
 from .parsers import XML_TOOL_PARSERS, OutputParser, tool_properties
+from .tokenizer import Tokenizer, for_snapshot
 
 
 @dataclass
@@ -103,6 +106,7 @@ class Engine:
     middleware: list[type] = field(default_factory=list)  # --middleware classes, in flag order
     faults: Faults = field(default_factory=Faults)
     metrics: Metrics = field(init=False)
+    tokenizer: Tokenizer = field(init=False)  # the snapshot's, read once; counts prompt tokens
     wedged: threading.Event = field(init=False, default_factory=threading.Event)  # POST /_sim/wedge
     slots: threading.BoundedSemaphore = field(init=False)
     _planners: dict[str, perf.StepPlanner] = field(init=False, default_factory=dict)
@@ -110,6 +114,8 @@ class Engine:
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.served_names[0], self.perf.k)
         self.slots = threading.BoundedSemaphore(self.max_num_seqs)
+        self.tokenizer = for_snapshot(self.snapshot)
+        self.tokenizer.count("warm up: the first request pays no table building")
 
         async def routes(scope: dict, receive: Any, send: Any) -> None:
             scope["extensions"]["sparkfleet.sim"].append("routes")
@@ -429,7 +435,7 @@ class _Handler(BaseHTTPRequestHandler):
                 prompt = prompt[0] if prompt else None
             if not isinstance(prompt, str):
                 raise ApiError(400, "Either prompt or prompt_embeds must be provided and non-empty.", param="prompt")
-            prompt_text, prompt_tokens = prompt, max(1, text.count_tokens(prompt))
+            prompt_text, prompt_tokens = prompt, max(1, text.count_tokens(prompt, self.server.engine.tokenizer))
         natural, filler = text.completion_output(prompt_text)
         return prompt_tokens, self._natural(natural), filler, text.completion_workload(prompt_text)
 
@@ -447,9 +453,9 @@ class _Handler(BaseHTTPRequestHandler):
                 raise ApiError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
                                     "to be set")
             raise ApiError(400, f'tool_choice="{tool_choice}" requires --tool-call-parser to be set')
-        prompt_tokens = text.chat_prompt_tokens(messages, tools)
         kwargs = body.get("chat_template_kwargs") or {}
         thinking = kwargs.get("enable_thinking", True) is not False  # Qwen3.5 thinks by default
+        prompt_tokens = text.chat_prompt_tokens(messages, tools, thinking, eng.tokenizer)
         auto = tool_choice in (None, "auto")
         parses_tools = bool(tools) and eng.tool_parser in XML_TOOL_PARSERS and (eng.enable_auto_tools or not auto)
         raw, filler, calls = text.chat_output(messages, tools, tool_choice if tools else None, thinking)

@@ -24,6 +24,9 @@ A tool call comes when ``tool_choice`` requires one, or the last message is the 
 and names a declared tool (or says "tool"/"function"). After a tool result the model
 answers in prose, quoting the result.
 
+Prompt lengths are counted as vLLM counts them: the chat template's text
+(``template.render``) encoded by the checkpoint's tokenizer (``tokenizer.py``).
+
 The **workload** of a request (what ``perf.py`` sets acceptance by) is what its answer
 is: ``counting``, ``code`` or ``prose`` for a completion; for a chat request ``agent``
 when tools or tool calls are in play (the agent-turn replay), else ``chat``.
@@ -37,7 +40,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from . import perf
+from . import perf, template, tokenizer
 
 _WORDS = (
     "the history of tea begins in southwest China where leaves were first brewed as a medicinal drink "
@@ -62,8 +65,9 @@ _COUNTING_RE = re.compile(r"\bcount|\bnumbers from \d+ to \d+")
 _CODE_RE = re.compile(r"\b(code|function|python|program|script|implement|implementation|class)\b")
 
 
-def count_tokens(text: str) -> int:
-    return len(_TOKEN_RE.findall(text))
+def count_tokens(text: str, tok: tokenizer.Tokenizer | None = None) -> int:
+    """Tokens of ``text`` in the checkpoint's tokenizer (the synthetic one by default)."""
+    return (tok or tokenizer.default()).count(text)
 
 
 def pieces_of(text: str) -> list[str]:
@@ -81,12 +85,10 @@ def text_of(content: Any) -> str:
     return str(content)
 
 
-def chat_prompt_tokens(messages: list[dict[str, Any]], tools: list[Any]) -> int:
-    """The prompt's length after the chat template: contents, tool calls, tools, markup."""
-    texts = [text_of(m.get("content")) for m in messages]
-    texts += [json.dumps(tc.get("function", {})) for m in messages for tc in m.get("tool_calls") or []]
-    n = sum(count_tokens(t) for t in texts) + 4 * len(messages) + 3
-    return n + (count_tokens(json.dumps(tools)) if tools else 0)
+def chat_prompt_tokens(messages: list[dict[str, Any]], tools: list[Any], thinking: bool = True,
+                       tok: tokenizer.Tokenizer | None = None) -> int:
+    """The prompt's length after the chat template, as ``apply_chat_template`` would count it."""
+    return count_tokens(template.render(messages, tools or None, enable_thinking=thinking), tok)
 
 
 def _seed(text: str) -> int:
