@@ -95,6 +95,39 @@ endpoint_metrics_port = 8405
 # answer until its last token: 4 h covers one filling the 262k context at 18 tok/s.
 endpoint_timeout_s = 14400
 
+# --- The fleet monitor: Prometheus watches the fleet (sparkfleet/monitor.py) -------------------
+# Prometheus (Debian/Ubuntu `prometheus`, from the host's archives or apt_repo) on one host
+# scrapes every engine's /metrics (with the fleet key), the endpoint's HAProxy exporter and a
+# node exporter (`prometheus-node-exporter`) on every host, and evaluates the alert rules.
+# "auto": the first host of the inventory group `monitor`, else the fleet endpoint's host
+# (the inventory opted in to a router there), else none; a host name picks it; none turns
+# it off (and stops what an earlier run set up).
+fleet_monitor = "auto"
+# Prometheus' web and API (no authentication of its own) answer on the monitor host's
+# loopback only: reach them with `ssh -L 9090:127.0.0.1:9090 <monitor host>`, or set an
+# address of the host to serve a Grafana on the LAN.
+monitor_bind_address = "127.0.0.1"
+monitor_port = 9090
+# The node exporter's customary port; it listens on each host's fleet address only (the
+# address the host has on its route to the monitor host), not on every interface.
+node_exporter_port = 9100
+# How often every target is scraped and the rules evaluated: Prometheus' customary 15 s.
+monitor_scrape_interval_s = 15
+# How long a condition must hold before its alert fires: long enough that one slow scrape
+# or a rolling restart's few seconds out of rotation (measured: 1.5 s) do not page anyone.
+alert_for_s = 120
+# Memory, as a warning before the watchdog's stop lines (memory_stop_*): seeds: ~15 GiB free
+# under 3-stream load at 0.82, so under 12 GiB available is past what a healthy loaded
+# Spark shows; PSI "full" at half the watchdog's stop line is a stall building up.
+alert_memory_available_gib = 12.0
+alert_psi_full_pct = 5.0
+# A filesystem with less free space than this (percent of its size): the next image or
+# checkpoint (40-67 GiB) no longer fits a 4 TB Spark's disk at 2%; 10% leaves time to act.
+alert_disk_free_pct = 10.0
+# The speculative decoder's acceptance length is averaged over this window (with
+# rollout_min_acceptance as its floor): ten minutes of agent turns are thousands of drafts.
+alert_acceptance_window_s = 600
+
 # --- Pairs: two Sparks cabled by their ConnectX-7 serve one model (tensor parallel) ----------
 # A pair is an inventory group named pair_<name>; its hosts' inventory order is their rank
 # (pyinfra keeps one order of hosts, where each is first listed), and rank 0, the head,

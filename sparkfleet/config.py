@@ -105,6 +105,8 @@ FIXES: dict[str, str] = {
     "fleet_mirror": "use 'auto' (the first host of group `mirror`, else of the inventory), a host of the inventory, or none",
     "mirror_olah": "use a pip requirement like olah==0.5.4",
     "fleet_endpoint": "use 'auto' (the first host of group `endpoint`, else none), a host of the inventory, or none",
+    "fleet_monitor": "use 'auto' (the first host of group `monitor`, else the fleet endpoint's host, else none), "
+                     "a host of the inventory, or none",
     "pair_subnet": "use an IPv4 network for the pairs' links, e.g. 192.168.100.0/24",
     "pair_interface": "use 'auto' (the ConnectX-7 port ibdev2netdev shows Up) or a netdev such as enp1s0f1np1",
     "pair_gid_index": "use 'auto' (this host's RoCE v2 GID of the link's address, per show_gids) or an index "
@@ -181,6 +183,17 @@ class Settings(BaseModel):
     endpoint_port: int = Field(ge=1, le=65535)
     endpoint_metrics_port: int = Field(ge=1, le=65535)
     endpoint_timeout_s: int = Field(ge=60, le=86400)
+    # The fleet monitor: Prometheus, the node exporters, the alert rules (sparkfleet/monitor.py)
+    fleet_monitor: str | None
+    monitor_bind_address: IpAddress
+    monitor_port: int = Field(ge=1, le=65535)
+    node_exporter_port: int = Field(ge=1, le=65535)
+    monitor_scrape_interval_s: int = Field(ge=1, le=3600)
+    alert_for_s: int = Field(ge=0, le=86400)
+    alert_memory_available_gib: float = Field(ge=0)
+    alert_psi_full_pct: float = Field(gt=0, le=100)
+    alert_disk_free_pct: float = Field(gt=0, lt=100)
+    alert_acceptance_window_s: int = Field(ge=10, le=86400)
     # Pairs: an inventory group pair_* serves one model over the ConnectX-7 link (sparkfleet/link.py)
     pair_subnet: str
     pair_mtu: int = Field(ge=1280, le=9216)
@@ -274,7 +287,7 @@ class Settings(BaseModel):
                 raise ValueError(f"revision {rev!r} of {repo} is not a branch, tag or commit")
         return value
 
-    @field_validator("fleet_mirror", "fleet_endpoint", mode="before")
+    @field_validator("fleet_mirror", "fleet_endpoint", "fleet_monitor", mode="before")
     @classmethod
     def _mirror_name(cls, value: Any) -> Any:
         if value is False or (isinstance(value, str) and value.strip().lower() in MIRROR_OFF):

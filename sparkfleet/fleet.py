@@ -98,7 +98,8 @@ def validate_fleet(hosts: Iterable[Any], check_pairs: bool = True) -> dict[str, 
         except ConfigError as exc:
             problems.extend(str(exc).split("\n  ")[1:])
     if not problems:
-        problems = _disagreements(settings) + _chosen_mirrors(hosts, settings)[1] + chosen_endpoint(hosts, settings)[1]
+        problems = (_disagreements(settings) + _chosen_mirrors(hosts, settings)[1]
+                    + chosen_endpoint(hosts, settings)[1] + chosen_monitor(hosts, settings)[1])
     if not problems and check_pairs:
         problems = fleet_pairs(hosts, settings)[1]
     if problems:
@@ -464,4 +465,33 @@ def chosen_endpoint(hosts: list[Any], settings: dict[str, Settings]) -> tuple[st
         problems.append("the hosts name different fleet endpoints ("
                         + ", ".join(f"{n}: {e or 'none'}" for n, e in chosen.items())
                         + "). Fix: give every host the same fleet_endpoint")
+    return (next(iter(chosen.values()), None) if not problems else None), problems
+
+
+#: An inventory group of this name picks the fleet monitor for fleet_monitor="auto".
+MONITOR_GROUP = "monitor"
+
+
+def chosen_monitor(hosts: list[Any], settings: dict[str, Settings]) -> tuple[str | None, list[str]]:
+    """The host that runs Prometheus for the fleet (None: none), and what is wrong. ``auto``
+    is the first host of the inventory group ``monitor``, else the fleet endpoint's host
+    (the inventory opted in to a router there), else none."""
+    names = [h.name for h in hosts]
+    grouped = [h.name for h in hosts if MONITOR_GROUP in (getattr(h, "groups", None) or ())]
+    endpoint = chosen_endpoint(hosts, settings)[0] if names else None
+    chosen: dict[str, str | None] = {}
+    problems: list[str] = []
+    for name in names:
+        want = settings[name].fleet_monitor
+        if want == "auto":
+            chosen[name] = (grouped or [endpoint])[0]
+        elif want is None or want in names:
+            chosen[name] = want
+        else:
+            problems.append(f"{name}: `fleet_monitor` = {want!r} is not a host of the inventory "
+                            f"({', '.join(names)}). Fix: {FIXES['fleet_monitor']}")
+    if not problems and len(set(chosen.values())) > 1:
+        problems.append("the hosts name different fleet monitors ("
+                        + ", ".join(f"{n}: {m or 'none'}" for n, m in chosen.items())
+                        + "). Fix: give every host the same fleet_monitor")
     return (next(iter(chosen.values()), None) if not problems else None), problems

@@ -72,6 +72,16 @@ WATCHDOG_REPORTED = "/var/lib/sparkfleet/watchdog.reported"  # lines of WATCHDOG
 BOOT_SEEN = "/var/lib/sparkfleet/boot-id"  # the boot the last deploy saw: a new one is a reboot or a reset
 
 
+# --- the fleet monitor (fleet_monitor): Prometheus there, a node exporter on every host -----
+NODE_EXPORTER_UNIT = "prometheus-node-exporter.service"  # Debian/Ubuntu's package
+NODE_EXPORTER_DEFAULTS = "/etc/default/prometheus-node-exporter"  # its ARGS: where it listens
+PROMETHEUS_UNIT = "prometheus.service"
+PROMETHEUS_DEFAULTS = "/etc/default/prometheus"  # its ARGS: where its web and API listen
+PROMETHEUS_CONFIG = "/etc/prometheus/prometheus.yml"  # the scrape targets (no secret)
+PROMETHEUS_RULES = "/etc/prometheus/sparkfleet-alerts.yml"  # the alert rules
+PROMETHEUS_KEY = "/etc/prometheus/sparkfleet-api-key"  # the fleet key, 0600 prometheus: its bearer token
+
+
 def systemd_path(unit: str) -> str:
     return f"/etc/systemd/system/{unit}"
 
