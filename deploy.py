@@ -17,6 +17,7 @@ from sparkfleet import (
     image,
     link,
     mirror,
+    monitor,
     oomguard,
     oplock,
     patchcheck,
@@ -36,6 +37,7 @@ fleetlock.recorded(fleet_lock())  # sparkfleet.lock written on the controller, b
 if not settings.serving:
     service.stopped()
     watchdog.stopped()
+    monitor.configured(settings)  # fleet_monitor: a node exporter here; Prometheus and its alerts there
 else:
     findings = preflight.inspect(settings)  # every step says what it still needs; a pair: every member
     preflight.passed(name="preflight: GB10, aarch64, driver, docker, disk, memory", findings=findings)
@@ -56,5 +58,6 @@ else:
         patchcheck.checked(name="runtime patches and serve flags fit the image", settings=settings, member=member)
         service.running(settings, also_restart_for=(*host_files, build, pulled), member=member)
         endpoint.served(settings)  # fleet_endpoint: HAProxy over every serving host (a pair's head)
+        monitor.configured(settings)  # fleet_monitor: a node exporter here; Prometheus and its alerts there
         if settings.checks:  # a pair is checked at its head
             run_checks(settings.checks)

@@ -3,7 +3,8 @@
 A flat repository (`deb [signed-by=...] http://10.213.0.1:8091/ /`) holding
 `nvidia-container-toolkit` (Architecture: all, no dependencies, so it installs on the
 offline hosts), built with dpkg-deb from the stand-ins in simhw, and Debian's real
-`docker-registry`, `skopeo` and `haproxy` (what a Spark's mirror and fleet endpoint install
+`docker-registry`, `skopeo`, `haproxy`, `prometheus` and `prometheus-node-exporter` (what a Spark's
+mirror, fleet endpoint and fleet monitor install
 from Ubuntu's archive; downloaded once with `apt-get download` and cached, with the libraries
 the host root lacks); indexed
 with apt-ftparchive and signed (InRelease, Release.gpg) with a testbed key generated once
@@ -22,11 +23,17 @@ from .state import ServiceState
 GNUPGHOME = paths.CACHE_DIR / "gnupg"
 #: Real Debian packages the hosts may install from this repository: the mirror's registry and
 #: skopeo (the image copy), the fleet endpoint's haproxy, the OOM guard's earlyoom, the
-#: mirror's nftables (its fleet-only rules), and the libraries they need that the host root lacks.
+#: mirror's nftables (its fleet-only rules), the fleet monitor's prometheus and every host's
+#: prometheus-node-exporter, and the libraries they need that the host root lacks
+#: (Prometheus' web pages use Debian's packaged JavaScript).
 ARCHIVE_PACKAGES = ("docker-registry", "skopeo", "libgpgme11", "golang-github-containers-common",
                     "golang-github-containers-image", "containernetworking-plugins",
                     "haproxy", "earlyoom", "liblua5.3-0", "libopentracing-c-wrapper0", "libopentracing1",
-                    "nftables", "libnftables1", "libjansson4", "libedit2")
+                    "nftables", "libnftables1", "libjansson4", "libedit2",
+                    "prometheus", "prometheus-node-exporter", "javascript-common", "libjs-jquery",
+                    "libjs-jquery-hotkeys", "fonts-glyphicons-halflings", "libjs-popper.js", "libjs-bootstrap4",
+                    "libjs-bootstrap", "libjs-moment", "libjs-eonasdan-bootstrap-datetimepicker",
+                    "libjs-moment-timezone", "libjs-mustache", "libjs-d3", "libjs-rickshaw")
 ARCHIVE_DEBS = paths.CACHE_DIR / "debs-archive"
 KEY_UID = "sparkfleet testbed apt signing key <testbed@sparkfleet.invalid>"
 REPO_DIR = paths.STATE_DIR / "apt"

@@ -214,8 +214,8 @@ def _up(state: State, names: list[str], host_switches: dict[str, dict[str, Any]]
         # does: the real gpu_memory_utilization and engine_startup_memory_gib apply.
         "startup_time_scale": TIME_SCALE,
         "vllm_env": {"SIM_TIME_SCALE": str(TIME_SCALE)},
-        # The hosts install earlyoom (and the mirror docker-registry and skopeo, the endpoint
-        # haproxy) from the testbed's apt repository (a Spark: from Ubuntu's archives); the
+        # The hosts install earlyoom and the node exporter (and the mirror docker-registry and
+        # skopeo, the endpoint haproxy, the monitor prometheus) from the testbed's apt repository (a Spark: from Ubuntu's archives); the
         # mirror copies the image over plain HTTP.
         "apt_repo": paths.APT_URL,
         "apt_key_url": paths.APT_KEY_URL,
