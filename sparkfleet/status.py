@@ -26,7 +26,7 @@ from typing import Any
 import gevent
 from prometheus_client.parser import text_string_to_metric_families
 
-from sparkfleet import endpoint, haproxy, oplock, remote
+from sparkfleet import endpoint, haproxy, monitor, oplock, remote
 from sparkfleet.config import ConfigError, Settings
 from sparkfleet.fleet import reached_at, validate_fleet
 from sparkfleet.hostpaths import (
@@ -134,8 +134,37 @@ def opened(program: str, inventory_path: str, data: dict[str, Any] | None = None
 # --- one host -------------------------------------------------------------------------------
 
 
-def _host_command(s: Settings) -> str:
-    """One shell command that prints every section of a host's row.
+def alerts_url(s: Settings) -> str:
+    """Prometheus' alerts API as the monitor host itself reaches it (its web listens on
+    ``monitor_bind_address``: loopback unless the operator opened it)."""
+    bound = s.monitor_bind_address
+    address = "127.0.0.1" if bound in ("0.0.0.0", "::") else f"[{bound}]" if ":" in bound else bound
+    return f"http://{address}:{s.monitor_port}/api/v1/alerts"
+
+
+def parse_alerts(text: str) -> list[dict[str, Any]] | None:
+    """The alerts that fire, from Prometheus' ``/api/v1/alerts`` answer (None: no answer)."""
+    try:
+        answer = json.loads(text)
+        alerts = answer["data"]["alerts"] if answer.get("status") == "success" else None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if not isinstance(alerts, list):
+        return None
+    firing = []
+    for alert in alerts:
+        if not isinstance(alert, dict) or alert.get("state") != "firing":
+            continue
+        labels, notes = alert.get("labels") or {}, alert.get("annotations") or {}
+        firing.append({"name": labels.get("alertname", "?"), "host": labels.get("host") or labels.get("server"),
+                       "severity": labels.get("severity"), "since": alert.get("activeAt"),
+                       "summary": notes.get("summary", "")})
+    return sorted(firing, key=lambda a: (a["name"], a["host"] or ""))
+
+
+def _host_command(s: Settings, alerts: bool = False) -> str:
+    """One shell command that prints every section of a host's row (``alerts``: the fleet
+    monitor's host, which also prints the alerts Prometheus has).
 
     What runs is what the serving container was started with (its environment, as Docker
     keeps it), not serve.env, which a stopped rollout or a change to come may have
@@ -175,6 +204,7 @@ def _host_command(s: Settings) -> str:
         "echo '== watchdog'", f"tail -n 1 {WATCHDOG_LOG} 2>/dev/null; cat {AGENT_ANSWER} 2>/dev/null",
         "echo '== refs'",
         f"for f in {q(s.hf_home)}/hub/models--*/refs/*; do [ -f \"$f\" ] && echo \"$f $(cat \"$f\")\"; done 2>/dev/null",
+        *(["echo '== alerts'", f"curl -s -m 5 {q(alerts_url(s))} 2>/dev/null; echo"] if alerts else []),
         "true",
     ])
 
@@ -251,12 +281,13 @@ def parse_host(lines: list[str], s: Settings) -> dict[str, Any]:
     drafts = values.get("drafts", 0.0)
     # Mean acceptance length = 1 + accepted / drafts (the token the target adds each step).
     row["acceptance_length"] = round(1 + values.get("accepted", 0.0) / drafts, 2) if drafts else None
+    if "alerts" in sec:
+        row["alerts"] = parse_alerts("\n".join(sec["alerts"]).strip())
     return row
 
 
-def _read_host(target, s: Settings) -> dict[str, Any]:
-
-    done = remote.run(target, _host_command(s), timeout=60)
+def _read_host(target, s: Settings, alerts: bool = False) -> dict[str, Any]:
+    done = remote.run(target, _host_command(s, alerts), timeout=60)
     ok, lines = done.ok, done.stdout
     if not ok and not lines:
         return {"reachable": False}
@@ -270,7 +301,8 @@ def collect(state, settings: dict[str, Settings]) -> dict[str, Any]:
     """Every host's row and the endpoint's state, read in parallel."""
     hosts = list(state.inventory)
     live = [h for h in hosts if h in state.active_hosts]
-    jobs = {h.name: gevent.spawn(_read_host, h, settings[h.name]) for h in live}
+    watcher = monitor.monitor_name(state, settings)
+    jobs = {h.name: gevent.spawn(_read_host, h, settings[h.name], h.name == watcher) for h in live}
     ep_name = endpoint.endpoint_name(state, settings)
     ep_host = state.inventory.get_host(ep_name) if ep_name else None
     ep: dict[str, Any] | None = None
@@ -320,7 +352,12 @@ def collect(state, settings: dict[str, Settings]) -> dict[str, Any]:
     for name, pair in pairs.items():  # a headless member serves no API: READY is its pair's, at the head
         if not pair.is_head and by_name[name].get("reachable"):
             by_name[name]["ready"] = bool(by_name[pair.head].get("ready"))
-    return {"hosts": rows, "endpoint": ep}
+    mon = None
+    if watcher is not None:
+        ms = settings[watcher]
+        mon = {"host": watcher, "prometheus": f"{ms.monitor_bind_address}:{ms.monitor_port}",
+               "alerts": by_name[watcher].pop("alerts", None)}
+    return {"hosts": rows, "endpoint": ep, "monitor": mon}
 
 
 def _uptime(seconds: int | None) -> str:
@@ -381,6 +418,15 @@ def table(doc: dict[str, Any]) -> str:
             agent = r.get("agent") or "up"
             held = f" — out of rotation: {agent.partition('#')[2] or 'down'}" if agent != "up" else ""
             out.append(f"\nwatchdog on {r['host']}: {r.get('watchdog') or '-'}{held}")
+    mon = doc.get("monitor")
+    if mon is not None:
+        alerts = mon.get("alerts")
+        said = ("not answering" if alerts is None else
+                f"{len(alerts)} alert{'s' if len(alerts) != 1 else ''} firing" if alerts else "no alert firing")
+        out.append(f"\nfleet monitor on {mon['host']} (Prometheus {mon['prometheus']}): {said}")
+        for a in alerts or []:
+            out.append(f"    {a['name']} {a['host'] or '-'} ({a['severity'] or '-'}, since {a['since'] or '?'}): "
+                       f"{a['summary']}")
     ep = doc.get("endpoint")
     if ep is None:
         out.append("\nfleet endpoint: none (fleet_endpoint=none, or no inventory group `endpoint`)")

@@ -136,3 +136,38 @@ def test_a_host_row_shows_the_watchdogs_last_event_and_a_member_it_keeps_out():
     quiet = parse_host(["== unit", "ActiveState=active", "== watchdog"], s)
     assert quiet["watchdog"] is None and "watchdog on" not in table(
         {"hosts": [{**quiet, "host": "spark-1", "reachable": True}], "endpoint": None})
+
+
+#: Prometheus 2.42's /api/v1/alerts answer: one firing, one pending (not yet past its `for:`).
+ALERTS = {"status": "success", "data": {"alerts": [
+    {"labels": {"alertname": "SparkfleetEngineDown", "host": "spark-3", "job": "engine", "severity": "critical"},
+     "annotations": {"summary": "spark-3: the engine does not answer /metrics (stopped, dead or hung)"},
+     "state": "firing", "activeAt": "2026-12-02T12:00:01.5Z", "value": "0e+00"},
+    {"labels": {"alertname": "SparkfleetMemoryLow", "host": "spark-2", "severity": "warning"},
+     "annotations": {"summary": "spark-2: 11GiB available"}, "state": "pending", "activeAt": "2026-12-02T12:00:09Z",
+     "value": "1.1e+10"}]}}
+
+
+def test_the_monitor_hosts_row_carries_the_alerts_that_fire_and_the_table_shows_them():
+    from support.fleetdata import defaults
+
+    from sparkfleet.config import validate_host_data
+    from sparkfleet.status import _host_command, alerts_url, parse_alerts, parse_host, table
+
+    s = validate_host_data("spark-1", defaults())
+    assert alerts_url(s) == "http://127.0.0.1:9090/api/v1/alerts"
+    assert "== alerts" in _host_command(s, alerts=True) and "== alerts" not in _host_command(s)
+    row = parse_host(["== unit", "ActiveState=active", "== alerts", json.dumps(ALERTS)], s)
+    assert row["alerts"] == [{"name": "SparkfleetEngineDown", "host": "spark-3", "severity": "critical",
+                              "since": "2026-12-02T12:00:01.5Z",
+                              "summary": "spark-3: the engine does not answer /metrics (stopped, dead or hung)"}]
+    doc = {"hosts": [], "endpoint": None,
+           "monitor": {"host": "spark-1", "prometheus": "127.0.0.1:9090", "alerts": row["alerts"]}}
+    shown = table(doc)
+    assert "fleet monitor on spark-1 (Prometheus 127.0.0.1:9090): 1 alert firing" in shown
+    assert ("    SparkfleetEngineDown spark-3 (critical, since 2026-12-02T12:00:01.5Z): spark-3: the engine does "
+            "not answer /metrics") in shown
+    # Prometheus not answering (stopped, curl refused) is said, not taken for a quiet fleet.
+    assert parse_alerts("") is None and parse_alerts("<html>") is None
+    assert "Prometheus 127.0.0.1:9090): not answering" in table({**doc, "monitor": {**doc["monitor"], "alerts": None}})
+    assert "no alert firing" in table({**doc, "monitor": {**doc["monitor"], "alerts": []}})
