@@ -1,0 +1,106 @@
+"""The fleet monitor on the session's simulated fleet (issue 29): after a deploy, Prometheus on
+the endpoint's host scrapes every engine (with the fleet key), HAProxy's exporter and every
+host's node exporter; each listens only where it should; an engine that stops fires its
+alert, `sparkfleet status` shows it, and a converged re-run changes nothing."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+
+import pytest
+
+from sparkfleet.testbed import login, paths
+
+pytestmark = pytest.mark.e2e
+
+MONITOR = "spark-1"
+MONITOR_NAME = login.inventory_name(MONITOR, login.DEFAULT_NAMES)
+#: Fast enough for a test: scrapes every 2 s, an alert after 6 s of its fault.
+DATA = ("--data", f"fleet_endpoint={MONITOR_NAME}", "--data", "monitor_scrape_interval_s=2",
+        "--data", "alert_for_s=6")
+CHANGED = re.compile(r"\[(spark-\d+)(?:\.local)?\] (Success|Error)")
+INVENTORY = str(paths.INVENTORY.relative_to(paths.REPO_ROOT))
+
+
+def api(testbed, path: str) -> dict:
+    """Prometheus' API, asked on the monitor host (it answers on loopback only)."""
+    out = testbed.exec(MONITOR, f"curl -s -m 5 http://127.0.0.1:9090{path}").stdout
+    return json.loads(out or "{}")
+
+
+def targets(testbed) -> dict[tuple[str, str], str]:
+    found = api(testbed, "/api/v1/targets").get("data", {}).get("activeTargets", [])
+    return {(t["labels"]["job"], t["labels"]["host"]): t["health"] for t in found}
+
+
+def firing(testbed, name: str) -> set[str]:
+    alerts = api(testbed, "/api/v1/alerts").get("data", {}).get("alerts", [])
+    return {a["labels"].get("host") for a in alerts if a["labels"]["alertname"] == name and a["state"] == "firing"}
+
+
+def wait(check, timeout: float, every: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(every)
+
+
+def test_prometheus_scrapes_every_target_and_an_alert_fires_on_its_fault(testbed, run_pyinfra):
+    started = time.monotonic()
+    result = run_pyinfra("deploy.py", *DATA)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    names = [testbed.inventory_name(n) for n in testbed.names]
+    want = {**{("engine", n): "up" for n in names}, **{("node", n): "up" for n in names},
+            ("haproxy", MONITOR_NAME): "up"}
+    seen = wait(lambda: targets(testbed) == want and targets(testbed), 60)
+    assert seen == want, targets(testbed)
+    print(f"deployed and every target up after {time.monotonic() - started:.1f} s: {sorted(want)}")
+
+    # Where things listen: the node exporter on the host's fleet address, Prometheus on loopback.
+    listening = testbed.exec(testbed.names[1], "ss -Hltn").stdout
+    address = testbed.host(testbed.names[1]).address
+    assert f"{address}:9100" in listening and "*:9100" not in listening and "0.0.0.0:9100" not in listening
+    assert "127.0.0.1:9090" in testbed.exec(MONITOR, "ss -Hltn").stdout
+    # The key: in a 0600 file of the prometheus user, in no configuration and no argv.
+    key = testbed.api_key_file.read_text().strip()
+    mode = testbed.exec(MONITOR, "stat -c '%a %U' /etc/prometheus/sparkfleet-api-key").stdout.strip()
+    assert mode == "600 prometheus"
+    shown = testbed.exec(MONITOR, "cat /etc/prometheus/prometheus.yml /etc/default/prometheus; "
+                                  "ps -eo args | grep -e prometheus -e node-exporter").stdout
+    assert key not in shown and "--web.listen-address=127.0.0.1:9090" in shown
+
+    # A converged re-run changes nothing on any host (no restart, no reload).
+    pid = testbed.exec(MONITOR, "systemctl show -p MainPID --value prometheus").stdout.strip()
+    again = run_pyinfra("deploy.py", *DATA)
+    text = again.stdout + again.stderr
+    assert again.returncode == 0 and {m.group(1) for m in CHANGED.finditer(text)} == set(), text[-3000:]
+    assert testbed.exec(MONITOR, "systemctl show -p MainPID --value prometheus").stdout.strip() == pid
+
+    # A member down: its engine stops; the alert fires after alert_for_s, and status shows it.
+    down = testbed.names[2]
+    down_name = testbed.inventory_name(down)
+    testbed.exec(down, "systemctl stop sparkfleet-serve", check=True)
+    stopped = time.monotonic()
+    try:
+        assert wait(lambda: down_name in firing(testbed, "SparkfleetEngineDown"), 60), \
+            api(testbed, "/api/v1/alerts")
+        fired_s = time.monotonic() - stopped
+        assert firing(testbed, "SparkfleetEngineDown") == {down_name}
+        status = subprocess.run(["sparkfleet", "status", INVENTORY, *DATA], cwd=paths.REPO_ROOT,
+                                capture_output=True, text=True, timeout=120)
+        assert re.search(rf"fleet monitor on {re.escape(MONITOR_NAME)} \(Prometheus 127\.0\.0\.1:9090\): "
+                         r"\d+ alerts? firing", status.stdout), status.stdout[-3000:]
+        assert re.search(rf"^    SparkfleetEngineDown {re.escape(down_name)} \(critical, since ", status.stdout,
+                         re.M), status.stdout[-3000:]
+        print(f"engine stopped on {down_name}: SparkfleetEngineDown firing after {fired_s:.1f} s "
+              f"(scrape 2 s, for 6 s)")
+    finally:
+        testbed.exec(down, "systemctl start sparkfleet-serve")
+    assert wait(lambda: targets(testbed).get(("engine", down_name)) == "up", 120), targets(testbed)
+    assert wait(lambda: not firing(testbed, "SparkfleetEngineDown"), 60)
