@@ -23,6 +23,10 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PYTHON) || python3 -m venv --system-site-packages $(VENV)
 	$(PYTHON) -m pip install -q -e '.[test]'
 	$(PYTHON) -c 'import torch, triton' 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0 triton
+	@# promtool, Prometheus' checker, for the monitor's tests: from the distribution's package, not installed
+	test -x $(VENV)/bin/promtool || { d=$$(mktemp -d) && (cd $$d && apt-get download -qq prometheus) \
+		&& dpkg-deb --fsys-tarfile $$d/prometheus_*.deb | tar -xO ./usr/bin/promtool > $(VENV)/bin/promtool \
+		&& chmod 755 $(VENV)/bin/promtool; rc=$$?; rm -rf $$d; exit $$rc; }
 	@mkdir -p $(dir $(STAMP)) && touch $(STAMP)
 
 deps: $(STAMP)

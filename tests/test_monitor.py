@@ -1,11 +1,13 @@
 """The fleet monitor without a fleet: which host runs Prometheus, the configuration and the
-alert rules it renders, checked by the package's own promtool where it is installed (the
-deploy checks them on the host the same way; tests/e2e/test_monitoring.py runs them)."""
+alert rules it renders, checked by the package's own promtool (the deploy checks them on the
+host the same way; tests/e2e/test_fleet_monitor.py runs them)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,8 +17,13 @@ from sparkfleet import monitor
 from sparkfleet.config import ConfigError, validate_host_data
 from sparkfleet.fleet import chosen_monitor, validate_fleet
 
-PROMTOOL = shutil.which("promtool")
-needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool (Debian `prometheus`) is not installed here")
+#: Prometheus' own checker, as the monitor host runs it; `make deps` puts it in the venv.
+PROMTOOL = shutil.which("promtool", path=os.pathsep.join([str(Path(sys.prefix) / "bin"), os.environ.get("PATH", "")]))
+
+
+def promtool(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    assert PROMTOOL, "promtool is missing: `make deps` takes it from Debian's prometheus package"
+    return subprocess.run([PROMTOOL, *args], cwd=cwd, capture_output=True, text=True, timeout=60)
 
 
 def chosen(hosts):
@@ -72,11 +79,8 @@ def test_where_prometheus_and_the_node_exporter_listen():
     assert "[fd00::12]:9100" in monitor.node_exporter_args("fd00::12", 9100)
 
 
-def promtool(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([PROMTOOL, *args], cwd=cwd, capture_output=True, text=True, timeout=60)
 
 
-@needs_promtool
 def test_promtool_accepts_the_configuration_and_the_rules(tmp_path: Path):
     (tmp_path / "key").write_text("sf-test-key\n")
     (tmp_path / "rules.yml").write_text(monitor.render_rules(settings()))
@@ -169,7 +173,6 @@ tests:
 """
 
 
-@needs_promtool
 def test_each_alert_fires_on_its_fault_after_its_time_and_not_on_a_healthy_host(tmp_path: Path):
     (tmp_path / "rules.yml").write_text(monitor.render_rules(settings()))
     (tmp_path / "tests.yml").write_text(RULE_TESTS)
