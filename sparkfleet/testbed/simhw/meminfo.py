@@ -12,15 +12,19 @@ From that, each second, it takes away
   the serving container shares through --ipc host; a file no live process locks is freed),
 * what the host's own processes grew by since boot (the sum of their resident memory), so
   a process that really allocates (a memory hog) moves MemAvailable as on a Spark.
+
+A large process's exit is seen at once (a pidfd wakes the loop), as the kernel's figure
+moves when it frees the memory: earlyoom kills, waits for the process to go, then reads
+again, and a figure a second old would make it kill the next process too.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import select
 import subprocess
 import sys
-import time
 
 GIB_KIB = 1024 * 1024
 TOTAL_KIB = int(121.69 * GIB_KIB)  # runtime/startup.py GB10_MEM_TOTAL_GIB
@@ -41,16 +45,40 @@ def desktop() -> bool:
         return False
 
 
-def resident_kib() -> int:
+#: A process holding this much is watched for its exit (a pidfd), not only counted each second.
+WATCH_KIB = 128 * 1024
+
+
+def resident_kib(large: list[int] | None = None) -> int:
+    """The host's processes' resident memory; ``large`` gets the pids of those above WATCH_KIB."""
     total = 0
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:
                 with open(f"/proc/{pid}/statm") as f:
-                    total += int(f.read().split()[1]) * PAGE_KIB
+                    kib = int(f.read().split()[1]) * PAGE_KIB
             except (OSError, ValueError, IndexError):
-                pass
+                continue
+            total += kib
+            if large is not None and kib >= WATCH_KIB:
+                large.append(int(pid))
     return total
+
+
+def wait_for_exit(pids: list[int], seconds: float) -> None:
+    """Sleep ``seconds``, or less: until one of ``pids`` exits."""
+    poller, fds = select.poll(), []
+    for pid in pids:
+        try:
+            fds.append(os.pidfd_open(pid))
+        except OSError:
+            return  # gone already: count again now
+        poller.register(fds[-1], select.POLLIN)
+    try:
+        poller.poll(seconds * 1000)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def reserved_kib() -> int:
@@ -105,12 +133,13 @@ def main() -> int:
     fd = os.open(FILE, os.O_WRONLY)
     used_path = os.path.join(STATE_DIR, "host_used_kib")
     while True:
-        growth = max(0, resident_kib() - start)
+        large: list[int] = []
+        growth = max(0, resident_kib(large) - start)
         with open(used_path + ".tmp", "w") as f:
             f.write(f"{growth}\n")
         os.replace(used_path + ".tmp", used_path)
         os.pwrite(fd, render(TOTAL_KIB, available - growth - reserved_kib()), 0)
-        time.sleep(1)
+        wait_for_exit(large, 1.0)
 
 
 if __name__ == "__main__":
