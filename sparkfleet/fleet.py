@@ -444,28 +444,36 @@ def fleet_mirrors(hosts: Iterable[Any], settings: dict[str, Settings],
 ENDPOINT_GROUP = "endpoint"
 
 
+def _chosen_host(hosts: list[Any], settings: dict[str, Settings], key: str, group: str,
+                 otherwise: str | None, what: str) -> tuple[str | None, list[str]]:
+    """The one host every host's ``key`` names (``auto``: the first of inventory ``group``,
+    else ``otherwise``), and what is wrong: a name outside the inventory, or hosts that
+    disagree."""
+    names = [h.name for h in hosts]
+    grouped = [h.name for h in hosts if group in (getattr(h, "groups", None) or ())]
+    chosen: dict[str, str | None] = {}
+    problems: list[str] = []
+    for name in names:
+        want = getattr(settings[name], key)
+        if want == "auto":
+            chosen[name] = (grouped or [otherwise])[0]
+        elif want is None or want in names:
+            chosen[name] = want
+        else:
+            problems.append(f"{name}: `{key}` = {want!r} is not a host of the inventory "
+                            f"({', '.join(names)}). Fix: {FIXES[key]}")
+    if not problems and len(set(chosen.values())) > 1:
+        problems.append(f"the hosts name different {what} ("
+                        + ", ".join(f"{n}: {c or 'none'}" for n, c in chosen.items())
+                        + f"). Fix: give every host the same {key}")
+    return (next(iter(chosen.values()), None) if not problems else None), problems
+
+
 def chosen_endpoint(hosts: list[Any], settings: dict[str, Settings]) -> tuple[str | None, list[str]]:
     """The host that serves the fleet endpoint (None: none), and what is wrong. ``auto``
     is the first host of the inventory group ``endpoint``, else none: a router is a new
     port and a new way in on a host, so the inventory opts in."""
-    names = [h.name for h in hosts]
-    grouped = [h.name for h in hosts if ENDPOINT_GROUP in (getattr(h, "groups", None) or ())]
-    chosen: dict[str, str | None] = {}
-    problems: list[str] = []
-    for name in names:
-        want = settings[name].fleet_endpoint
-        if want == "auto":
-            chosen[name] = (grouped or [None])[0]
-        elif want is None or want in names:
-            chosen[name] = want
-        else:
-            problems.append(f"{name}: `fleet_endpoint` = {want!r} is not a host of the inventory "
-                            f"({', '.join(names)}). Fix: {FIXES['fleet_endpoint']}")
-    if not problems and len(set(chosen.values())) > 1:
-        problems.append("the hosts name different fleet endpoints ("
-                        + ", ".join(f"{n}: {e or 'none'}" for n, e in chosen.items())
-                        + "). Fix: give every host the same fleet_endpoint")
-    return (next(iter(chosen.values()), None) if not problems else None), problems
+    return _chosen_host(hosts, settings, "fleet_endpoint", ENDPOINT_GROUP, None, "fleet endpoints")
 
 
 #: An inventory group of this name picks the fleet monitor for fleet_monitor="auto".
@@ -476,22 +484,5 @@ def chosen_monitor(hosts: list[Any], settings: dict[str, Settings]) -> tuple[str
     """The host that runs Prometheus for the fleet (None: none), and what is wrong. ``auto``
     is the first host of the inventory group ``monitor``, else the fleet endpoint's host
     (the inventory opted in to a router there), else none."""
-    names = [h.name for h in hosts]
-    grouped = [h.name for h in hosts if MONITOR_GROUP in (getattr(h, "groups", None) or ())]
-    endpoint = chosen_endpoint(hosts, settings)[0] if names else None
-    chosen: dict[str, str | None] = {}
-    problems: list[str] = []
-    for name in names:
-        want = settings[name].fleet_monitor
-        if want == "auto":
-            chosen[name] = (grouped or [endpoint])[0]
-        elif want is None or want in names:
-            chosen[name] = want
-        else:
-            problems.append(f"{name}: `fleet_monitor` = {want!r} is not a host of the inventory "
-                            f"({', '.join(names)}). Fix: {FIXES['fleet_monitor']}")
-    if not problems and len(set(chosen.values())) > 1:
-        problems.append("the hosts name different fleet monitors ("
-                        + ", ".join(f"{n}: {m or 'none'}" for n, m in chosen.items())
-                        + "). Fix: give every host the same fleet_monitor")
-    return (next(iter(chosen.values()), None) if not problems else None), problems
+    endpoint = chosen_endpoint(hosts, settings)[0]
+    return _chosen_host(hosts, settings, "fleet_monitor", MONITOR_GROUP, endpoint, "fleet monitors")
