@@ -70,8 +70,24 @@ class LockError(ConfigError):
 # --- the file -----------------------------------------------------------------------------------
 
 
+class Reference:
+    """What an image (its reference) or a model (repo and revision asked for) is called."""
+
+    kind: str
+    name: str
+    asked: str
+
+    @property
+    def key(self) -> str:
+        return self.name if self.kind == "image" else f"{self.name}@{self.asked}"
+
+    @property
+    def label(self) -> str:
+        return f"image {self.name}" if self.kind == "image" else self.key
+
+
 @dataclass(frozen=True)
-class Entry:
+class Entry(Reference):
     """One locked reference: what was asked for and the bytes it resolved to."""
 
     kind: Literal["image", "model"]
@@ -81,14 +97,6 @@ class Entry:
     size: int | None = None  # bytes: the compressed image, or every file of the commit
     resolved: str = ""  # when (UTC, ISO 8601)
     source: str = ""  # where from: upstream's URL, or the hosts that held it
-
-    @property
-    def key(self) -> str:
-        return self.name if self.kind == "image" else f"{self.name}@{self.asked}"
-
-    @property
-    def label(self) -> str:
-        return f"image {self.name}" if self.kind == "image" else self.key
 
     @property
     def short(self) -> str:
@@ -199,7 +207,7 @@ def cli_params() -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class Wanted:
+class Wanted(Reference):
     """A reference some hosts ask for, and where upstream answers for it."""
 
     kind: Literal["image", "model"]
@@ -207,14 +215,6 @@ class Wanted:
     asked: str
     hosts: tuple[str, ...]
     where: str  # the registry's or the hub's URL
-
-    @property
-    def key(self) -> str:
-        return self.name if self.kind == "image" else f"{self.name}@{self.asked}"
-
-    @property
-    def label(self) -> str:
-        return f"image {self.name}" if self.kind == "image" else self.key
 
     @property
     def moving(self) -> bool:
