@@ -20,9 +20,11 @@ mounted read-only at ``SECRETS_FILE`` (so the API key is in no ``docker inspect`
 found, per patch its verdict (``would-apply``, ``already-present``, ``not-needed``,
 ``cannot-apply``), the file, the reason and, for ``cannot-apply``, the fix; and under
 ``args`` whether vLLM accepts the command, else what it said and the serve.env variable
-that brought the word it refused. It exits 1 when a required patch cannot apply or vLLM
-refuses the command: the deploy runs it inside the image before it installs or
-restarts the unit (sparkfleet/patchcheck.py).
+that brought the word it refused - or, with ``checked: false``, why vLLM could not be
+asked (a vLLM that cannot build its command line without a GPU: a warning, not a
+refusal). It exits 1 when a required patch cannot apply or vLLM refuses the command:
+the deploy runs it inside the image before it installs or restarts the unit
+(sparkfleet/patchcheck.py).
 
 Nothing depends on the current directory: paths are relative to this file.
 """
@@ -169,7 +171,13 @@ def check_main(env: dict[str, str]) -> int:
         return 2
     report = check_patches(patches, env)
     # The same command the start will exec, asked of the image's vLLM (vllm_cli.py).
-    report["args"] = {**vllm_cli.check(parts), "argv": [w for _, words in parts for w in words]}
+    try:
+        args = vllm_cli.check(parts)
+    except Exception as exc:  # noqa: BLE001 - a verdict naming the crash, never a bare traceback
+        args = {"ok": False, "var": None, "detail": f"the argument check crashed: {type(exc).__name__}: {exc}"}
+    if not args.get("checked", True):
+        log(f"warning: serving command {args['detail']}", to_stderr=True)
+    report["args"] = {**args, "argv": [w for _, words in parts for w in words]}
     report["ok"] = report["ok"] and report["args"]["ok"]
     report["nccl"] = vllm_cli.image_nccl()  # a pair's cross-node CUDA graph floor (patchcheck.py)
     print(json.dumps(report, indent=2, sort_keys=True), file=out)

@@ -9,6 +9,14 @@ checks at start) and the import of every ``--middleware``. An unknown flag, a st
 positional, a parser name it does not know: the answer names the serve.env variable
 that brought it, so the deploy can name the setting and the fix.
 
+The check runs without a GPU, and vLLM 0.23 cannot build its command line without one:
+its ``DeviceConfig`` default asks the platform for a device type, and with no GPU it
+finds none ("Failed to infer device type", raised by ``make_arg_parser``); an image whose
+vLLM loads CUDA libraries as it imports fails earlier, naming libcuda or NVML. Such a
+failure says nothing about the command, so the argument check is skipped with a warning
+(``checked: False``) and the start is the first to parse the command; any other failure
+to import or build the command line still refuses it.
+
 A simulated image (sparkfleet's testbed) has no importable vLLM (no torch): it names
 the module that defines its engine's command line in ``SPARKFLEET_VLLM_CLI``, which
 offers the same five names, so the check and its engine share one definition.
@@ -24,6 +32,10 @@ from types import SimpleNamespace
 
 #: Set in a simulated image: the module that stands in for vLLM's command-line API.
 CLI_MODULE_ENV = "SPARKFLEET_VLLM_CLI"
+
+#: What vLLM says when it fails for want of the GPU the check runs without: no device to
+#: infer (0.23's DeviceConfig), or CUDA, the driver (libcuda) or NVML not there.
+_NO_GPU = re.compile(r"cuda|nvml|nvidia|\bgpu\b|infer device type", re.IGNORECASE)
 
 
 def image_cli():
@@ -73,23 +85,55 @@ def refused(message: str, parts: list[tuple[str, list[str]]]) -> str | None:
     return next(filter(None, (_source(flag, parts) for flag in re.findall(r"--[A-Za-z0-9][\w.-]*", message))), None)
 
 
+def needs_gpu(exc: BaseException) -> bool:
+    """Whether ``exc``, or an exception that led to it, is vLLM failing for want of a GPU."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if _NO_GPU.search(f"{type(current).__name__}: {current}"):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _unchecked(exc: BaseException) -> dict:
+    said = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return {"ok": True, "checked": False,
+            "detail": f"not checked: this vLLM cannot build its command line without a GPU ({said}); "
+                      "the start will be the first to parse the command"}
+
+
 def check(parts: list[tuple[str, list[str]]]) -> dict:
-    """{"ok": True} or {"ok": False, "var": the serve.env variable or None, "detail":
-    what vLLM said} for ``vllm serve`` with the words of ``parts`` (serve_args.argv_parts)."""
+    """{"ok": True, "checked": True}; {"ok": False, "var": the serve.env variable or None,
+    "detail": what vLLM said} for ``vllm serve`` with the words of ``parts``
+    (serve_args.argv_parts); or, when vLLM cannot build its command line without a GPU,
+    {"ok": True, "checked": False, "detail": the warning}."""
     def no(var: str | None, detail: str) -> dict:
         return {"ok": False, "var": var, "detail": detail}
 
     try:
         cli = image_cli()
     except Exception as exc:  # noqa: BLE001 - whatever the image lacks, say it
+        if needs_gpu(exc):
+            return _unchecked(exc)
         return no(None, f"cannot import the image's vLLM command line: {type(exc).__name__}: {exc}")
     top = cli.FlexibleArgumentParser(prog="vllm")
     subparsers = top.add_subparsers(required=False, dest="subparser")
-    cli.make_arg_parser(subparsers.add_parser("serve", usage="vllm serve [model_tag] [options]"))
+    try:
+        cli.make_arg_parser(subparsers.add_parser("serve", usage="vllm serve [model_tag] [options]"))
+    except Exception as exc:  # noqa: BLE001 - vLLM's defaults ask the platform for its device
+        if needs_gpu(exc):
+            return _unchecked(exc)
+        return no(None, f"the image's vLLM cannot build its command line: {type(exc).__name__}: {exc}")
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
             args = top.parse_args(["serve", *(w for _, words in parts for w in words)])
+    except Exception as exc:  # noqa: BLE001 - not argparse's refusal (that is SystemExit)
+        if needs_gpu(exc):
+            return _unchecked(exc)
+        return no(refused(str(exc), parts), f"{type(exc).__name__}: {exc}")
     except SystemExit as exc:
         lines = [line for line in said.getvalue().splitlines() if line.strip()]
         message = next((line for line in reversed(lines) if "error:" in line), lines[-1] if lines else "")
@@ -98,6 +142,8 @@ def check(parts: list[tuple[str, list[str]]]) -> dict:
     try:
         cli.validate_parsed_serve_args(args)
     except Exception as exc:  # noqa: BLE001 - vLLM raises TypeError/ValueError here
+        if needs_gpu(exc) and not isinstance(exc, (TypeError, ValueError)):
+            return _unchecked(exc)
         return no(refused(str(exc), parts), f"{type(exc).__name__}: {exc}")
     # A parser may come from extra_serve_args too (the last one wins, as in vLLM).
     tools = list(cli.ToolParserManager.list_registered())
@@ -114,7 +160,7 @@ def check(parts: list[tuple[str, list[str]]]) -> dict:
             getattr(importlib.import_module(module), name)
         except Exception as exc:  # noqa: BLE001 - vLLM would fail its start the same way
             return no(_source(path, parts), f"--middleware {path} does not import: {type(exc).__name__}: {exc}")
-    return {"ok": True}
+    return {"ok": True, "checked": True}
 
 
 def image_nccl() -> str:

@@ -128,6 +128,14 @@ def pair_problem(verdict: dict, reference: str, settings: Settings, member: Pair
             "--data pair_enforce_eager=True (renders --enforce-eager), or pin an image at or above the floor")
 
 
+def args_summary(verdict: dict) -> str:
+    """What the check learnt of the serving command: accepted, or why it was not asked."""
+    found = verdict.get("args") or {}
+    if found.get("checked", True):
+        return "vLLM accepts the command"
+    return f"the serving command was {found.get('detail') or 'not checked'}"
+
+
 def problems(verdict: dict, reference: str, patches: list[str]) -> list[str]:
     """One message per required patch that cannot apply (the patch, the file, the fix),
     and one when vLLM refuses the serving command."""
@@ -194,8 +202,9 @@ def _check(state, host, reference: str, patches: list[str], env: dict[str, str],
         if patch["verdict"] == "cannot-apply":  # a tolerated one: serving goes on without it
             host.log(f"runtime patch {patch['name']} cannot apply ({patch['detail']}); serving without it",
                      logger.warning)
+    checked = (verdict.get("args") or {}).get("checked", True)  # False: no GPU here, the start parses it
     host.log(f"runtime patches and the serving command checked against {reference}: "
-             f"{summary(verdict) or 'no patches'}; vLLM accepts the command", logger.info)
+             f"{summary(verdict) or 'no patches'}; {args_summary(verdict)}", logger.info if checked else logger.warning)
     return True
 
 
@@ -224,6 +233,6 @@ def checked(settings: Settings, member: PairMember | None = None):
 
     if cached is not None and cached.get("ok") and not pair_check(cached):
         host.noop(f"runtime patches and the serving command checked against {reference}: "
-                  f"{summary(cached) or 'no patches'}")
+                  f"{summary(cached) or 'no patches'}; {args_summary(cached)}")
         return
     yield remote.callback(_check, reference, patches, env, key, pair_check)
