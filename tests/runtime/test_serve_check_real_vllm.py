@@ -4,10 +4,14 @@ The deploy runs the check inside the image with no GPU (sparkfleet/patchcheck.py
 vLLM that cannot build its command line there - vLLM 0.23.0 cannot: with no GPU it
 infers no device ("Failed to infer device type", raised by ``make_arg_parser``) - must
 skip the argument check with a warning, not refuse every host. Fake vllm packages show
-each way that happens.
+each way that happens; the real vLLM 0.23.0 wheel from PyPI (tests/support/real_vllm.py,
+installed as the image keeps it) shows the path the image takes: the patches against
+its installed sources, the warning, and - given a platform, as a GPU gives one - its
+parser accepting each profile's command.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -16,7 +20,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from support.runtime_env import RUNTIME_DIR, profile_env
+from support.runtime_env import PROFILES, RUNTIME_DIR, profile_env
 
 from runtime import vllm_cli
 from sparkfleet.patchcheck import args_summary, problems
@@ -126,3 +130,81 @@ def test_a_command_line_that_fails_otherwise_still_refuses(tmp_path) -> None:
 def test_a_checked_command_reads_as_accepted() -> None:
     assert args_summary({"args": {"ok": True, "checked": True}}) == "vLLM accepts the command"
     assert args_summary({"args": {"ok": True}}) == "vLLM accepts the command"  # a verdict cached before
+
+
+# --- the real vLLM 0.23.0 -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real_site() -> Path:
+    """vLLM 0.23.0 from PyPI, installed as the image keeps it (downloaded once, ~330 MB)."""
+    from support.real_vllm import RealVllmError, image_site
+
+    if importlib.util.find_spec("torch") is None:
+        pytest.fail("vLLM's command line imports torch, and this interpreter has none: `make deps` installs it")
+    try:
+        return image_site()
+    except RealVllmError as exc:
+        failed = str(exc)
+    pytest.fail(failed, pytrace=False)  # outside the handler: the message alone, not a chain of two
+
+
+@pytest.mark.network
+def test_the_real_vllm_takes_every_patch_and_the_missing_gpu_is_a_warning(real_site) -> None:
+    """The dense profile carries all four patches; each finds its anchors in the installed
+    0.23.0 sources, and the command line's refusal to start without a GPU only warns."""
+    rc, doc, err = run_check(_env("dense", [real_site]))
+    assert doc["vllm"] == {"root": str(real_site), "version": "0.23.0"}
+    assert {p["name"]: p["verdict"] for p in doc["patches"]} == {
+        "kv_unify": "would-apply", "inc_fp8_shared": "would-apply", "int8_lmhead": "would-apply",
+        "fla_shmem": "would-apply"}, doc["patches"]
+    assert doc["args"]["checked"] is False, doc["args"]
+    assert "RuntimeError: Failed to infer device type" in doc["args"]["detail"], doc["args"]
+    assert rc == 0 and doc["ok"] is True and problems(doc, "img", [p["name"] for p in doc["patches"]]) == []
+    assert "warning: serving command not checked" in err
+
+
+# What a GPU gives vLLM: a CUDA platform. Registered through vLLM's own platform plugin
+# entry point, it lets the real parser build its defaults with no GPU here.
+_PLATFORM = textwrap.dedent("""\
+    from vllm.platforms.interface import Platform, PlatformEnum
+
+
+    class ParseOnlyCuda(Platform):
+        _enum = PlatformEnum.CUDA
+        device_name = device_type = "cuda"
+        dispatch_key = "CUDA"
+        ray_device_key = "GPU"
+        dist_backend = "nccl"
+        device_control_env_var = "CUDA_VISIBLE_DEVICES"
+
+
+    def register():
+        return "sf_parse_only_platform.ParseOnlyCuda"
+    """)
+_ASK_EACH = textwrap.dedent("""\
+    import json, sys
+    import serve_args, vllm_cli
+    envs = json.load(sys.stdin)
+    print(json.dumps({name: vllm_cli.check(serve_args.argv_parts(env)) for name, env in envs.items()}))
+    """)
+
+
+@pytest.mark.network
+def test_the_real_vllm_parser_accepts_every_profile_given_a_platform(real_site, tmp_path) -> None:
+    plugin = tmp_path / "plugin"
+    info = plugin / "sf_parse_only_platform-0.dist-info"
+    info.mkdir(parents=True)
+    (plugin / "sf_parse_only_platform.py").write_text(_PLATFORM)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sf-parse-only-platform\nVersion: 0\n")
+    (info / "entry_points.txt").write_text("[vllm.platform_plugins]\nparse_only = sf_parse_only_platform:register\n")
+    envs = {profile: profile_env(profile) for profile in PROFILES}
+    envs["stray-flag"] = {**envs["dflash"], "SF_EXTRA_ARGS": json.dumps(["--no-such-flag"])}
+    proc = subprocess.run([sys.executable, "-c", _ASK_EACH], input=json.dumps(envs), capture_output=True, text=True,
+                          env=_env("dflash", [plugin, real_site, RUNTIME_DIR]), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = json.loads(proc.stdout.splitlines()[-1])
+    for profile in PROFILES:
+        assert said[profile] == {"ok": True, "checked": True}, (profile, said[profile])
+    assert said["stray-flag"]["ok"] is False and said["stray-flag"]["var"] == "SF_EXTRA_ARGS", said["stray-flag"]
+    assert "unrecognized arguments: --no-such-flag" in said["stray-flag"]["detail"]
