@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,10 +119,26 @@ def monitor_name(state, settings: dict[str, Settings] | None = None) -> str | No
     return chosen_monitor(list(state.inventory), settings if settings is not None else all_settings())[0]
 
 
-def fleet_address(member) -> str:
+#: A target of the running prometheus.yml (templates/prometheus.yml.j2) and its host label.
+TARGET = re.compile(r'- targets: \["(?P<address>[^"]+)"\]\n\s+labels: \{host: "(?P<host>[^"]+)"\}')
+
+
+def current_addresses(config: str) -> dict[str, str]:
+    """{inventory name: address} as the running configuration reaches each host (its node
+    exporter's target)."""
+    found = {}
+    for job in config.split("- job_name: ")[1:]:
+        if job.startswith("node\n"):
+            for target in TARGET.finditer(job):
+                found[target["host"]] = target["address"].rsplit(":", 1)[0].strip("[]")
+    return found
+
+
+def fleet_address(member, previous: dict[str, str] | None = None) -> str:
     """The address ``member`` has on its route to the monitor host (asked once per run,
     whoever asks first): where its exporters listen and Prometheus reaches them. A host
-    that cannot be asked: how the controller reaches it."""
+    that cannot be asked keeps its address in ``previous`` (the running configuration's:
+    an unreachable host changes nothing), else how the controller reaches it."""
     state = host.state
     monitor = state.inventory.get_host(monitor_name(state))
 
@@ -136,7 +153,7 @@ def fleet_address(member) -> str:
                 found = ""
             if found:
                 return found
-        return reached_at(member)
+        return (previous or {}).get(member.name) or reached_at(member)
 
     return once(("monitor address", member.name), ask)
 
@@ -149,9 +166,10 @@ def jobs(settings: Settings) -> list[Job]:
     pairs = all_pairs()
     keyed = settings.api_key.get_secret_value() != "none"
     engines, nodes = [], []
+    previous = current_addresses(snapshot.text(PROMETHEUS_CONFIG) or "")
     for member in state.inventory:
         ms = every[member.name]
-        address = fleet_address(member)
+        address = fleet_address(member, previous)
         nodes.append(Target(member.name, netloc(address, ms.node_exporter_port)))
         if not ms.serving or (member.name in pairs and not pairs[member.name].is_head):
             continue  # a headless rank serves no HTTP
@@ -159,7 +177,7 @@ def jobs(settings: Settings) -> list[Job]:
         engine_at = address if bound.is_unspecified or bound.is_loopback else ms.bind_address
         engines.append(Target(member.name, netloc(engine_at, ms.port)))
     endpoint = chosen_endpoint(list(state.inventory), every)[0]
-    haproxy = ([Target(endpoint, netloc(fleet_address(state.inventory.get_host(endpoint)),
+    haproxy = ([Target(endpoint, netloc(fleet_address(state.inventory.get_host(endpoint), previous),
                                         every[endpoint].endpoint_metrics_port))] if endpoint else [])
     return [
         Job("engine", "vLLM's /metrics on every serving host (a pair: its head), with the fleet key", keyed,
@@ -232,7 +250,7 @@ def configured(settings: Settings) -> None:
     fleet without one stopped."""
     name = monitor_name(host.state)
     snapshot.expect(files=[NODE_EXPORTER_DEFAULTS, PROMETHEUS_DEFAULTS, PROMETHEUS_KEY, PROMETHEUS_RULES,
-                           PROMETHEUS_CONFIG], texts=[NODE_EXPORTER_DEFAULTS, PROMETHEUS_DEFAULTS],
+                           PROMETHEUS_CONFIG], texts=[NODE_EXPORTER_DEFAULTS, PROMETHEUS_DEFAULTS, PROMETHEUS_CONFIG],
                     units=[NODE_EXPORTER_UNIT, PROMETHEUS_UNIT], programs=["prometheus-node-exporter", "prometheus"])
     if name is None:
         if MARKER in (snapshot.text(NODE_EXPORTER_DEFAULTS) or ""):

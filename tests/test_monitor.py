@@ -62,6 +62,14 @@ JOBS = [
 ]
 
 
+def test_an_unreachable_host_keeps_the_address_the_running_configuration_has():
+    """The node job's targets, read back from what was rendered: a host that cannot be
+    asked this run keeps its address, so the configuration does not change."""
+    text = monitor.render_config(settings(), JOBS)
+    assert monitor.current_addresses(text) == {"spark-1": "10.0.0.11", "spark-2": "fd00::12"}
+    assert monitor.current_addresses("") == {}
+
+
 def test_the_configuration_names_every_target_by_host_and_holds_no_key():
     text = monitor.render_config(settings(), JOBS)
     assert text.count("job_name:") == 3 and text.count("credentials_file: /etc/prometheus/sparkfleet-api-key") == 2
