@@ -333,8 +333,10 @@ def test_reloads_under_load_drop_no_connection(testbed, ep):
 
 
 def test_fleet_endpoint_none_stops_it_and_then_changes_nothing(testbed, ep):
-    result = subprocess.run(["pyinfra", "-y", INVENTORY, "deploy.py", "--data", "fleet_endpoint=none"], cwd=REPO_ROOT,
-                            capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+    # The monitor follows the endpoint when left to auto: kept where it is, it changes nothing here.
+    monitor = ("--data", f"fleet_monitor={testbed.inventory_name(ROUTER)}")
+    result = subprocess.run(["pyinfra", "-y", INVENTORY, "deploy.py", "--data", "fleet_endpoint=none", *monitor],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
     out = result.stdout + result.stderr
     assert result.returncode == 0 and changed_hosts(out) == {ROUTER}, out[-3000:]
     assert "former fleet endpoint: haproxy stopped" in out
@@ -342,8 +344,8 @@ def test_fleet_endpoint_none_stops_it_and_then_changes_nothing(testbed, ep):
     assert state[:2] == ["inactive", "disabled"], state
     with pytest.raises(requests.ConnectionError):
         session().get(f"{ep.url}/v1/models", headers=ep.auth, timeout=5)
-    again = subprocess.run(["pyinfra", "-y", INVENTORY, "deploy.py", "--data", "fleet_endpoint=none"], cwd=REPO_ROOT,
-                           capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+    again = subprocess.run(["pyinfra", "-y", INVENTORY, "deploy.py", "--data", "fleet_endpoint=none", *monitor],
+                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
     assert again.returncode == 0 and changed_hosts(again.stdout + again.stderr) == set()
     table = subprocess.run(["sparkfleet", "status", INVENTORY], cwd=REPO_ROOT, capture_output=True, text=True,
                            timeout=120).stdout
