@@ -11,11 +11,17 @@ that brought it, so the deploy can name the setting and the fix.
 
 The check runs without a GPU, and vLLM 0.23 cannot build its command line without one:
 its ``DeviceConfig`` default asks the platform for a device type, and with no GPU it
-finds none ("Failed to infer device type", raised by ``make_arg_parser``); an image whose
-vLLM loads CUDA libraries as it imports fails earlier, naming libcuda or NVML. Such a
-failure says nothing about the command, so the argument check is skipped with a warning
-(``checked: False``) and the start is the first to parse the command; any other failure
-to import or build the command line still refuses it.
+finds none ("Failed to infer device type", raised by ``make_arg_parser``). So, for the
+check alone, vLLM is given what a GPU gives it, a CUDA platform, through its own
+platform-plugin entry point (``check_platform/``, put on ``sys.path`` before vLLM is
+imported; the platform parses, it queries no device). Serving never loads it.
+
+Should that platform not take (a vLLM whose plugin interface changed, another platform
+plugin in the image) or not stand in for a GPU, or should the image's vLLM load CUDA
+libraries as it imports (naming libcuda or NVML), the failure says nothing about the
+command: the argument check is skipped with a warning (``checked: False``) and the start
+is the first to parse the command. Any other failure to import or build the command line
+still refuses it.
 
 A simulated image (sparkfleet's testbed) has no importable vLLM (no torch): it names
 the module that defines its engine's command line in ``SPARKFLEET_VLLM_CLI``, which
@@ -28,6 +34,8 @@ import importlib
 import io
 import os
 import re
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 #: Set in a simulated image: the module that stands in for vLLM's command-line API.
@@ -36,6 +44,69 @@ CLI_MODULE_ENV = "SPARKFLEET_VLLM_CLI"
 #: What vLLM says when it fails for want of the GPU the check runs without: no device to
 #: infer (0.23's DeviceConfig), or CUDA, the driver (libcuda) or NVML not there.
 _NO_GPU = re.compile(r"cuda|nvml|nvidia|\bgpu\b|infer device type", re.IGNORECASE)
+
+
+#: The parse-only CUDA platform: a directory holding a module and the dist-info that
+#: declares it in vLLM's ``vllm.platform_plugins`` entry point group.
+PLATFORM_DIR = Path(__file__).resolve().parent / "check_platform"
+PLATFORM_PLUGIN = "sf_parse_only"
+PLATFORM_MODULE = "sf_parse_only_platform"
+
+
+def _platform_module() -> str:
+    platforms = sys.modules.get("vllm.platforms")
+    current = getattr(platforms, "_current_platform", None)
+    return type(current).__module__ if current is not None else ""
+
+
+def use_parse_only_platform() -> str | None:
+    """Give the image's vLLM the parse-only CUDA platform, before anything imports vLLM's
+    command line (its modules take ``current_platform`` as they import). None once vLLM
+    has taken it; else why not, with everything undone so vLLM detects its platform as
+    it would have (none, without a GPU)."""
+    if _platform_module() == PLATFORM_MODULE:
+        return None
+    where, allowed = str(PLATFORM_DIR), os.environ.get("VLLM_PLUGINS")
+    sys.path.insert(0, where)
+    if allowed is not None:  # a list of the plugins to load: add this one
+        os.environ["VLLM_PLUGINS"] = ",".join([*filter(None, allowed.split(",")), PLATFORM_PLUGIN])
+    try:
+        import vllm.platforms
+
+        taken = type(vllm.platforms.current_platform)
+        if taken.__module__ != PLATFORM_MODULE:
+            raise RuntimeError(f"vLLM took the platform {taken.__module__}.{taken.__qualname__}")
+        return None
+    except Exception as exc:  # noqa: BLE001 - any failure of the plugin is today's warning, not a verdict
+        while where in sys.path:
+            sys.path.remove(where)
+        if allowed is None:
+            os.environ.pop("VLLM_PLUGINS", None)
+        else:
+            os.environ["VLLM_PLUGINS"] = allowed
+        sys.modules.pop(PLATFORM_MODULE, None)
+        if "vllm.platforms" in sys.modules:
+            sys.modules["vllm.platforms"]._current_platform = None  # resolved again, by vLLM alone
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _platform_failed(exc: BaseException) -> bool:
+    """Whether ``exc``, or an exception that led to it, came from the parse-only platform
+    falling short of a GPU's: raised in vLLM's platform code or this plugin, or naming it."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if "ParseOnlyCuda" in str(current) or isinstance(current, NotImplementedError):
+            return True
+        tb = current.__traceback__
+        while tb is not None:
+            path = tb.tb_frame.f_code.co_filename
+            if PLATFORM_MODULE in path or f"{os.sep}vllm{os.sep}platforms{os.sep}" in path:
+                return True
+            tb = tb.tb_next
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def image_cli():
@@ -97,10 +168,14 @@ def needs_gpu(exc: BaseException) -> bool:
     return False
 
 
-def _unchecked(exc: BaseException) -> dict:
+def _unchecked(exc: BaseException, platform: str | None) -> dict:
+    """The warning: ``platform`` is why the parse-only platform was not taken, None when
+    it was (and fell short of a GPU)."""
     said = " ".join(f"{type(exc).__name__}: {exc}".split())
+    why = (f"; the check's parse-only CUDA platform was not taken: {' '.join(platform.split())}"
+           if platform else "; not even with the check's parse-only CUDA platform" if platform is None else "")
     return {"ok": True, "checked": False,
-            "detail": f"not checked: this vLLM cannot build its command line without a GPU ({said}); "
+            "detail": f"not checked: this vLLM cannot build its command line without a GPU ({said}{why}); "
                       "the start will be the first to parse the command"}
 
 
@@ -112,27 +187,35 @@ def check(parts: list[tuple[str, list[str]]]) -> dict:
     def no(var: str | None, detail: str) -> dict:
         return {"ok": False, "var": var, "detail": detail}
 
+    # A simulated image's command line needs no platform ("" : none asked for).
+    platform = "" if os.environ.get(CLI_MODULE_ENV) else use_parse_only_platform()
+
+    def unchecked(exc: BaseException) -> dict | None:
+        if needs_gpu(exc) or (platform is None and _platform_failed(exc)):
+            return _unchecked(exc, platform)
+        return None
+
     try:
         cli = image_cli()
     except Exception as exc:  # noqa: BLE001 - whatever the image lacks, say it
-        if needs_gpu(exc):
-            return _unchecked(exc)
+        if skipped := unchecked(exc):
+            return skipped
         return no(None, f"cannot import the image's vLLM command line: {type(exc).__name__}: {exc}")
     top = cli.FlexibleArgumentParser(prog="vllm")
     subparsers = top.add_subparsers(required=False, dest="subparser")
     try:
         cli.make_arg_parser(subparsers.add_parser("serve", usage="vllm serve [model_tag] [options]"))
     except Exception as exc:  # noqa: BLE001 - vLLM's defaults ask the platform for its device
-        if needs_gpu(exc):
-            return _unchecked(exc)
+        if skipped := unchecked(exc):
+            return skipped
         return no(None, f"the image's vLLM cannot build its command line: {type(exc).__name__}: {exc}")
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
             args = top.parse_args(["serve", *(w for _, words in parts for w in words)])
     except Exception as exc:  # noqa: BLE001 - not argparse's refusal (that is SystemExit)
-        if needs_gpu(exc):
-            return _unchecked(exc)
+        if skipped := unchecked(exc):
+            return skipped
         return no(refused(str(exc), parts), f"{type(exc).__name__}: {exc}")
     except SystemExit as exc:
         lines = [line for line in said.getvalue().splitlines() if line.strip()]
@@ -142,8 +225,8 @@ def check(parts: list[tuple[str, list[str]]]) -> dict:
     try:
         cli.validate_parsed_serve_args(args)
     except Exception as exc:  # noqa: BLE001 - vLLM raises TypeError/ValueError here
-        if needs_gpu(exc) and not isinstance(exc, (TypeError, ValueError)):
-            return _unchecked(exc)
+        if not isinstance(exc, (TypeError, ValueError)) and (skipped := unchecked(exc)):
+            return skipped
         return no(refused(str(exc), parts), f"{type(exc).__name__}: {exc}")
     # A parser may come from extra_serve_args too (the last one wins, as in vLLM).
     tools = list(cli.ToolParserManager.list_registered())

@@ -1,13 +1,15 @@
 """``serve.py --check`` against an importable vLLM, with no GPU and no network.
 
-The deploy runs the check inside the image with no GPU (sparkfleet/patchcheck.py). A
-vLLM that cannot build its command line there - vLLM 0.23.0 cannot: with no GPU it
-infers no device ("Failed to infer device type", raised by ``make_arg_parser``) - must
-skip the argument check with a warning, not refuse every host. Fake vllm packages show
-each way that happens; the real vLLM 0.23.0 wheel from PyPI (tests/support/real_vllm.py,
-installed as the image keeps it) shows the path the image takes: the patches against
-its installed sources, the warning, and - given a platform, as a GPU gives one - its
-parser accepting each profile's command.
+The deploy runs the check inside the image with no GPU (sparkfleet/patchcheck.py). vLLM
+0.23.0 cannot build its command line there on its own: with no GPU it infers no device
+("Failed to infer device type", raised by ``make_arg_parser``). The check gives it the
+parse-only CUDA platform (runtime/check_platform/) through vLLM's platform-plugin entry
+point; where that does not take, or a vLLM cannot build its command line without a GPU
+anyway, the argument check is skipped with a warning, not a refusal of every host. Fake
+vllm packages show each way the command line fails; the real vLLM 0.23.0 wheel from
+PyPI (tests/support/real_vllm.py, installed as the image keeps it) shows the path the
+image takes: the patches against its installed sources, and its parser accepting each
+profile's command - or, when the platform does not take, the warning.
 """
 from __future__ import annotations
 
@@ -150,38 +152,21 @@ def real_site() -> Path:
 
 
 @pytest.mark.network
-def test_the_real_vllm_takes_every_patch_and_the_missing_gpu_is_a_warning(real_site) -> None:
+def test_the_real_vllm_takes_every_patch_and_checks_the_command(real_site) -> None:
     """The dense profile carries all four patches; each finds its anchors in the installed
-    0.23.0 sources, and the command line's refusal to start without a GPU only warns."""
+    0.23.0 sources, and vLLM's parser, on the parse-only platform, accepts the command."""
     rc, doc, err = run_check(_env("dense", [real_site]))
     assert doc["vllm"] == {"root": str(real_site), "version": "0.23.0"}
     assert {p["name"]: p["verdict"] for p in doc["patches"]} == {
         "kv_unify": "would-apply", "inc_fp8_shared": "would-apply", "int8_lmhead": "would-apply",
         "fla_shmem": "would-apply"}, doc["patches"]
-    assert doc["args"]["checked"] is False, doc["args"]
-    assert "RuntimeError: Failed to infer device type" in doc["args"]["detail"], doc["args"]
+    assert doc["args"]["ok"] is True and doc["args"]["checked"] is True, doc["args"]
+    assert "Platform plugin sf_parse_only is activated" in err
+    assert "warning: serving command not checked" not in err
     assert rc == 0 and doc["ok"] is True and problems(doc, "img", [p["name"] for p in doc["patches"]]) == []
-    assert "warning: serving command not checked" in err
+    assert args_summary(doc) == "vLLM accepts the command"
 
 
-# What a GPU gives vLLM: a CUDA platform. Registered through vLLM's own platform plugin
-# entry point, it lets the real parser build its defaults with no GPU here.
-_PLATFORM = textwrap.dedent("""\
-    from vllm.platforms.interface import Platform, PlatformEnum
-
-
-    class ParseOnlyCuda(Platform):
-        _enum = PlatformEnum.CUDA
-        device_name = device_type = "cuda"
-        dispatch_key = "CUDA"
-        ray_device_key = "GPU"
-        dist_backend = "nccl"
-        device_control_env_var = "CUDA_VISIBLE_DEVICES"
-
-
-    def register():
-        return "sf_parse_only_platform.ParseOnlyCuda"
-    """)
 _ASK_EACH = textwrap.dedent("""\
     import json, sys
     import serve_args, vllm_cli
@@ -191,20 +176,37 @@ _ASK_EACH = textwrap.dedent("""\
 
 
 @pytest.mark.network
-def test_the_real_vllm_parser_accepts_every_profile_given_a_platform(real_site, tmp_path) -> None:
-    plugin = tmp_path / "plugin"
-    info = plugin / "sf_parse_only_platform-0.dist-info"
-    info.mkdir(parents=True)
-    (plugin / "sf_parse_only_platform.py").write_text(_PLATFORM)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sf-parse-only-platform\nVersion: 0\n")
-    (info / "entry_points.txt").write_text("[vllm.platform_plugins]\nparse_only = sf_parse_only_platform:register\n")
+def test_the_real_vllm_parser_accepts_every_profile_and_refuses_a_stray_flag(real_site) -> None:
     envs = {profile: profile_env(profile) for profile in PROFILES}
     envs["stray-flag"] = {**envs["dflash"], "SF_EXTRA_ARGS": json.dumps(["--no-such-flag"])}
     proc = subprocess.run([sys.executable, "-c", _ASK_EACH], input=json.dumps(envs), capture_output=True, text=True,
-                          env=_env("dflash", [plugin, real_site, RUNTIME_DIR]), timeout=300)
+                          env=_env("dflash", [real_site, RUNTIME_DIR]), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     said = json.loads(proc.stdout.splitlines()[-1])
     for profile in PROFILES:
         assert said[profile] == {"ok": True, "checked": True}, (profile, said[profile])
     assert said["stray-flag"]["ok"] is False and said["stray-flag"]["var"] == "SF_EXTRA_ARGS", said["stray-flag"]
     assert "unrecognized arguments: --no-such-flag" in said["stray-flag"]["detail"]
+
+
+# Another platform plugin beside the check's: vLLM activates one only, so the check's does
+# not take. This one stands aside once the check's is gone, leaving vLLM no platform.
+_OTHER = ("import sys\ndef register():\n"
+          "    return 'vllm.platforms.cpu.CpuPlatform' if 'sf_parse_only_platform' in sys.modules else None\n")
+
+
+@pytest.mark.network
+def test_a_platform_that_does_not_take_leaves_the_warning(real_site, tmp_path) -> None:
+    other = tmp_path / "other"
+    (other / "other_platform-0.dist-info").mkdir(parents=True)
+    (other / "other_platform.py").write_text(_OTHER)
+    (other / "other_platform-0.dist-info/METADATA").write_text("Metadata-Version: 2.1\nName: other-platform\nVersion: 0\n")
+    (other / "other_platform-0.dist-info/entry_points.txt").write_text(
+        "[vllm.platform_plugins]\nother = other_platform:register\n")
+    rc, doc, err = run_check(_env("base", [other, real_site], SF_PATCHES=""))
+    assert rc == 0 and doc["ok"] is True, doc
+    assert doc["args"]["ok"] is True and doc["args"]["checked"] is False, doc["args"]
+    detail = doc["args"]["detail"]
+    assert "Failed to infer device type" in detail and "parse-only CUDA platform was not taken" in detail, detail
+    assert "Only one platform plugin can be activated" in detail, detail
+    assert "warning: serving command not checked" in err
