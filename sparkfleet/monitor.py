@@ -134,19 +134,31 @@ def current_addresses(config: str) -> dict[str, str]:
     return found
 
 
+def reachable(member) -> bool:
+    """Whether this run reached ``member`` (a host it could not connect to is never asked)."""
+    return member in host.state.activated_hosts and member not in host.state.failed_hosts
+
+
+#: Where the node exporter listens, in its defaults file (node_exporter_args).
+LISTENING = re.compile(r'--web\.listen-address=\[?(?P<address>[^"\]\s]+?)\]?:\d+"')
+
+
 def fleet_address(member, previous: dict[str, str] | None = None) -> str:
     """The address ``member`` has on its route to the monitor host (asked once per run,
     whoever asks first): where its exporters listen and Prometheus reaches them. A host
     that cannot be asked keeps its address in ``previous`` (the running configuration's:
-    an unreachable host changes nothing), else how the controller reaches it."""
+    an unreachable host changes nothing), else how the controller reaches it; "" when the
+    monitor host cannot be asked and ``previous`` does not say."""
     state = host.state
     monitor = state.inventory.get_host(monitor_name(state))
 
     def ask() -> str:
+        if not reachable(monitor):  # nothing to route toward: where it is now stays
+            return (previous or {}).get(member.name, "")
         toward = ssh_address(monitor)
         if member is monitor:
             return toward or reached_at(member)
-        if toward and member in state.activated_hosts and member not in state.failed_hosts:
+        if toward and reachable(member):
             try:
                 found = member.get_fact(RouteSource, address=toward)
             except Exception:  # noqa: BLE001 - an unreachable host keeps how the controller names it
@@ -265,7 +277,10 @@ def configured(settings: Settings) -> None:
 
 def node_exporter(settings: Settings) -> None:
     # Where it listens is written before the package starts it: it never answers on every address.
-    args = snapshot.file(NODE_EXPORTER_DEFAULTS, node_exporter_args(fleet_address(host), settings.node_exporter_port),
+    # The monitor host unreachable this run: the exporter keeps the address it listens on.
+    listening = LISTENING.search(snapshot.text(NODE_EXPORTER_DEFAULTS) or "")
+    address = fleet_address(host) or (listening["address"] if listening else "") or reached_at(host)
+    args = snapshot.file(NODE_EXPORTER_DEFAULTS, node_exporter_args(address, settings.node_exporter_port),
                          name="node exporter on the fleet address")
     package = apt.installed(name="prometheus-node-exporter installed", packages=["prometheus-node-exporter"],
                             apt_repo=settings.apt_repo, apt_key_url=settings.apt_key_url, keep_config=True,

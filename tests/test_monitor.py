@@ -70,6 +70,13 @@ def test_an_unreachable_host_keeps_the_address_the_running_configuration_has():
     assert monitor.current_addresses("") == {}
 
 
+def test_the_exporter_s_address_is_read_back_from_its_defaults_file():
+    """With the monitor host unreachable, a node exporter keeps listening where it does."""
+    for address in ("10.0.0.12", "fd00::12"):
+        found = monitor.LISTENING.search(monitor.node_exporter_args(address, 9100))
+        assert found and found["address"] == address
+
+
 def test_the_configuration_names_every_target_by_host_and_holds_no_key():
     text = monitor.render_config(settings(), JOBS)
     assert text.count("job_name:") == 3 and text.count("credentials_file: /etc/prometheus/sparkfleet-api-key") == 2
