@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 #: The modules of shards 1 and 2; the last shard runs every other test. Balanced by the
 #: modules' measured minutes (``--durations=0``, three shards on two cores beside other
 #: e2e runs): deploy 27 + endpoint_rollout 7 + fleet_lock 8 + pair_serving 6 + pair_link 1;
-#: faults 22 + mirror_fleet 10 + endpoint 9 + fleet_monitor 6 + serving_host 4; the rest 41
+#: faults 22 + mirror_fleet 10 + endpoint 9 + endpoint_monitor 6 + serving_host 4; the rest 41
 #: (rollout_faults 10, wedge 9, image_patches 6, fleet_checks 5, operator_lock 3, the tests
 #: without a fleet 8). A module on the session's fleet must sort before a shard's modules
 #: that boot their own (fleet_lock, mirror_fleet, pair_*, serving_host): those replace the
@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 SHARDS = (
     ("tests/e2e/test_deploy.py", "tests/e2e/test_endpoint_rollout.py", "tests/e2e/test_fleet_lock.py",
      "tests/e2e/test_pair_link.py", "tests/e2e/test_pair_serving.py"),
-    ("tests/e2e/test_endpoint.py", "tests/e2e/test_faults.py", "tests/e2e/test_fleet_monitor.py",
+    ("tests/e2e/test_endpoint.py", "tests/e2e/test_faults.py", "tests/e2e/test_endpoint_monitor.py",
      "tests/e2e/test_mirror_fleet.py", "tests/e2e/test_serving_host.py"),
 )
 

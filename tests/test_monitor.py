@@ -1,6 +1,6 @@
 """The fleet monitor without a fleet: which host runs Prometheus, the configuration and the
 alert rules it renders, checked by the package's own promtool (the deploy checks them on the
-host the same way; tests/e2e/test_fleet_monitor.py runs them)."""
+host the same way; tests/e2e/test_endpoint_monitor.py runs them)."""
 
 from __future__ import annotations
 

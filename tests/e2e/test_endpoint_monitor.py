@@ -58,8 +58,9 @@ def test_prometheus_scrapes_every_target_and_an_alert_fires_on_its_fault(testbed
     names = [testbed.inventory_name(n) for n in testbed.names]
     want = {**{("engine", n): "up" for n in names}, **{("node", n): "up" for n in names},
             ("haproxy", MONITOR_NAME): "up"}
-    seen = wait(lambda: targets(testbed) == want and targets(testbed), 60)
-    assert seen == want, targets(testbed)
+    seen = wait(lambda: targets(testbed) == want and targets(testbed), 120)
+    assert seen == want, (targets(testbed), testbed.exec(MONITOR, "systemctl status prometheus --no-pager; "
+                                                                  "journalctl -u prometheus --no-pager -n 30").stdout)
     print(f"deployed and every target up after {time.monotonic() - started:.1f} s: {sorted(want)}")
 
     # Where things listen: the node exporter on the host's fleet address, Prometheus on loopback.
