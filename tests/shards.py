@@ -25,18 +25,18 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 #: The modules of shards 1 and 2; the last shard runs every other test. Balanced by the
-#: modules' measured minutes (``--durations=0``, three shards on two cores beside other
-#: e2e runs): deploy 27 + endpoint_rollout 7 + fleet_lock 8 + pair_serving 6 + pair_link 1;
-#: faults 22 + mirror_fleet 10 + endpoint 9 + endpoint_monitor 6 + serving_host 4; the rest 41
-#: (rollout_faults 10, wedge 9, image_patches 6, fleet_checks 5, operator_lock 3, the tests
-#: without a fleet 8). A module on the session's fleet must sort before a shard's modules
-#: that boot their own (fleet_lock, mirror_fleet, pair_*, serving_host): those replace the
+#: modules' measured minutes (``make test`` on two cores, three shards side by side): deploy
+#: 19 + endpoint_rollout 10 + fleet_lock 11 + pair_serving 9; endpoint 12 + endpoint_monitor
+#: 2 + faults 12 + mirror_fleet 12 + pair_link 4 + serving_host 6; the rest 44 (the tests
+#: without a fleet, rollout_faults, wedge, image_patches, fleet_checks, operator_lock, the
+#: real vLLM check). A module on the session's fleet must sort before a shard's modules that
+#: boot their own (fleet_lock, mirror_fleet, pair_*, serving_host): those replace the
 #: session's fleet.
 SHARDS = (
     ("tests/e2e/test_deploy.py", "tests/e2e/test_endpoint_rollout.py", "tests/e2e/test_fleet_lock.py",
-     "tests/e2e/test_pair_link.py", "tests/e2e/test_pair_serving.py"),
-    ("tests/e2e/test_endpoint.py", "tests/e2e/test_faults.py", "tests/e2e/test_endpoint_monitor.py",
-     "tests/e2e/test_mirror_fleet.py", "tests/e2e/test_serving_host.py"),
+     "tests/e2e/test_pair_serving.py"),
+    ("tests/e2e/test_endpoint.py", "tests/e2e/test_endpoint_monitor.py", "tests/e2e/test_faults.py",
+     "tests/e2e/test_mirror_fleet.py", "tests/e2e/test_pair_link.py", "tests/e2e/test_serving_host.py"),
 )
 
 
