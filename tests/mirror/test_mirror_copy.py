@@ -9,12 +9,12 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 
 import pytest
 from support.fleetdata import free_port
+from support.listening import wait_for_port
 
 from sparkfleet import credentials
 from sparkfleet.fleet import Mirror
@@ -49,12 +49,7 @@ def registries(tmp_path):
         log = open(tmp_path / f"{name}.log", "w")
         procs.append(subprocess.Popen(["docker-registry", "serve", str(config)], stdout=log, stderr=subprocess.STDOUT))
         ports.append(port)
-        for _ in range(100):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                time.sleep(0.05)
+        wait_for_port(port)
     yield f"http://127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}", str(tmp_path / "certs.d"), tmp_path / "upstream.log"
     for proc in procs:
         proc.terminate()

@@ -7,12 +7,11 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import socket
 import subprocess
-import time
 
 import pytest
 from support.fleetdata import free_port
+from support.listening import wait_for_port
 
 from sparkfleet.fleetlock import Unresolved, Upstream
 from sparkfleet.testbed.registry import GENERATION_LABEL, RegistryClient, manifest_bytes, move_tag
@@ -31,12 +30,7 @@ def registry(tmp_path):
     }))
     proc = subprocess.Popen(["docker-registry", "serve", str(config)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    for _ in range(100):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.05)
+    wait_for_port(port)
     yield f"http://127.0.0.1:{port}"
     proc.terminate()
     proc.wait(timeout=10)
