@@ -44,7 +44,8 @@ Testbed endpoints: ``GET /_testbed/stats`` (body bytes served, per repo and clie
 ``POST /_testbed/fault`` (``{"repo", "path", "abort_after", "times"}``: the next GETs of
 that file send their headers, then only ``abort_after`` body bytes, then drop the
 connection, to exercise resume; ``{"repo", "path", "delay_s", "times"}``: their body
-starts ``delay_s`` late; ``"times": 0`` withdraws a fault).
+trickles over ``delay_s``, a piece a second, so a slow upstream is not cut by a proxy's
+read timeout; ``"times": 0`` withdraws a fault).
 
 Stdlib only: it runs on the controller next to the registry.
 """
@@ -55,6 +56,7 @@ import collections
 import datetime as _dt
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -723,17 +725,22 @@ class _HubHandler(BaseHTTPRequestHandler):
         if head:
             self.server.counter.log(entry)
             return
-        delay = self.server.faults.take_delay(repo_id, path)
-        if delay:  # a slow upstream: the body starts late
-            time.sleep(delay)
         abort_after = self.server.faults.take_abort(repo_id, path)
         budget = length if abort_after is None else min(length, abort_after)
+        # A slow upstream: the body comes a piece a second over `delay` seconds, never silent
+        # long enough for a proxy's read timeout (olah's is 15 s) to give up on it.
+        delay = self.server.faults.take_delay(repo_id, path)
+        pieces = math.ceil(delay)
+        step = -(-budget // pieces) if pieces else _CHUNK
         sent = 0
         try:
             with f.abspath.open("rb") as fh:
                 fh.seek(start)
                 while sent < budget:
-                    chunk = fh.read(min(_CHUNK, budget - sent))
+                    if pieces:
+                        time.sleep(delay / math.ceil(delay))
+                        pieces -= 1
+                    chunk = fh.read(min(step, budget - sent))
                     if not chunk:
                         break
                     # Counted before it is written: a client that has every byte finds them counted.

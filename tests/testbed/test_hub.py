@@ -155,6 +155,18 @@ def test_delay_and_withdrawn_faults(hub: HubServer, repos: dict[str, Any]) -> No
     assert body == repos[NEW]["config.json"]
 
 
+def test_a_slow_file_trickles_under_a_proxy_read_timeout(hub: HubServer, repos: dict[str, Any]) -> None:
+    hub.inject_delay(REPO, "big.safetensors", 4.0)
+    conn = http.client.HTTPConnection(hub.host, hub.port, timeout=2)  # a read timeout under the delay
+    started = time.monotonic()
+    try:
+        conn.request("GET", f"/{REPO}/resolve/{NEW}/big.safetensors")
+        body = conn.getresponse().read()
+    finally:
+        conn.close()
+    assert body == repos[NEW]["big.safetensors"] and time.monotonic() - started >= 4.0
+
+
 def test_range_and_head_headers(hub: HubServer, repos: dict[str, Any]) -> None:
     data = repos[NEW]["model.safetensors"]
     url = f"/{REPO}/resolve/main/model.safetensors"
