@@ -2,6 +2,7 @@
 mark the tests that download as ``network`` (``make test-unit`` leaves them out)."""
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -31,3 +32,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if _downloads(item):
             item.add_marker(pytest.mark.network)
+
+
+# The lines of a failed run that say why: pyinfra's per-host errors, a stopped rollout, a
+# traceback. CI's log keeps only the summary's first line of each failure, so they go first.
+_TELLING = re.compile(r"\] Error|rollout stopped|Traceback|\berror:|Error response|timed out after")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if report.failed and crash is not None:
+        telling = [line.strip() for line in crash.message.splitlines() if _TELLING.search(line)]
+        if telling:
+            crash.message = " | ".join(telling[-3:])[:600] + "\n" + crash.message
