@@ -10,7 +10,7 @@ when ``nvidia-cdi-hook`` is there; ``--device nvidia.com/gpu=all`` uses a CDI sp
 ``nvidia-cdi-hook`` but no legacy hook refuses ``--gpus all`` and runs ``--device``;
 moby #50228 maps ``--gpus`` to CDI from 29 on).
 
-So the host is asked what works (``facts.GpuAccess``), and the unit uses that
+So the host is asked what works (``gpu.GpuAccess``), and the unit uses that
 (:func:`gpu_flag`); only when nothing does is the toolkit installed and docker restarted
 — which stops every container, so never while our server runs (it already has a GPU).
 The ``/dev/char`` symlinks NVIDIA documents keep ``systemctl daemon-reload`` from
@@ -32,7 +32,7 @@ from pyinfra.operations import systemd
 
 from sparkfleet import apt, remote, snapshot
 from sparkfleet.config import Settings
-from sparkfleet.facts import CDI_ALL, GPU_FLAGS, GPUS_ALL, GpuAccess
+from sparkfleet.gpu import CDI_ALL, GPU_FLAGS, GPUS_ALL, GpuAccess
 from sparkfleet.hostpaths import (
     ARCHIVE_APT_KEYRING,
     DOCKER_DAEMON_JSON,

@@ -42,8 +42,8 @@ from pyinfra.operations import systemd
 
 from sparkfleet import apt, credentials, haproxy, remote
 from sparkfleet.config import Settings
-from sparkfleet.facts import RouteSource
 from sparkfleet.fleet import all_pairs, all_settings, chosen_endpoint, once, reached_at, ssh_address
+from sparkfleet.routes import RouteSource
 
 PROJECT = Path(__file__).resolve().parents[1]
 TEMPLATE = PROJECT / "templates" / "haproxy.cfg.j2"

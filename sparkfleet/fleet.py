@@ -272,7 +272,7 @@ def located(state, current, mirrors: dict[str, Mirror | None]) -> Mirror | None:
 def ssh_address(target, state=None) -> str:
     """The address ``target``'s SSH connection reached ($SSH_CONNECTION's third field), or
     "": asked once per run, whoever asks."""
-    from sparkfleet.facts import SshServerAddress
+    from sparkfleet.routes import SshServerAddress
 
     return once(("ssh address", target.name), lambda: target.get_fact(SshServerAddress, _sudo=False), state)
 
@@ -308,7 +308,7 @@ def _fleet_address(state, mirror_name: str, mirrors: dict[str, Mirror | None]) -
     checks that it answers before it pulls or downloads (mirror.clients). One command on
     the mirror answers for every peer.
     """
-    from sparkfleet.facts import RouteSources
+    from sparkfleet.routes import RouteSources
 
     server = state.inventory.get_host(mirror_name)
     peers = [state.inventory.get_host(n) for n, m in mirrors.items() if m and m.host == mirror_name and n != mirror_name]

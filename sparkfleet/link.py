@@ -36,11 +36,11 @@ from pyinfra.operations import files, server
 
 from sparkfleet import container_runtime, remote
 from sparkfleet.config import Settings
-from sparkfleet.facts import Answers, RoceGids, RoceNetdevs, RouteSource
 from sparkfleet.fleet import all_settings, host_mirror, mirror_route
 from sparkfleet.hostpaths import LINK_CHECK, NETPLAN_CX7, RDMA_DEVICES, RUNTIME_DIR
 from sparkfleet.mirror import local_image
 from sparkfleet.pairs import Pair, PairMember
+from sparkfleet.routes import Answers, RoceGids, RoceNetdevs, RouteSource
 
 AUTO = "auto"
 #: IPv4 (20) and ICMP (8) headers: the largest ping payload one packet of the MTU carries.

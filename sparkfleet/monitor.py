@@ -35,7 +35,6 @@ from pyinfra.operations import systemd
 
 from sparkfleet import apt, credentials, remote, snapshot
 from sparkfleet.config import Settings
-from sparkfleet.facts import RouteSource
 from sparkfleet.fleet import all_pairs, all_settings, chosen_endpoint, chosen_monitor, once, reached_at, ssh_address
 from sparkfleet.hostpaths import (
     NODE_EXPORTER_DEFAULTS,
@@ -46,6 +45,7 @@ from sparkfleet.hostpaths import (
     PROMETHEUS_RULES,
     PROMETHEUS_UNIT,
 )
+from sparkfleet.routes import RouteSource
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
 MARKER = "# Rendered by sparkfleet (monitor.py)"

@@ -22,9 +22,11 @@ from pyinfra.facts.server import Arch
 
 from sparkfleet import credentials, endpoint, haproxy, hybrid, image, link, mirror, remote, service, snapshot, weights
 from sparkfleet.config import Settings
-from sparkfleet.facts import BootTarget, Firewall, FreeSpace, Gpu, Listeners, Memory
+from sparkfleet.facts import BootTarget, FreeSpace, Memory
 from sparkfleet.fleet import fleet_settings, host_mirror, host_pair, once
+from sparkfleet.gpu import Gpu
 from sparkfleet.hostpaths import AGENT_SOCKET, CONTAINER, HF_MIRROR_UNIT, REGISTRY_UNIT, SECRETS_ENV, UNIT
+from sparkfleet.ports import Firewall, Listeners
 
 EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 

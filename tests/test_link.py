@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import yaml
 
 from sparkfleet import link
-from sparkfleet.facts import Answers, RoceGids, RoceNetdevs, RouteSource
 from sparkfleet.fleet import Mirror
 from sparkfleet.pairs import Pair
+from sparkfleet.routes import Answers, RoceGids, RoceNetdevs, RouteSource
 
 # A Spark cabled on its second QSFP port, as mlx5's ibdev2netdev prints it.
 IBDEV2NETDEV = [

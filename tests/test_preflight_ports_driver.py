@@ -16,8 +16,9 @@ from pyinfra.context import ctx_host
 from support.fleetdata import fake_state
 
 from sparkfleet import preflight
-from sparkfleet.facts import ALL, Firewall, Gpu, Listeners
 from sparkfleet.fleet import fleet_settings
+from sparkfleet.gpu import Gpu
+from sparkfleet.ports import ALL, Firewall, Listeners
 from sparkfleet.preflight import Listen
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "fake_fleet.py"

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from sparkfleet.facts import CDI_ALL, GPUS_ALL, ContainerdRoot, GpuAccess, ManifestSize, NewLines
+from sparkfleet.facts import ContainerdRoot, ManifestSize, NewLines
+from sparkfleet.gpu import CDI_ALL, GPUS_ALL, GpuAccess
 from sparkfleet.image import store_of
 from sparkfleet.oomguard import earlyoom_args
 

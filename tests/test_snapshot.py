@@ -83,7 +83,8 @@ def test_the_want_list_is_json_a_fake_host_answers_empty():
 def test_pyinfra_facts_are_read_in_the_batch_as_pyinfra_reads_them():
     from pyinfra.facts.server import Arch
 
-    from sparkfleet.facts import Listeners, Memory
+    from sparkfleet.facts import Memory
+    from sparkfleet.ports import Listeners
 
     entries = dict(snapshot._fact_entry(cls, kwargs) for cls, kwargs in
                    ((Arch, {}), (Memory, {}), (Listeners, {"ports": [1], "container": "x", "_sudo": True})))

@@ -27,7 +27,6 @@ from pyinfra.api import operation
 from pyinfra.operations import systemd
 
 from sparkfleet import snapshot
-from sparkfleet.facts import RouteSource
 from sparkfleet.fleet import Mirror, all_mirrors, mirror_route
 from sparkfleet.hostpaths import (
     FIREWALL_RULES,
@@ -37,6 +36,7 @@ from sparkfleet.hostpaths import (
     HF_MIRROR_UNIT,
     REGISTRY_UNIT,
 )
+from sparkfleet.routes import RouteSource
 
 TABLE = "sparkfleet_mirror"
 

@@ -9,8 +9,8 @@ import gevent
 import pytest
 
 from sparkfleet.config import ConfigError
-from sparkfleet.facts import RouteSources, SshServerAddress
 from sparkfleet.fleet import Mirror, located
+from sparkfleet.routes import RouteSources, SshServerAddress
 
 
 class FakeHost:

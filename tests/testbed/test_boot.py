@@ -16,7 +16,7 @@ import time
 import pytest
 from pyinfra.facts.server import Arch as Architecture
 
-from sparkfleet.facts import Gpu
+from sparkfleet.gpu import Gpu
 from sparkfleet.testbed import fleet, image, paths
 from sparkfleet.testbed.proc import missing_tools
 

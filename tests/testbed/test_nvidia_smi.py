@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkfleet.facts import Gpu
+from sparkfleet.gpu import Gpu
 from sparkfleet.preflight import GB10_COMPUTE_CAPABILITY, GB10_NAME
 from sparkfleet.testbed import simhw
 
