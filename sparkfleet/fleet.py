@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import gevent.lock
 
-from sparkfleet import fleetlock
+from sparkfleet import fleetlock, lockfile, upstream
 from sparkfleet.config import (
     FIXES,
     MEASURED_GPU_MEMORY_UTILIZATION,
@@ -156,11 +156,11 @@ def _planned(state) -> dict[str, Any]:
 def _fleet_lock(state, asked: dict[str, Settings]) -> tuple[fleetlock.LockRun, list[str]]:
     """This run's fleet lock: the file completed for what the hosts ask (sparkfleet.fleetlock)."""
     first = next(iter(asked.values()))
-    path = fleetlock.lock_path(first.fleet_lock_file, fleetlock.cli_params().get("inventory"))
-    lock, before = fleetlock.read(path)
+    path = lockfile.lock_path(first.fleet_lock_file, fleetlock.cli_params().get("inventory"))
+    lock, before = lockfile.read(path)
     planned = fleetlock.plan(
         asked, lock, set(first.fleet_lock_update), held=lambda names: _held(state, names, asked),
-        upstream=fleetlock.Upstream(), pairs={n: p.group for n, p in fleet_pairs(state.inventory, asked)[0].items()},
+        upstream=upstream.Upstream(), pairs={n: p.group for n, p in fleet_pairs(state.inventory, asked)[0].items()},
     )
     writer = next((h.name for h in state.inventory if h in state.activated_hosts), None)
     return fleetlock.LockRun(path, planned.lock, before, planned.changes, writer), planned.problems

@@ -10,11 +10,14 @@ from pathlib import Path
 import pytest
 from support.fleetdata import defaults, fake_state
 
-from sparkfleet import fleetlock
+import sparkfleet.upstream
+from sparkfleet import fleetlock, lockfile
 from sparkfleet.config import ConfigError, validate_host_data
-from sparkfleet.fleetlock import Entry, FleetLock, Held, LockError, Unresolved
+from sparkfleet.fleetlock import Held
+from sparkfleet.lockfile import Entry, FleetLock, LockError
+from sparkfleet.upstream import Unresolved
 
-REAL_UPSTREAM = fleetlock.Upstream  # fake_state replaces it while a fake fleet plans
+REAL_UPSTREAM = sparkfleet.upstream.Upstream  # fake_state replaces it while a fake fleet plans
 IMAGE = defaults()["image"]
 HYBRID = "bleysg/Qwen3.5-122B-A10B-int4-fp8-hybrid"
 DRAFTER = "z-lab/Qwen3.5-122B-A10B-DFlash"
@@ -65,17 +68,17 @@ def plan(settings, lock=None, update=(), held=lambda names: {}, upstream=None, p
 
 def test_the_file_reads_back_what_was_written_in_one_order_with_its_header(tmp_path):
     first = plan(hosts()).lock
-    text = fleetlock.render(first)
+    text = lockfile.render(first)
     assert text.startswith("# sparkfleet.lock: the bytes this fleet serves")
-    assert fleetlock.parse(text) == first
+    assert lockfile.parse(text) == first
     # One order whatever order the entries came in: a diff of two locks shows what moved only.
-    assert fleetlock.render(FleetLock(dict(reversed(first.entries.items())))) == text
+    assert lockfile.render(FleetLock(dict(reversed(first.entries.items())))) == text
     assert text.index("[[image]]") < text.index(f'repo = "{HYBRID}"') < text.index(f'repo = "{DRAFTER}"')
     assert f'reference = "{IMAGE}"' in text and 'revision = "main"' in text and "# 2.00 GiB" in text
     path = tmp_path / "sparkfleet.lock"
     path.write_text(text)
-    assert fleetlock.read(path) == (first, text)
-    assert fleetlock.read(tmp_path / "none.lock") == (FleetLock(), None)
+    assert lockfile.read(path) == (first, text)
+    assert lockfile.read(tmp_path / "none.lock") == (FleetLock(), None)
 
 
 @pytest.mark.parametrize("text, needle", [
@@ -90,7 +93,7 @@ def test_a_broken_file_is_refused_naming_it_and_the_fix(text, needle, tmp_path):
     path = tmp_path / "sparkfleet.lock"
     path.write_text(text)
     with pytest.raises(LockError) as err:
-        fleetlock.read(path)
+        lockfile.read(path)
     assert needle in str(err.value) and str(path) in str(err.value)
     assert "nothing was changed on any host" in str(err.value)
 
@@ -99,10 +102,10 @@ def test_it_lives_beside_the_inventory_or_where_lock_file_says(tmp_path):
     inventory = tmp_path / "inventory" / "sparks.py"
     inventory.parent.mkdir()
     inventory.write_text("sparks = []\n")
-    assert fleetlock.lock_path(None, str(inventory)) == inventory.parent / "sparkfleet.lock"
-    assert fleetlock.lock_path(None, "spark-1,spark-2") == Path("sparkfleet.lock")  # a list of hosts: here
-    assert fleetlock.lock_path(None, None) == Path("sparkfleet.lock")
-    assert fleetlock.lock_path("~/fleet.lock", str(inventory)) == Path("~/fleet.lock").expanduser()
+    assert lockfile.lock_path(None, str(inventory)) == inventory.parent / "sparkfleet.lock"
+    assert lockfile.lock_path(None, "spark-1,spark-2") == Path("sparkfleet.lock")  # a list of hosts: here
+    assert lockfile.lock_path(None, None) == Path("sparkfleet.lock")
+    assert lockfile.lock_path("~/fleet.lock", str(inventory)) == Path("~/fleet.lock").expanduser()
 
 
 # --- what a run resolves ---------------------------------------------------------------------

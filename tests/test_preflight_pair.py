@@ -66,7 +66,7 @@ def pair_state():
     inventory = Inventory((names, {**defaults(), "fake_delay": 0, "fake_delay_jitter": 0}),
                           pair_a=(names[:2], {}))
     state = State(inventory, Config())
-    with ctx_state.use(state), mock.patch("sparkfleet.fleetlock.Upstream", StubUpstream):
+    with ctx_state.use(state), mock.patch("sparkfleet.upstream.Upstream", StubUpstream):
         connect_all(state)
         yield state
 

@@ -30,7 +30,6 @@ from pyinfra import host, logger
 from pyinfra.api import StringCommand, operation
 
 from sparkfleet import snapshot
-from sparkfleet.fleetlock import size_text
 from sparkfleet.hostpaths import (
     HF_ENV,
     REGISTRY_CERT,
@@ -39,6 +38,7 @@ from sparkfleet.hostpaths import (
     mirror_held_marker,
     mirror_hf_cache,
 )
+from sparkfleet.lockfile import size_text
 from sparkfleet.tasks import detached
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from sparkfleet import fleetlock
+from sparkfleet import lockfile
 from sparkfleet.image import one_shot
 from sparkfleet.profiles import INTEL_INT4, PROFILES
 from sparkfleet.testbed import paths
@@ -63,8 +63,8 @@ def deploy(inv: str, *args: str) -> tuple[int, str]:
     return result.returncode, result.stdout + result.stderr
 
 
-def lock_of(tb) -> fleetlock.FleetLock:
-    return fleetlock.read(Path(tb.data["fleet_lock_file"]))[0]
+def lock_of(tb) -> lockfile.FleetLock:
+    return lockfile.read(Path(tb.data["fleet_lock_file"]))[0]
 
 
 def upstream_main(tb, repo: str) -> str:

@@ -45,7 +45,7 @@ def fake_state(names: list, data: dict | None = None, **groups: list[str]):
     from pyinfra.api.connect import connect_all
     from pyinfra.context import ctx_state
 
-    with tempfile.TemporaryDirectory() as tmp, mock.patch("sparkfleet.fleetlock.Upstream", StubUpstream):
+    with tempfile.TemporaryDirectory() as tmp, mock.patch("sparkfleet.upstream.Upstream", StubUpstream):
         # The fleet lock: a file of its own, and an upstream that answers without a network.
         shared = {**defaults(), "fake_delay": 0, "fake_delay_jitter": 0, "fleet_lock_file": f"{tmp}/sparkfleet.lock",
                   **(data or {})}
@@ -57,7 +57,7 @@ def fake_state(names: list, data: dict | None = None, **groups: list[str]):
 
 
 class StubUpstream:
-    """sparkfleet.fleetlock.Upstream without a network: a commit and a digest made from the
+    """sparkfleet.upstream.Upstream without a network: a commit and a digest made from the
     reference, 1 GiB each."""
 
     def model(self, endpoint: str, repo: str, revision: str, token: str | None) -> tuple[str, int]:

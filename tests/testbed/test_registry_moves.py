@@ -13,8 +13,8 @@ import pytest
 from support.fleetdata import free_port
 from support.listening import wait_for_port
 
-from sparkfleet.fleetlock import Unresolved, Upstream
 from sparkfleet.testbed.registry import GENERATION_LABEL, RegistryClient, manifest_bytes, move_tag
+from sparkfleet.upstream import Unresolved, Upstream
 
 
 @pytest.fixture
