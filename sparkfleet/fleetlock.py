@@ -39,7 +39,7 @@ from pyinfra.api import FunctionCommand, deploy, operation
 
 from sparkfleet.config import ImageName, Settings, hf_token, upstream_registry_url
 from sparkfleet.hostpaths import local_image
-from sparkfleet.lockfile import COMMIT, LOCK_NAME, Entry, FleetLock, Reference, changes, render
+from sparkfleet.lockfile import COMMIT, LOCK_NAME, Entry, FleetLock, Reference, changes, render, short_pin
 from sparkfleet.upstream import Unresolved, Upstream
 
 HUB = "https://huggingface.co"
@@ -72,6 +72,11 @@ class Wanted(Reference):
         return self.asked if COMMIT.match(self.asked) else None
 
 
+def _hub(settings: Settings) -> str:
+    """The hub ``settings`` download from: its ``hf_endpoint``, else Hugging Face's."""
+    return (settings.hf_endpoint or HUB).rstrip("/")
+
+
 def wanted(settings: dict[str, Settings]) -> dict[str, Wanted]:
     """Every reference of the fleet, by key, with the hosts that ask for it (inventory order)."""
     found: dict[str, Wanted] = {}
@@ -83,7 +88,7 @@ def wanted(settings: dict[str, Settings]) -> dict[str, Wanted]:
     for name, s in settings.items():  # a host stopped (serving=false) keeps its references
         add(Wanted("image", s.image, s.image, (name,), upstream_registry_url(s.image, s.image_registry_url)))
         for repo in s.hub_repos:
-            add(Wanted("model", repo, s.revision(repo), (name,), (s.hf_endpoint or HUB).rstrip("/")))
+            add(Wanted("model", repo, s.revision(repo), (name,), _hub(s)))
     return found
 
 
@@ -140,7 +145,7 @@ def plan(settings: dict[str, Settings], lock: FleetLock, update: set[str],
     member's pair, for the messages."""
     now = now or datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     found = wanted(settings)
-    tokens = {(s.hf_endpoint or HUB).rstrip("/"): hf_token(s) for s in reversed(settings.values())}
+    tokens = {_hub(s): hf_token(s) for s in reversed(settings.values())}
     problems = [f"`fleet_lock_update` names {name}, which no host of the inventory serves (they serve "
                 f"{', '.join(sorted({w.name for w in found.values() if w.kind == 'model'})) or 'no repository'}). "
                 "Fix: use all, image, or one of those repo ids"
@@ -170,7 +175,7 @@ def plan(settings: dict[str, Settings], lock: FleetLock, update: set[str],
         have = {h: holdings[h].of(w) for h in w.hosts if h in holdings and holdings[h].of(w)} if adopt else {}
         values = set().union(*have.values()) if have else set()
         if len(values) > 1:
-            shown = "; ".join(f"{v[:19] if w.kind == 'image' else v[:12]} on "
+            shown = "; ".join(f"{short_pin(w.kind, v)} on "
                               + ", ".join(h + (f" ({pairs[h]})" if pairs and h in pairs else "")
                                           for h, got in have.items() if v in got)
                               for v in sorted(values))
@@ -193,7 +198,7 @@ def plan(settings: dict[str, Settings], lock: FleetLock, update: set[str],
         if values:  # held by the fleet from before the lock: kept, so adopting the lock moves nothing
             kept = values.pop()
             if pin and pin != kept:
-                notes.append(f"    {w.label}: upstream {w.asked} is {pin[:19] if w.kind == 'image' else pin[:12]} "
+                notes.append(f"    {w.label}: upstream {w.asked} is {short_pin(w.kind, pin)} "
                              f"now; --data fleet_lock_update={w.name} moves the fleet to it")
                 size = None
             entries.append(Entry(w.kind, w.name, w.asked, kept, size, now,

@@ -67,7 +67,7 @@ class Entry(Reference):
 
     @property
     def short(self) -> str:
-        return self.pin[:19] if self.kind == "image" else self.pin[:12]
+        return short_pin(self.kind, self.pin)
 
 
 @dataclass(frozen=True)
@@ -155,6 +155,11 @@ def lock_path(fleet_lock_file: str | None, inventory: str | None) -> Path:
 
 
 # --- what moved, as the deploy shows it -----------------------------------------------------------
+
+
+def short_pin(kind: str, pin: str) -> str:
+    """A pin as the deploy shows it: a digest's ``sha256:`` and 12 hex, a commit's 12."""
+    return pin[:19] if kind == "image" else pin[:12]
 
 
 def size_text(size: int | None) -> str:
