@@ -47,22 +47,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from . import perf, template, tokenizer
+from .lexicon import CODE, REASONING, WORDS
 
-_WORDS = (
-    "the history of tea begins in southwest China where leaves were first brewed as a medicinal drink "
-    "during the Shang dynasty and later spread along trade routes to Japan Korea India and Europe "
-    "merchants carried compressed bricks across mountains while monks cultivated gardens near temples "
-    "ceremonies developed around preparation and serving and each region shaped its own customs flavor "
-    "and meaning over many centuries of careful practice patient growth and quiet exchange between "
-    "cultures cities and families who gathered around warm cups to share stories news and ideas"
-).split()
-_CODE = (
-    "def", " process", "_items", "(", "items", ")", ":", "\n", "    ", "total", " =", " 0", "\n", "    ",
-    "for", " item", " in", " items", ":", "\n", "        ", "if", " item", " >", " 0", ":", "\n",
-    "            ", "total", " +=", " item", "\n", "    ", "return", " total", "\n", "\n",
-)
-_REASONING = (" Okay", ",", " the", " user", " asks", " a", " question", ".", " Let", " me", " think",
-              " it", " through", " step", " by", " step", ".")
 THINK_START, THINK_END = "<think>", "</think>"
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 _TOKEN_RE = re.compile(r"\w+|[^\w\s]")
@@ -105,7 +91,7 @@ def _prose(rng: random.Random) -> Iterator[str]:
     while True:
         length = rng.randint(8, 18)
         for i in range(length):
-            word = rng.choice(_WORDS)
+            word = rng.choice(WORDS)
             yield " " + (word.capitalize() if i == 0 else word)
         yield "."
 
@@ -151,7 +137,7 @@ def answer(topic_text: str, seed_text: str, chat: bool) -> list[str]:
         for i in range(items):  # noqa: B007
             out += ["{"]
             for j in range(rng.randint(5, 7)):
-                out += ['"', f"field_{j}", '":', ' "', rng.choice(_WORDS), " ", rng.choice(_WORDS), '"', ","]
+                out += ['"', f"field_{j}", '":', ' "', rng.choice(WORDS), " ", rng.choice(WORDS), '"', ","]
             out[-1] = "}"
             out.append(",")
         out[-1] = "]"
@@ -159,7 +145,7 @@ def answer(topic_text: str, seed_text: str, chat: bool) -> list[str]:
     if _CODE_RE.search(low):
         # "complete" asks for a whole implementation: long enough to fill a 2048 budget.
         repeats = 60 if "complete" in low and chat else rng.randint(6, 10) if chat else rng.randint(2, 4)
-        return list(_CODE) * repeats
+        return list(CODE) * repeats
     prose = _prose(rng)
     return [next(prose) for _ in range(rng.randint(120, 220) if chat else rng.randint(40, 120))]
 
@@ -316,5 +302,5 @@ def chat_output(messages: list[dict[str, Any]], tools: list[Any], tool_choice: A
     else:
         body = answer(last_user, seed_text, chat=True)
     # Qwen3.5's chat template puts <think> in the prompt: the output starts inside it.
-    think = [*_REASONING, THINK_END] if thinking else []
+    think = [*REASONING, THINK_END] if thinking else []
     return think + body, _filler(seed_text), function is not None

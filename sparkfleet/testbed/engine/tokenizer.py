@@ -28,6 +28,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from . import lexicon, template
+
 #: Qwen2/Qwen3's split regex (transformers' ``Qwen2Tokenizer.PRETOKENIZE_REGEX``), as
 #: ``tokenizer.json`` carries it for the Rust library (Oniguruma syntax).
 QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
@@ -95,7 +97,6 @@ PAD = "<|endoftext|>"
 
 def corpus() -> str:
     """What the tokenizer is trained on: fixed text, so the merges never change."""
-    from . import template, text  # the model's words and markup; imported late (text imports this module)
 
     tool = {"type": "function", "function": {
         "name": "get_weather", "description": "The current weather in a city.",
@@ -111,8 +112,8 @@ def corpus() -> str:
         [tool])
     return "\n".join([
         _ENGLISH,
-        " ".join(text._WORDS), " ".join(w.capitalize() for w in text._WORDS),
-        "".join(text._CODE) * 2, "".join(text._REASONING) * 2,
+        " ".join(lexicon.WORDS), " ".join(w.capitalize() for w in lexicon.WORDS),
+        "".join(lexicon.CODE) * 2, "".join(lexicon.REASONING) * 2,
         chat,
     ])
 
