@@ -52,6 +52,12 @@ def started_at(testbed, name: str) -> str:
                         via="nsenter").stdout.strip()
 
 
+def around_traceback(out: str) -> str:
+    """The output around its first traceback (else its end), for an assertion's message."""
+    at = out.find("Traceback")
+    return out[max(0, at - 1500):at + 3000] if at >= 0 else out[-4000:]
+
+
 def shown(testbed, name: str) -> str:
     return re.escape(testbed.inventory_name(name))
 
@@ -176,7 +182,7 @@ def test_a_host_that_dies_in_its_turn_stops_the_rollout(testbed, run_pyinfra):
         testbed.start_host(second)
     out = "".join(lines) + rest
     assert run.returncode != 0
-    assert "Traceback" not in out, out[-4000:]
+    assert "Traceback" not in out, around_traceback(out)
     said = [line for line in out.splitlines() if re.search(rf"\[{shown(testbed, second)}\]", line)]
     turn = next(i for i, line in enumerate(said) if "drained from the fleet endpoint" in line)
     assert re.search(r"rollout stopped at .*step READY: the host stopped answering over SSH", out), out[-4000:]
@@ -200,7 +206,7 @@ def test_with_the_endpoint_host_unreachable_a_change_rolls_without_draining(test
         status = subprocess.run(["sparkfleet", "status", INVENTORY, *DATA], cwd=REPO_ROOT, capture_output=True,
                                 text=True, timeout=300, stdin=subprocess.DEVNULL)
     out = result.stdout + result.stderr
-    assert result.returncode != 0 and "Traceback" not in out, out[-4000:]
+    assert result.returncode != 0 and "Traceback" not in out, around_traceback(out)
     for name in others:
         assert re.search(rf"\[{shown(testbed, name)}\] the fleet endpoint does not answer .*rolling without draining",
                          out), out[-4000:]
