@@ -2,7 +2,7 @@
 
     pyinfra inventory/sparks.py deploy.py [--data profile=dense]
 
-sparkfleet.lock (the bytes each tag and branch stands for) -> preflight -> NVIDIA container
+sparkfleet.lock (the bytes each tag and branch stands for) -> the stack held -> preflight -> NVIDIA container
 runtime -> the ConnectX-7 link of a pair -> mirror (one host serves the image and the weights
 to the others) -> serving image -> cached weights -> hybrid build -> systemd unit for the
 profile (a pair: one rank each) -> READY (-> post-deploy checks, with --data checks=...).
@@ -23,6 +23,7 @@ from sparkfleet import (
     patchcheck,
     preflight,
     service,
+    stack,
     watchdog,
     weights,
 )
@@ -33,6 +34,7 @@ settings = fleet_settings()  # its image and revisions as sparkfleet.lock pins t
 pair = host_pair()  # a pair_* group: this host is one rank of its pair's engine
 oplock.held()  # one operator at a time: another deploy's lock stops every host here, before any change
 fleetlock.recorded(fleet_lock())  # sparkfleet.lock written on the controller, before any host changes
+stack.held(settings)  # driver, toolkit, Docker, kernel: apt-mark hold, so no unattended upgrade moves them
 
 if not settings.serving:
     service.stopped()

@@ -264,6 +264,29 @@ drain_timeout_s = 600
 # /metrics): a drafter that does not match its model accepts ~1 and only costs time.
 rollout_min_acceptance = 1.5
 
+# --- The stack: what the host runs under the engine (sparkfleet/stack.py) --------------------
+# The NVIDIA driver and its userspace, the NVIDIA Container Toolkit, Docker (engine and
+# containerd) and the kernel, as component -> {apt package: version}. Every listed package
+# the host has installed is held (apt-mark hold): unattended-upgrades and `apt-get upgrade`
+# skip it, so nothing moves the stack behind the fleet (a DGX OS kernel update broke NCCL
+# between two Sparks, eugr/spark-vllm-docker #392; a driver userspace update without a reboot
+# fails every new GPU container). A package the host lacks is skipped: a Spark has docker-ce
+# or docker.io, not both. None holds the version the host runs; a version (as `apt-cache
+# policy PACKAGE` lists it) is what every host must run: `sparkfleet status` shows drift.
+# DGX OS 7 ships driver 580.x (CUDA 13.0), toolkit 1.17-1.19 and Docker 28.x (29.x after
+# updates); its images differ in the exact builds, so the defaults hold what each host runs.
+# The driver's names are NVIDIA's 580 branch packages (590 renames them without the branch).
+stack_versions = {
+    "driver": {"nvidia-driver-580-open": None, "nvidia-dkms-580-open": None, "nvidia-utils-580": None,
+               "libnvidia-compute-580": None},
+    "toolkit": {"nvidia-container-toolkit": None, "nvidia-container-toolkit-base": None,
+                "libnvidia-container1": None, "libnvidia-container-tools": None},
+    "docker": {"docker-ce": None, "docker-ce-cli": None, "containerd.io": None, "docker.io": None,
+               "containerd": None},
+    # The meta-packages that pull each new kernel in.
+    "kernel": {"linux-nvidia-hwe-24.04": None, "linux-image-nvidia-hwe-24.04": None},
+}
+
 # --- Host preparation ---------------------------------------------------------------------
 # NVIDIA's signed apt repository for the container toolkit ($(ARCH) is apt's own).
 nvidia_apt_repo = "https://nvidia.github.io/libnvidia-container/stable/deb/$(ARCH)"

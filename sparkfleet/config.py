@@ -90,6 +90,11 @@ RunId = Annotated[str, _matching(re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
                                  "names a results directory: use letters, digits and ._-")]
 IpAddress = Annotated[str, AfterValidator(lambda value: ipaddress.ip_address(value) and value)]  # ValueError if not
 
+#: The stack under the engine (sparkfleet/stack.py): what stack_versions may name.
+STACK_COMPONENTS = ("driver", "toolkit", "docker", "kernel")
+_APT_PACKAGE = re.compile(r"^[a-z0-9][a-z0-9+.-]+$")  # Debian policy 5.6.1
+_APT_VERSION = re.compile(r"^(?:[0-9]+:)?[0-9][A-Za-z0-9.+~-]*$")  # [epoch:]upstream[-revision], 5.6.12
+
 #: fleet_mirror values that turn the mirror off.
 MIRROR_OFF = (None, "", "none", "off", "false")
 
@@ -114,6 +119,8 @@ FIXES: dict[str, str] = {
     "pair_graphs_min_vllm": "use a version such as 0.27.1",
     "pair_graphs_min_nccl": "use a version such as 2.30.4",
     "pair_hcas": "use 'auto' (the RoCE devices of the cabled port) or a comma list such as rocep1s0f1,roceP2p1s0f1",
+    "stack_versions": "use {component: {apt package: version or None}} with components driver, toolkit, docker, "
+                      "kernel and versions as `apt-cache policy PACKAGE` lists them (None: held where it is)",
     "fleet_lock_update": "use all, image, or the repo ids to move (comma-separated), e.g. --data fleet_lock_update=all",
 }
 
@@ -250,6 +257,8 @@ class Settings(BaseModel):
     drain_timeout_s: int = Field(ge=0, le=86400)
     rollout_min_acceptance: float = Field(ge=1.0, le=17.0)
     # Host preparation
+    stack_versions: dict[str, dict[str, str | None]]
+
     nvidia_apt_repo: Url
     nvidia_apt_key_url: Url
     apt_repo: Url | None
@@ -285,6 +294,19 @@ class Settings(BaseModel):
                 raise ValueError(f"{repo!r} is not a repo id (org/name)")
             if not _REVISION.match(rev):
                 raise ValueError(f"revision {rev!r} of {repo} is not a branch, tag or commit")
+        return value
+
+    @field_validator("stack_versions")
+    @classmethod
+    def _stack(cls, value: dict[str, dict[str, str | None]]) -> dict[str, dict[str, str | None]]:
+        for component, versions in value.items():
+            if component not in STACK_COMPONENTS:
+                raise ValueError(f"unknown component {component!r}: the stack is {', '.join(STACK_COMPONENTS)}")
+            for package, version in versions.items():
+                if not _APT_PACKAGE.match(package):
+                    raise ValueError(f"{package!r} ({component}) is not an apt package name")
+                if version is not None and not _APT_VERSION.match(version):
+                    raise ValueError(f"{version!r} of {package} is not an apt version (as `apt-cache policy` shows)")
         return value
 
     @field_validator("fleet_mirror", "fleet_endpoint", "fleet_monitor", mode="before")

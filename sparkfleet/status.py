@@ -26,7 +26,7 @@ from typing import Any
 import gevent
 from prometheus_client.parser import text_string_to_metric_families
 
-from sparkfleet import endpoint, haproxy, monitor, oplock, remote
+from sparkfleet import endpoint, haproxy, monitor, oplock, remote, stack
 from sparkfleet.config import ConfigError, Settings
 from sparkfleet.fleet import reached_at, validate_fleet
 from sparkfleet.hostpaths import (
@@ -202,6 +202,7 @@ def _host_command(s: Settings, alerts: bool = False) -> str:
         "echo '== lock'", f"cat {OPERATOR_LOCK} 2>/dev/null; echo",
         "echo '== link'", f"cat {LINK_CHECK} 2>/dev/null; echo",
         "echo '== watchdog'", f"tail -n 1 {WATCHDOG_LOG} 2>/dev/null; cat {AGENT_ANSWER} 2>/dev/null",
+        "echo '== stack'", stack.status_command(s),
         "echo '== refs'",
         f"for f in {q(s.hf_home)}/hub/models--*/refs/*; do [ -f \"$f\" ] && echo \"$f $(cat \"$f\")\"; done 2>/dev/null",
         *(["echo '== alerts'", f"curl -s -m 5 {q(alerts_url(s))} 2>/dev/null; echo"] if alerts else []),
@@ -281,6 +282,7 @@ def parse_host(lines: list[str], s: Settings) -> dict[str, Any]:
     drafts = values.get("drafts", 0.0)
     # Mean acceptance length = 1 + accepted / drafts (the token the target adds each step).
     row["acceptance_length"] = round(1 + values.get("accepted", 0.0) / drafts, 2) if drafts else None
+    row.update(stack.status_of(sec.get("stack", []), s))
     if "alerts" in sec:
         row["alerts"] = parse_alerts("\n".join(sec["alerts"]).strip())
     return row
@@ -418,6 +420,11 @@ def table(doc: dict[str, Any]) -> str:
             agent = r.get("agent") or "up"
             held = f" — out of rotation: {agent.partition('#')[2] or 'down'}" if agent != "up" else ""
             out.append(f"\nwatchdog on {r['host']}: {r.get('watchdog') or '-'}{held}")
+    for r in doc["hosts"]:
+        if r.get("reachable") and (r.get("stack") or r.get("stack_drift")):
+            versions = ", ".join(f"{p} {v['version']}" for p, v in r["stack"].items())
+            out.append(f"\nstack on {r['host']}: {versions or '-'}"
+                       + (f" — DRIFT: {'; '.join(r['stack_drift'])}" if r.get("stack_drift") else ", held"))
     mon = doc.get("monitor")
     if mon is not None:
         alerts = mon.get("alerts")

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 #: 19 + endpoint_rollout 10 + fleet_lock 11 + pair_serving 9; endpoint 12 + endpoint_monitor
 #: 2 + faults 12 + mirror_fleet 12 + pair_link 4 + serving_host 6; the rest 44 (the tests
 #: without a fleet, rollout_faults, wedge, image_patches, fleet_checks, operator_lock, the
-#: real vLLM check). A module on the session's fleet must sort before a shard's modules that
+#: real vLLM check, stack_upgrade). A module on the session's fleet must sort before a shard's modules that
 #: boot their own (fleet_lock, mirror_fleet, pair_*, serving_host): those replace the
 #: session's fleet.
 SHARDS = (

@@ -37,6 +37,12 @@ ARCHIVE_PACKAGES = ("docker-registry", "skopeo", "libgpgme11", "golang-github-co
 ARCHIVE_DEBS = paths.CACHE_DIR / "debs-archive"
 KEY_UID = "sparkfleet testbed apt signing key <testbed@sparkfleet.invalid>"
 REPO_DIR = paths.STATE_DIR / "apt"
+#: The stack updates (build_stack_updates): a flat repository of its own, signed with the same key.
+STACK_URL = f"{paths.APT_URL}stack/"
+STACK_GOOD_TOOLKIT = "1.17.9-1"
+STACK_BAD_TOOLKIT = "1.18.0-1"
+STACK_CANARY = "sparkfleet-sim-canary"
+STACK_CANARY_VERSIONS = ("1.0", "1.1")
 BUILD_DIR = paths.STATE_DIR / "apt-build"
 
 
@@ -69,16 +75,16 @@ def ensure_key() -> str:
     return found
 
 
-def build_deb(out_dir: Path) -> Path:
+def build_deb(out_dir: Path, version: str = simhw.TOOLKIT_VERSION, hook: str = simhw.HOOK_SH) -> Path:
     """Build the simulated nvidia-container-toolkit .deb into *out_dir*."""
     stage = BUILD_DIR / "pkg"
     if stage.exists():
         shutil.rmtree(stage)
-    simhw.write_files(stage, simhw.toolkit_files())
+    simhw.write_files(stage, simhw.toolkit_files(hook))
     (stage / "DEBIAN").mkdir(parents=True)
     (stage / "DEBIAN/control").write_text(
         f"Package: {simhw.TOOLKIT_PACKAGE}\n"
-        f"Version: {simhw.TOOLKIT_VERSION}\n"
+        f"Version: {version}\n"
         "Architecture: all\n"
         "Maintainer: sparkfleet testbed <testbed@sparkfleet.invalid>\n"
         "Section: utils\n"
@@ -88,7 +94,7 @@ def build_deb(out_dir: Path) -> Path:
         " nvidia-ctk, so `docker run --gpus all` starts containers on hosts without a GPU.\n"
     )
     out_dir.mkdir(parents=True, exist_ok=True)
-    deb = out_dir / f"{simhw.TOOLKIT_PACKAGE}_{simhw.TOOLKIT_VERSION}_all.deb"
+    deb = out_dir / f"{simhw.TOOLKIT_PACKAGE}_{version}_all.deb"
     run(["dpkg-deb", "--root-owner-group", "-Zgzip", "--build", stage, deb], timeout=60)
     return deb
 
@@ -116,6 +122,56 @@ def archive_debs() -> list[Path]:
     return found
 
 
+def _canary_deb(out_dir: Path, version: str) -> Path:
+    """A package nobody holds: `apt-get upgrade` moving it shows the upgrade saw the updates."""
+    stage = BUILD_DIR / "canary"
+    shutil.rmtree(stage, ignore_errors=True)
+    (stage / "DEBIAN").mkdir(parents=True)
+    (stage / "DEBIAN/control").write_text(
+        f"Package: {STACK_CANARY}\nVersion: {version}\nArchitecture: all\n"
+        "Maintainer: sparkfleet testbed <testbed@sparkfleet.invalid>\nSection: misc\nPriority: optional\n"
+        "Description: an unheld package of the stack updates (sparkfleet testbed)\n")
+    deb = out_dir / f"{STACK_CANARY}_{version}_all.deb"
+    run(["dpkg-deb", "--root-owner-group", "-Zgzip", "--build", stage, deb], timeout=60)
+    return deb
+
+
+def _index(directory: Path, label: str) -> None:
+    """Packages, Release, and their signatures in a flat repository directory."""
+    packages = run(["apt-ftparchive", "packages", "."], cwd=directory, timeout=60).stdout
+    (directory / "Packages").write_text(packages)
+    run(["gzip", "-9nk", "Packages"], cwd=directory, timeout=30)
+    release = run(
+        ["apt-ftparchive",
+         "-o", "APT::FTPArchive::Release::Origin=sparkfleet-testbed",
+         "-o", f"APT::FTPArchive::Release::Label={label}",
+         "release", "."],
+        cwd=directory, timeout=60,
+    ).stdout
+    (directory / "Release").write_text(release)
+    fpr = ensure_key()
+    try:
+        _gpg("--local-user", fpr, "--clearsign", "-o", str(directory / "InRelease"), str(directory / "Release"))
+        _gpg("--local-user", fpr, "--armor", "--detach-sign", "-o", str(directory / "Release.gpg"),
+             str(directory / "Release"))
+        (directory / "gpgkey").write_text(_gpg("--armor", "--export", fpr).stdout)
+    finally:
+        _stop_agent()
+
+
+def build_stack_updates() -> None:
+    """The vendor's later releases, at STACK_URL (REPO_DIR/stack): a good toolkit, a bad one
+    (its hook fails every GPU container) and an unheld canary in two versions. No host lists
+    it until a test does (an update published upstream), so the main repository stays as is."""
+    stack = REPO_DIR / "stack"
+    stack.mkdir(parents=True)
+    build_deb(stack, STACK_GOOD_TOOLKIT)
+    build_deb(stack, STACK_BAD_TOOLKIT, simhw.BROKEN_HOOK_SH)
+    for version in STACK_CANARY_VERSIONS:
+        _canary_deb(stack, version)
+    _index(stack, "stack updates (simulated)")
+
+
 def build_repo() -> Path:
     """(Re)build the signed repository in REPO_DIR; return the toolkit .deb's path."""
     if REPO_DIR.exists():
@@ -124,27 +180,11 @@ def build_repo() -> Path:
     deb = build_deb(REPO_DIR)
     for extra in archive_debs():
         shutil.copy2(extra, REPO_DIR / extra.name)
-    packages = run(["apt-ftparchive", "packages", "."], cwd=REPO_DIR, timeout=60).stdout
-    (REPO_DIR / "Packages").write_text(packages)
-    run(["gzip", "-9nk", "Packages"], cwd=REPO_DIR, timeout=30)
-    release = run(
-        ["apt-ftparchive",
-         "-o", "APT::FTPArchive::Release::Origin=sparkfleet-testbed",
-         "-o", "APT::FTPArchive::Release::Label=nvidia-container-toolkit (simulated)",
-         "release", "."],
-        cwd=REPO_DIR, timeout=60,
-    ).stdout
-    (REPO_DIR / "Release").write_text(release)
-    fpr = ensure_key()
-    try:
-        _gpg("--local-user", fpr, "--clearsign", "-o", str(REPO_DIR / "InRelease"), str(REPO_DIR / "Release"))
-        _gpg("--local-user", fpr, "--armor", "--detach-sign", "-o", str(REPO_DIR / "Release.gpg"),
-             str(REPO_DIR / "Release"))
-        (REPO_DIR / "gpgkey").write_text(_gpg("--armor", "--export", fpr).stdout)
-    finally:
-        _stop_agent()
+    _index(REPO_DIR, "nvidia-container-toolkit (simulated)")
+    # After the main index: apt-ftparchive would list a subdirectory's packages in it too.
+    build_stack_updates()
     shutil.rmtree(BUILD_DIR, ignore_errors=True)
-    log(f"apt repo built: {deb.name}, signed by {fpr[-16:]}")
+    log(f"apt repo built: {deb.name}, signed by {ensure_key()[-16:]}; stack updates at {STACK_URL}")
     return deb
 
 

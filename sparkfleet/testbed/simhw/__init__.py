@@ -45,6 +45,14 @@ os.makedirs(os.path.join(r, "usr/bin"), exist_ok=True); shutil.copy2("/usr/bin/n
 exit 0
 """
 
+#: The stack updates repository's bad toolkit (aptrepo.py): its hook fails every GPU container, as a
+#: toolkit that cannot load the driver's NVML does.
+BROKEN_HOOK_SH = """#!/bin/sh
+# Simulated nvidia-container-runtime-hook of a bad toolkit release (sparkfleet testbed).
+echo "nvidia-container-cli: initialization error: load library failed: libnvidia-ml.so.1: cannot open shared object file" >&2
+exit 1
+"""
+
 RUNTIME_SH = """#!/bin/sh
 # Simulated nvidia-container-runtime (sparkfleet testbed): the real one is a runc shim
 # that injects the hook; docker's --gpus already adds the hook, so plain runc suffices.
@@ -103,10 +111,10 @@ WantedBy=multi-user.target
 BOOT_UNITS = ("sparkfleet-sim-switches.service", "sparkfleet-sim-meminfo.service")
 
 
-def toolkit_files() -> dict[str, tuple[str, int]]:
+def toolkit_files(hook: str = HOOK_SH) -> dict[str, tuple[str, int]]:
     """Files of the simulated `nvidia-container-toolkit` package: path -> (text, mode)."""
     return {
-        "usr/bin/nvidia-container-runtime-hook": (HOOK_SH, 0o755),
+        "usr/bin/nvidia-container-runtime-hook": (hook, 0o755),
         "usr/bin/nvidia-container-runtime": (RUNTIME_SH, 0o755),
         "usr/bin/nvidia-ctk": ((HERE / "nvidia_ctk.py").read_text(), 0o755),
     }

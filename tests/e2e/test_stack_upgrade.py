@@ -1,0 +1,85 @@
+"""The stack under the engine (issue 30), on three simulated Sparks behind the fleet endpoint
+(HAProxy on spark-1): the deploy holds the stack's packages, so an upgrade run on a host
+moves none of them while it moves what is not held.
+
+The testbed's apt repository publishes the vendor's later releases at its ``stack/`` path
+(sparkfleet/testbed/aptrepo.py): a good toolkit, a bad one (its hook fails every GPU
+container) and an unheld canary in two versions. A test lists it on a host as an update
+published upstream would reach it. The tests run in file order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from sparkfleet.testbed import aptrepo, login, simhw
+from tests.e2e.conftest import INVENTORY, REPO_ROOT
+
+pytestmark = pytest.mark.e2e
+
+ROUTER = "spark-1"
+DATA = ("--data", f"fleet_endpoint={login.inventory_name(ROUTER, login.DEFAULT_NAMES)}")
+TOOLKIT = simhw.TOOLKIT_PACKAGE
+KEYRING = "/etc/apt/keyrings/sparkfleet-sim-stack.asc"
+UPDATES = "/etc/apt/sources.list.d/sparkfleet-sim-stack.list"
+
+
+def versions(testbed, name: str, *packages: str) -> dict[str, str]:
+    """{package: "<dpkg status> <version>"} as dpkg has them on the host."""
+    out = testbed.exec(name, "dpkg-query -W -f='${Package} ${db:Status-Abbrev}${Version}\\n' "
+                       + " ".join(packages) + " 2>/dev/null; true", via="nsenter").stdout
+    return {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in out.splitlines() if " " in line}
+
+
+def publish_updates(testbed, name: str) -> None:
+    """The vendor's later releases reach the host's apt sources."""
+    url = aptrepo.STACK_URL
+    done = testbed.exec(name, f"install -d /etc/apt/keyrings && curl -fsSL {url}gpgkey -o {KEYRING} && "
+                        f"echo 'deb [signed-by={KEYRING}] {url} /' > {UPDATES} && apt-get update -qq && echo ok",
+                        timeout=120)
+    assert done.stdout.strip().endswith("ok"), done.stdout + done.stderr
+
+
+def status_json() -> dict:
+    out = subprocess.run(["sparkfleet", "status", INVENTORY, "--json", *DATA],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env={**os.environ})
+    return json.loads(out.stdout)
+
+
+def test_the_deploy_holds_the_stack(testbed, run_pyinfra):
+    result = run_pyinfra("deploy.py", *DATA)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    for name in testbed.names:  # the toolkit and Docker (docker.io, containerd: Debian's) held
+        held = versions(testbed, name, TOOLKIT, "docker.io", "containerd")
+        assert held[TOOLKIT] == f"hi {simhw.TOOLKIT_VERSION}" and held["docker.io"].startswith("hi "), held
+    again = run_pyinfra("deploy.py", *DATA)  # converged: nothing to hold again
+    assert again.returncode == 0 and "apt-mark hold" not in again.stdout
+    rows = {r["host"]: r for r in status_json()["hosts"]}
+    assert all(r["stack"][TOOLKIT] == {"version": simhw.TOOLKIT_VERSION, "held": True} for r in rows.values()), rows
+    assert all(r["stack_drift"] == [] for r in rows.values()), rows
+
+
+def test_an_upgrade_run_on_a_host_moves_no_held_package(testbed):
+    """`apt-get upgrade` (what unattended-upgrades runs, by apt's own rules for held packages)
+    with newer releases of the toolkit published: the unheld canary moves, the toolkit stays."""
+    name = "spark-2"
+    publish_updates(testbed, name)
+    try:
+        canary = testbed.exec(name, f"DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "
+                              f"{aptrepo.STACK_CANARY}={aptrepo.STACK_CANARY_VERSIONS[0]}", timeout=180)
+        assert canary.returncode == 0, canary.stdout + canary.stderr
+        upgrade = ("if command -v unattended-upgrade >/dev/null; then unattended-upgrade -v; fi; "
+                   "DEBIAN_FRONTEND=noninteractive apt-get upgrade -y")
+        done = testbed.exec(name, upgrade, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        after = versions(testbed, name, TOOLKIT, aptrepo.STACK_CANARY)
+        assert after[aptrepo.STACK_CANARY] == f"ii {aptrepo.STACK_CANARY_VERSIONS[-1]}", (after, done.stdout)
+        assert after[TOOLKIT] == f"hi {simhw.TOOLKIT_VERSION}", (after, done.stdout)
+        assert TOOLKIT in done.stdout.split("kept back:")[-1] or "held" in done.stdout, done.stdout
+    finally:
+        testbed.exec(name, f"dpkg --purge {aptrepo.STACK_CANARY}; rm -f {UPDATES} {KEYRING}; apt-get update -qq",
+                     timeout=180)

@@ -1,0 +1,64 @@
+"""The stack's declared versions: validated with the rest, held, and their drift."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparkfleet import stack
+from sparkfleet.config import ConfigError, project_defaults, validate_host_data
+from tests.test_deploy_plan import changes, plan
+
+
+def settings(**over):
+    return validate_host_data("spark-1", {**project_defaults(), **over})
+
+
+def test_dpkg_status_says_installed_and_held():
+    have = stack.parse_packages(["ii |nvidia-container-toolkit|1.17.8-1", "hi |docker.io|26.1.5+dfsg1-1",
+                                 "un |docker-ce|", "rc |containerd|1.7.24~ds1-1", "garbage"])
+    assert have == {"nvidia-container-toolkit": {"version": "1.17.8-1", "held": False},
+                    "docker.io": {"version": "26.1.5+dfsg1-1", "held": True}}
+
+
+def test_drift_names_a_declared_version_not_run_and_a_package_not_held():
+    s = settings(stack_versions={"toolkit": {"nvidia-container-toolkit": "1.17.9-1"}, "docker": {"docker.io": None}})
+    have = {"nvidia-container-toolkit": {"version": "1.17.8-1", "held": True},
+            "docker.io": {"version": "26.1.5+dfsg1-1", "held": False}}
+    assert stack.drift(s, have) == ["nvidia-container-toolkit 1.17.8-1, declared 1.17.9-1",
+                                    "docker.io 26.1.5+dfsg1-1 not held"]
+    have["nvidia-container-toolkit"]["version"] = "1.17.9-1"
+    have["docker.io"]["held"] = True
+    assert stack.drift(s, have) == []
+
+
+def test_the_defaults_hold_every_component_at_what_the_host_runs():
+    s = settings()
+    assert set(s.stack_versions) == {"driver", "toolkit", "docker", "kernel"}
+    assert stack.declared(s) == {}
+    assert "nvidia-container-toolkit" in stack.packages(s) and "containerd.io" in stack.packages(s)
+
+
+@pytest.mark.parametrize("value, needle", [
+    ({"firmware": {"x": None}}, "unknown component 'firmware'"),
+    ({"driver": {"NVIDIA Driver": None}}, "is not an apt package name"),
+    ({"toolkit": {"nvidia-container-toolkit": "latest; rm -rf /"}}, "is not an apt version"),
+])
+def test_bad_stack_data_names_the_host_the_key_and_the_fix(value, needle):
+    with pytest.raises(ConfigError) as err:
+        settings(stack_versions=value)
+    text = str(err.value)
+    assert "spark-1" in text and "stack_versions" in text and needle in text and "apt-cache policy" in text
+
+
+def test_the_deploy_holds_only_installed_packages_not_yet_held():
+    out = changes(plan("loose,gb10"))
+    line = next(li for li in out.splitlines() if "held (apt-mark hold)" in li)
+    assert "spark-1-loose" in line and "spark-2-gb10" not in line
+
+
+def test_a_bad_declared_version_stops_the_deploy_before_any_host():
+    result = plan("loose", "stack_versions={\"kernel\": {\"linux-image-nvidia-hwe-24.04\": \"6.14 new\"}}")
+    assert result.returncode != 0
+    out = changes(result)
+    assert "stack_versions" in out and "nothing was changed" in out and "Detected changes" not in out
+
