@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ipaddress
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import gevent
@@ -46,6 +47,22 @@ BACK_TIMEOUT_S = 30
 # Tokens of the gate's decode request: enough drafts for an acceptance length.
 GATE_DECODE_TOKENS = 128
 GATE_DECODE_PROMPT = "Write a short paragraph about the history of Paris."
+
+
+@dataclass(frozen=True)
+class Change:
+    """What a turn changes between drain and READY other than the serving settings (the
+    stack's packages, sparkfleet/stack.py), and how it goes back. It rolls as its own
+    rollout (``kind``), so a run that also restarts for new settings rolls each apart.
+
+    ``apply(host)`` and ``undo(host)`` run in the turn and return None once done, else why
+    not (``apply``'s problem sends the host back as a failed gate does)."""
+
+    kind: str
+    what: str  # the step, as messages name it
+    back: str  # what the host runs once undone, as messages name it
+    apply: Callable[[object], str | None]
+    undo: Callable[[object], str | None]
 
 
 @dataclass
@@ -95,17 +112,18 @@ class Rollout:
                         break
 
 
-def rollout_of(state, settings: Settings) -> Rollout:
-    return once("rollout", lambda: Rollout(batch=settings.rollout_batch), state)  # the run's own: fleet.once
+def rollout_of(state, settings: Settings, kind: str | None = None) -> Rollout:
+    key = "rollout" if kind is None else f"rollout of {kind}"  # the run's own: fleet.once
+    return once(key, lambda: Rollout(batch=settings.rollout_batch), state)
 
 
-def planned(settings: Settings, member: PairMember | None = None) -> None:
+def planned(settings: Settings, member: PairMember | None = None, change: Change | None = None) -> None:
     """Register the current host for a rolling restart. While planning (pyinfra plans every
     host at once, in no fixed order), wait until every host has planned this far or ended,
     then say once which hosts roll in which batch (what --dry shows). A pair member rolls
     in its head's turn."""
     state = current_host.state
-    ro = rollout_of(state, settings)
+    ro = rollout_of(state, settings, change and change.kind)
     ro.register(current_host.name, member)
     if state.is_executing:  # the generator runs again to execute: planned already
         return
@@ -117,8 +135,9 @@ def planned(settings: Settings, member: PairMember | None = None) -> None:
         return
     ro.announced = True
     batches = ro.batches(state)
-    steps = ("drain, restart, gate, back in rotation" if endpoint.endpoint_name(state)
-             else "restart, gate (no fleet endpoint)")
+    what = change.what if change is not None else "restart"
+    steps = (f"drain, {what}, gate, back in rotation" if endpoint.endpoint_name(state)
+             else f"{what}, gate (no fleet endpoint)")
     for number, names in enumerate(batches, 1):
         for name in names:
             with_pair = "".join(f" with {w}" for w in ro.workers.get(name, {}))
@@ -163,10 +182,12 @@ def _pair_workers(state, ro: Rollout, host) -> tuple:
     return tuple(workers)
 
 
-def rolled(state, host, settings: Settings, revision: str, member: PairMember | None = None) -> bool:
-    """Wait for this host's turn, then drain, restart, gate and put it back. A pair rolls
-    as one: its head drains, restarts every member, waits for READY and gates."""
-    ro = rollout_of(state, settings)
+def rolled(state, host, settings: Settings, revision: str | None, member: PairMember | None = None,
+           change: Change | None = None) -> bool:
+    """Wait for this host's turn, then drain, restart (or make ``change``), gate and put it
+    back. A pair rolls as one: its head drains, restarts every member, waits for READY and
+    gates."""
+    ro = rollout_of(state, settings, change and change.kind)
     if member is not None and member.pair.headless:
         return _worker_rolled(state, host, ro, member, revision)
     ro.wait_turn(state, host.name)
@@ -175,7 +196,7 @@ def rolled(state, host, settings: Settings, revision: str, member: PairMember | 
         ro.begun.add(host.name)
         peers = _pair_workers(state, ro, host) if member is not None else ()
         if ro.stopped:
-            kept = _keep_running_settings(host)
+            kept = _keep_running_settings(host) if change is None else f"its {change.kind} untouched"
             raise OperationError(
                 f"rollout: not changed — the rollout stopped at {ro.stopped}; this host serves what it ran "
                 f"({kept}). Fix the data and deploy again: the rollout resumes here.")
@@ -185,6 +206,10 @@ def rolled(state, host, settings: Settings, revision: str, member: PairMember | 
             left = haproxy.drain(ep, host.name, settings.drain_timeout_s)
             host.log(f"drained from the fleet endpoint in {time.monotonic() - out_since:.0f} s"
                      + (f" ({left} request(s) still in flight after drain_timeout_s)" if left else ""), logger.info)
+        if change is not None:
+            step = change.what
+            _changed(ep, host, settings, change)
+            return True
         step = "restart"
         ro.restarted.add(host.name)
         for peer in peers:  # the pair's members rejoin the head's new engine
@@ -230,6 +255,36 @@ def rolled(state, host, settings: Settings, revision: str, member: PairMember | 
         raise
     finally:
         ro.ended[host.name].set()
+
+
+def _changed(ep, host, settings: Settings, change: Change) -> None:
+    """A change's turn once drained: the change, READY, the gate, back in rotation; where
+    any fails, the change is undone, the host gated again and put back (or, when it cannot
+    go back, left drained with its engine stopped), and the rollout stops."""
+    out_since = time.monotonic()
+    step, problem = change.what, change.apply(host)
+    if problem is None:
+        step, problem = "READY", ready.await_ready(host, *ready.ready_for(settings, host))
+    if problem is None:
+        step, problem = "gate", gate(host, settings)
+    if problem is None:
+        if ep is not None:
+            _back(ep, host)
+        host.log(f"{change.what}: gate passed" + (f"; back in rotation after {time.monotonic() - out_since:.0f} s"
+                                                  if ep is not None else ""), logger.info)
+        return
+    journal = ready.journal_tail(host)
+    host.log(f"{step} failed ({problem}): going back to {change.back}", logger.warning)
+    why_not = change.undo(host)
+    again = why_not or ready.await_ready(host, *ready.ready_for(settings, host))
+    if again is None:
+        _after_rollback(ep, host, settings, True)
+        outcome = f"went back: {change.back} serves again"
+    else:
+        remote.run(host, f"systemctl stop {UNIT}")
+        outcome = f"could not go back ({again}): left drained, {UNIT} stopped"
+    raise OperationError(f"rollout stopped at {host.name}, step {step}: {problem}; {outcome}. Fix the declared "
+                         f"versions and deploy again\n    last lines of journalctl -u {UNIT}:\n{journal}")
 
 
 def _after_rollback(ep, host, settings: Settings, serving_again: bool) -> None:
