@@ -2,7 +2,8 @@
 
     pyinfra inventory/sparks.py deploy.py [--data profile=dense]
 
-sparkfleet.lock (the bytes each tag and branch stands for) -> the stack held -> preflight -> NVIDIA container
+sparkfleet.lock (the bytes each tag and branch stands for) -> the stack held -> preflight ->
+the stack's declared versions (rolled through the gate) -> NVIDIA container
 runtime -> the ConnectX-7 link of a pair -> mirror (one host serves the image and the weights
 to the others) -> serving image -> cached weights -> hybrid build -> systemd unit for the
 profile (a pair: one rank each) -> READY (-> post-deploy checks, with --data checks=...).
@@ -44,6 +45,7 @@ else:
     findings = preflight.inspect(settings)  # every step says what it still needs; a pair: every member
     preflight.passed(name="preflight: GB10, aarch64, driver, docker, disk, memory", findings=findings)
     if findings.passed:  # a failing host stops at preflight, and its pair with it; the others go on
+        stack.upgraded(settings, pair)  # declared versions: drain, upgrade, reboot if need be, READY, gate, back
         member = link.joined(settings, pair) if pair else None  # a pair's ConnectX-7 link: netplan, peers answer
         container_runtime.configured(settings)
         oomguard.configured(settings)  # earlyoom: the engine, not the host, when memory runs out

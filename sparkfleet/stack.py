@@ -14,15 +14,23 @@ the deploy and the status alike; no other step reads it, so it is asked directly
 from __future__ import annotations
 
 import shlex
+import time
+from functools import partial
 
-from pyinfra import host
+from pyinfra import host, logger
 from pyinfra.api import FactBase, deploy, operation
+from pyinfra.api.exceptions import OperationError
 
+from sparkfleet import remote, rollout, snapshot
 from sparkfleet.config import Settings
+from sparkfleet.hostpaths import LAST_GOOD_DIR, STARTED_FILE, UNIT
+from sparkfleet.preflight import GB10_NAME
 
 #: Components whose new version runs only after a reboot: a new kernel boots, and a new
 #: driver's kernel module must be the one loaded (else NVML's driver/library mismatch).
 REBOOT_COMPONENTS = ("driver", "kernel")
+#: How long a rebooting host may take to answer SSH on its new boot (a Spark: ~2 min).
+REBOOT_TIMEOUT_S = 600
 
 
 class StackPackages(FactBase["dict[str, dict[str, object]]"]):
@@ -97,6 +105,138 @@ def held(settings: Settings) -> None:
     names = packages(settings)
     if names:
         packages_held(name="driver, toolkit, Docker, kernel held (apt-mark hold)", names=names)
+
+
+# --- a declared upgrade, rolled through the gate ------------------------------------------
+
+
+def moves(settings: Settings, have: dict[str, dict[str, object]]) -> dict[str, tuple[str | None, str]]:
+    """{package: (the version the host runs or None, the declared one)} where they differ."""
+    return {p: ((have.get(p) or {}).get("version"), v) for p, v in declared(settings).items()
+            if (have.get(p) or {}).get("version") != v}
+
+
+def needs_reboot(settings: Settings, packages_: list[str]) -> bool:
+    """A moved package of the driver or the kernel runs only after a reboot."""
+    return any(p in settings.stack_versions.get(c, {}) for c in REBOOT_COMPONENTS for p in packages_)
+
+
+def install_command(versions: dict[str, str]) -> str:
+    """apt-get install of exact versions, past their hold, held again after."""
+    pinned = " ".join(shlex.quote(f"{p}={v}") for p, v in versions.items())
+    names = " ".join(shlex.quote(p) for p in versions)
+    # The host's own sources (DGX OS', NVIDIA's): refreshed whole, as the versions come from any.
+    return ("apt-get update -qq; DEBIAN_FRONTEND=noninteractive apt-get install -y -q --allow-downgrades "
+            f"--allow-change-held-packages -o Dpkg::Options::=--force-confold {pinned} && apt-mark hold {names}")
+
+
+def _boot_id(target) -> str:
+    return "".join(remote.run(target, "cat /proc/sys/kernel/random/boot_id", timeout=30).stdout).strip()
+
+
+def _rebooted(target) -> str | None:
+    """Reboot and wait for SSH on a new boot: None, or why not."""
+    before = _boot_id(target)
+    remote.run(target, "( sleep 1 && systemctl reboot ) </dev/null >/dev/null 2>&1 &", timeout=30)
+    time.sleep(10)
+    target.disconnect()
+    deadline = time.monotonic() + REBOOT_TIMEOUT_S
+    while time.monotonic() < deadline:
+        target.connect(show_errors=False)
+        if target.connected and _boot_id(target) not in ("", before):
+            return None
+        time.sleep(5)
+    return f"no new boot answered SSH within {REBOOT_TIMEOUT_S} s"
+
+
+def _switched(target, versions: dict[str, str], reboot: bool) -> str | None:
+    """The host runs ``versions``: installed, then a reboot (driver, kernel) or a restart of
+    the engine, whose new container is the first to use the new stack; then what the
+    preflight asks of a GPU host: nvidia-smi answers a GB10 and Docker runs."""
+    done = remote.run(target, install_command(versions), timeout=1800)
+    if not done.ok:
+        return f"apt-get install {' '.join(f'{p}={v}' for p, v in versions.items())} failed: {' '.join(done.stderr)[-600:]}"
+    if reboot:
+        problem = _rebooted(target)
+        if problem:
+            return problem
+    else:
+        # Blocking: READY is then asked of the new container, never of the one it replaces.
+        remote.run(target, f"systemctl reset-failed {UNIT} 2>/dev/null; systemctl restart {UNIT}", timeout=300)
+    gpu = "".join(remote.run(target, "nvidia-smi --query-gpu=name --format=csv,noheader").stdout).strip()
+    if GB10_NAME not in gpu:
+        return f"nvidia-smi answers {gpu or 'nothing'!r} after the upgrade, not {GB10_NAME}"
+    if not remote.run(target, "systemctl is-active docker").ok:
+        return "docker is not active after the upgrade"
+    return None
+
+
+def change_of(settings: Settings, moved: dict[str, tuple[str | None, str]]) -> rollout.Change:
+    """The rollout's change: the declared versions; back: the versions the host ran."""
+    previous = {p: old for p, (old, _) in moved.items() if old is not None}
+    reboot = needs_reboot(settings, list(moved))
+    listed = ", ".join(f"{p} {old or '-'} -> {new}" for p, (old, new) in moved.items())
+    return rollout.Change(
+        kind="stack", what=f"upgrade the stack ({listed}){' and reboot' if reboot else ''}",
+        back="the previous versions (" + (", ".join(f"{p} {v}" for p, v in previous.items()) or "-") + ")",
+        apply=partial(_switched, versions={p: new for p, (_, new) in moved.items()}, reboot=reboot),
+        # Reinstalled from the host's sources, which must still list them (README: what cannot go back).
+        undo=partial(_switched, versions=previous, reboot=reboot),
+    )
+
+
+def _in_place(state, host_, change: rollout.Change) -> bool:  # pyinfra passes state, host
+    """A host that does not serve (or rollout=all): the change, no drain and no gate."""
+    problem = change.apply(host_)
+    if problem:
+        raise OperationError(f"{change.what}: {problem}")
+    return True
+
+
+@operation()
+def versions_declared(settings: Settings, have: dict[str, dict[str, object]], rolling: bool, paired: bool = False):
+    """
+    The host runs the declared versions of the stack: a serving host in its turn of the
+    rollout (drain, upgrade, reboot when the driver or kernel moved, READY, gate, back in
+    rotation; a failure goes back to the previous versions and stops the rollout).
+
+    + settings: the host's settings
+    + have: the stack's packages the host has (:class:`StackPackages`)
+    + rolling: the host serves and rolls (rollout.applies)
+    + paired: the host is a pair's member, whose engine spans both hosts
+    """
+    moved = moves(settings, have)
+    if not moved:
+        host.noop("the stack runs the declared versions")
+        return
+    if paired:  # one member's turn would take the pair's engine down: not rolled yet
+        yield remote.fail(f"stack_versions moves {', '.join(moved)}, but a pair's stack is not rolled yet: "
+                          "upgrade both members by hand, or declare no versions for the pair's group")
+        return
+    change = change_of(settings, moved)
+    if rolling:  # its turn was planned with the deploy (upgraded)
+        yield remote.callback(rollout.rolled, settings, None, None, change)
+        return
+    logger.info(f"{host.print_prefix}{change.what} (not serving: no drain, no gate)")
+    yield remote.callback(_in_place, change)
+
+
+@deploy("Stack")
+def upgraded(settings: Settings, pair=None) -> None:
+    """The declared versions, rolled through the gate (nothing to do while none is declared)."""
+    if not declared(settings):
+        return
+    have = host.get_fact(StackPackages, packages=packages(settings))
+    snapshot.expect(texts=[STARTED_FILE, f"{LAST_GOOD_DIR}/serving.rev"], units=[UNIT])
+    rolling = settings.serving and rollout.applies(settings, snapshot.unit(UNIT), snapshot.first_line(STARTED_FILE),
+                                                   snapshot.first_line(f"{LAST_GOOD_DIR}/serving.rev"))
+    moved = moves(settings, have)
+    if rolling and moved and pair is None:
+        # While the deploy is prepared, every host that rolls registers: with `-y` pyinfra
+        # runs no planning pass, and a turn must know every host of the batches before it.
+        rollout.planned(settings, change=change_of(settings, moved))
+    versions_declared(name="the stack runs the declared versions", settings=settings, have=have, rolling=rolling,
+                      paired=pair is not None)
 
 
 # --- sparkfleet status --------------------------------------------------------------------

@@ -62,3 +62,32 @@ def test_a_bad_declared_version_stops_the_deploy_before_any_host():
     out = changes(result)
     assert "stack_versions" in out and "nothing was changed" in out and "Detected changes" not in out
 
+
+def test_a_declared_version_moves_only_what_differs_and_a_driver_reboots():
+    s = settings(stack_versions={"driver": {"nvidia-driver-580-open": "580.126.09-0ubuntu1"},
+                                 "toolkit": {"nvidia-container-toolkit": "1.17.9-1", "libnvidia-container1": None}})
+    have = {"nvidia-driver-580-open": {"version": "580.95.05-0ubuntu1", "held": True},
+            "nvidia-container-toolkit": {"version": "1.17.9-1", "held": True}}
+    moved = stack.moves(s, have)
+    assert moved == {"nvidia-driver-580-open": ("580.95.05-0ubuntu1", "580.126.09-0ubuntu1")}
+    assert stack.needs_reboot(s, list(moved)) and not stack.needs_reboot(s, ["nvidia-container-toolkit"])
+    change = stack.change_of(s, moved)
+    assert change.kind == "stack" and change.what.endswith("and reboot")
+    assert "nvidia-driver-580-open 580.95.05-0ubuntu1 -> 580.126.09-0ubuntu1" in change.what
+    assert change.back == "the previous versions (nvidia-driver-580-open 580.95.05-0ubuntu1)"
+
+
+def test_the_upgrade_installs_exact_versions_past_the_hold_and_holds_them_again():
+    command = stack.install_command({"nvidia-container-toolkit": "1.17.9-1", "containerd.io": "1.7.27-1"})
+    install, hold = command.split(" && ")
+    assert "--allow-change-held-packages" in install and "--allow-downgrades" in install
+    assert install.endswith("nvidia-container-toolkit=1.17.9-1 containerd.io=1.7.27-1")
+    assert hold == "apt-mark hold nvidia-container-toolkit containerd.io"
+
+
+def test_a_declared_version_plans_the_upgrade_on_the_host_that_differs():
+    out = changes(plan("loose,gb10", 'stack_versions={"toolkit": {"nvidia-container-toolkit": "1.17.8-1"}}'))
+    line = next(li for li in out.splitlines() if "the stack runs the declared versions" in li)
+    # spark-1 runs 1.17.8-1 already; spark-2 has no toolkit: it gets the declared one.
+    assert "spark-2-gb10" in line and "spark-1-loose" not in line, out
+    assert "upgrade the stack (nvidia-container-toolkit - -> 1.17.8-1)" in out

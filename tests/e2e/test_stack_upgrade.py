@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 
 import pytest
 
-from sparkfleet.testbed import aptrepo, login, simhw
+from sparkfleet.config import project_defaults
+from sparkfleet.testbed import aptrepo, login, simhw, traffic
 from tests.e2e.conftest import INVENTORY, REPO_ROOT
 
 pytestmark = pytest.mark.e2e
@@ -57,7 +59,8 @@ def test_the_deploy_holds_the_stack(testbed, run_pyinfra):
         held = versions(testbed, name, TOOLKIT, "docker.io", "containerd")
         assert held[TOOLKIT] == f"hi {simhw.TOOLKIT_VERSION}" and held["docker.io"].startswith("hi "), held
     again = run_pyinfra("deploy.py", *DATA)  # converged: nothing to hold again
-    assert again.returncode == 0 and "apt-mark hold" not in again.stdout
+    said = again.stdout + again.stderr
+    assert again.returncode == 0 and re.search(r"held \(apt-mark hold\)\s+3\s+-\s+-\s+3", said), said[-4000:]
     rows = {r["host"]: r for r in status_json()["hosts"]}
     assert all(r["stack"][TOOLKIT] == {"version": simhw.TOOLKIT_VERSION, "held": True} for r in rows.values()), rows
     assert all(r["stack_drift"] == [] for r in rows.values()), rows
@@ -83,3 +86,73 @@ def test_an_upgrade_run_on_a_host_moves_no_held_package(testbed):
     finally:
         testbed.exec(name, f"dpkg --purge {aptrepo.STACK_CANARY}; rm -f {UPDATES} {KEYRING}; apt-get update -qq",
                      timeout=180)
+
+
+def declared_toolkit(version: str) -> tuple[str, str]:
+    """--data stack_versions: the defaults, with the toolkit's version declared."""
+    wanted = project_defaults()["stack_versions"]
+    wanted["toolkit"] = {**wanted["toolkit"], TOOLKIT: version}
+    return ("--data", f"stack_versions={json.dumps(wanted)}")
+
+
+def started_at(testbed, name: str) -> str:
+    return testbed.exec(name, "systemctl show sparkfleet-serve -p ExecMainStartTimestampMonotonic --value",
+                        via="nsenter").stdout.strip()
+
+
+def installed_at(testbed, name: str, version: str) -> str:
+    """When dpkg last installed ``version`` of the toolkit on the host (its log's timestamp)."""
+    return testbed.exec(name, f"grep -h ' status installed {TOOLKIT}:all {version}$' /var/log/dpkg.log | tail -n 1",
+                        via="nsenter").stdout[:19]
+
+
+def test_a_declared_upgrade_rolls_through_every_host_with_no_failed_request(testbed, run_pyinfra):
+    """The vendor's good toolkit declared: each host in its turn is drained, upgraded, its
+    engine restarted on the new stack, gated and put back; clients through the endpoint see
+    no failure."""
+    for name in testbed.names:
+        publish_updates(testbed, name)
+    before = {n: started_at(testbed, n) for n in testbed.names}
+    ep = traffic.Endpoint(testbed, ROUTER, testbed.api_key_file)
+    with traffic.Load(ep, workers=3) as load:
+        result = run_pyinfra("deploy.py", *DATA, *declared_toolkit(aptrepo.STACK_GOOD_TOOLKIT))
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    assert out.count("gate passed; back in rotation") == 3, out[-4000:]  # each host in its turn
+    for name in testbed.names:
+        assert versions(testbed, name, TOOLKIT)[TOOLKIT] == f"hi {aptrepo.STACK_GOOD_TOOLKIT}"
+        assert started_at(testbed, name) != before[name], name  # its engine runs on the new stack
+    installed = [installed_at(testbed, n, aptrepo.STACK_GOOD_TOOLKIT) for n in testbed.names]
+    assert installed == sorted(installed) and len(set(installed)) == 3, installed  # one turn after another
+    print(f"good upgrade: {load.ok} requests ok, {len(load.failed)} failed")
+    assert load.ok > 0 and load.failed == [], load.failed[:5]
+    again = run_pyinfra("deploy.py", *DATA, *declared_toolkit(aptrepo.STACK_GOOD_TOOLKIT))
+    said = again.stdout + again.stderr  # converged: no host rolls again
+    assert again.returncode == 0 and re.search(r"the stack runs the declared versions\s+3\s+-\s+-\s+3", said), said
+    assert "gate passed" not in said
+
+
+def test_a_bad_upgrade_stops_at_its_first_host_which_goes_back_and_serves(testbed, run_pyinfra):
+    """The bad toolkit (its hook fails every GPU container) declared: the first host's engine
+    does not get READY on it; the host goes back to the good toolkit, serves again and is put
+    back; no other host is touched; no client request fails."""
+    before = {n: started_at(testbed, n) for n in testbed.names}
+    ep = traffic.Endpoint(testbed, ROUTER, testbed.api_key_file)
+    try:
+        with traffic.Load(ep, workers=3) as load:
+            result = run_pyinfra("deploy.py", *DATA, *declared_toolkit(aptrepo.STACK_BAD_TOOLKIT))
+        out = result.stdout + result.stderr
+        assert result.returncode != 0, out[-4000:]
+        first = testbed.inventory_name("spark-1")
+        assert f"rollout stopped at {first}" in out and "went back: the previous versions" in out, out[-4000:]
+        assert versions(testbed, "spark-1", TOOLKIT)[TOOLKIT] == f"hi {aptrepo.STACK_GOOD_TOOLKIT}"
+        assert started_at(testbed, "spark-1") != before["spark-1"]
+        for name in ("spark-2", "spark-3"):  # untouched: neither upgraded nor restarted
+            assert versions(testbed, name, TOOLKIT)[TOOLKIT] == f"hi {aptrepo.STACK_GOOD_TOOLKIT}"
+            assert started_at(testbed, name) == before[name], name
+        ep.wait_state("spark-1", {"UP"}, timeout=30)  # serves again, in rotation
+        print(f"bad upgrade: {load.ok} requests ok, {len(load.failed)} failed")
+        assert load.ok > 0 and load.failed == [], load.failed[:5]
+    finally:
+        for name in testbed.names:
+            testbed.exec(name, f"rm -f {UPDATES} {KEYRING}; apt-get update -qq", timeout=180)
