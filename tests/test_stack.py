@@ -91,3 +91,20 @@ def test_a_declared_version_plans_the_upgrade_on_the_host_that_differs():
     # spark-1 runs 1.17.8-1 already; spark-2 has no toolkit: it gets the declared one.
     assert "spark-2-gb10" in line and "spark-1-loose" not in line, out
     assert "upgrade the stack (nvidia-container-toolkit - -> 1.17.8-1)" in out
+
+
+def test_status_shows_each_hosts_stack_and_its_drift():
+    from sparkfleet import status
+
+    s = settings(stack_versions={"toolkit": {"nvidia-container-toolkit": "1.17.9-1"}, "docker": {"docker.io": None}})
+    assert "dpkg-query" in stack.status_command(s) and "docker.io" in stack.status_command(s)
+    lines = "== unit\nActiveState=active\n== stack\nhi |nvidia-container-toolkit|1.17.8-1\nii |docker.io|26.1.5\n"
+    row = status.parse_host(lines.splitlines(), s)
+    assert row["stack_drift"] == ["nvidia-container-toolkit 1.17.8-1, declared 1.17.9-1", "docker.io 26.1.5 not held"]
+    table = status.table({"hosts": [{"host": "spark-01", "reachable": True, **row}], "endpoint": None})
+    assert ("stack on spark-01: nvidia-container-toolkit 1.17.8-1, docker.io 26.1.5 — DRIFT: nvidia-container-toolkit "
+            "1.17.8-1, declared 1.17.9-1; docker.io 26.1.5 not held") in table, table
+    held = status.parse_host("== stack\nhi |nvidia-container-toolkit|1.17.9-1\nhi |docker.io|26.1.5\n".splitlines(), s)
+    assert held["stack_drift"] == []
+    assert "docker.io 26.1.5, held" in status.table({"hosts": [{"host": "h", "reachable": True, **held}],
+                                                     "endpoint": None})
