@@ -153,6 +153,8 @@ def _switched(target, versions: dict[str, str], reboot: bool) -> str | None:
     """The host runs ``versions``: installed, then a reboot (driver, kernel) or a restart of
     the engine, whose new container is the first to use the new stack; then what the
     preflight asks of a GPU host: nvidia-smi answers a GB10 and Docker runs."""
+    if not versions:
+        return "no earlier version to go back to (the packages were new on this host)"
     done = remote.run(target, install_command(versions), timeout=1800)
     if not done.ok:
         return f"apt-get install {' '.join(f'{p}={v}' for p, v in versions.items())} failed: {' '.join(done.stderr)[-600:]}"
@@ -161,8 +163,9 @@ def _switched(target, versions: dict[str, str], reboot: bool) -> str | None:
         if problem:
             return problem
     else:
-        # Blocking: READY is then asked of the new container, never of the one it replaces.
-        remote.run(target, f"systemctl reset-failed {UNIT} 2>/dev/null; systemctl restart {UNIT}", timeout=300)
+        # Blocking: READY is then asked of the new container, never of the one it replaces;
+        # try-restart: a host that does not serve (upgraded in place) is not started here.
+        remote.run(target, f"systemctl reset-failed {UNIT} 2>/dev/null; systemctl try-restart {UNIT}", timeout=300)
     gpu = "".join(remote.run(target, "nvidia-smi --query-gpu=name --format=csv,noheader").stdout).strip()
     if GB10_NAME not in gpu:
         return f"nvidia-smi answers {gpu or 'nothing'!r} after the upgrade, not {GB10_NAME}"

@@ -108,3 +108,11 @@ def test_status_shows_each_hosts_stack_and_its_drift():
     assert held["stack_drift"] == []
     assert "docker.io 26.1.5, held" in status.table({"hosts": [{"host": "h", "reachable": True, **held}],
                                                      "endpoint": None})
+
+
+def test_going_back_with_no_earlier_version_says_so_and_touches_nothing():
+    s = settings(stack_versions={"toolkit": {"nvidia-container-toolkit": "1.17.9-1"}})
+    change = stack.change_of(s, {"nvidia-container-toolkit": (None, "1.17.9-1")})
+    assert change.back == "the previous versions (-)"
+    # No host is passed: nothing may be run for an empty set of versions.
+    assert change.undo(None) == "no earlier version to go back to (the packages were new on this host)"
