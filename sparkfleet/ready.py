@@ -92,7 +92,7 @@ def await_ready(host, address: str, port: int, model: str, timeout_s: int, hint:
     while True:
         answer = host.get_fact(ServedAnswer, address=address, port=port, model=model, prompt=READY_PROMPT)
         if lost(host):
-            return LOST
+            return remote.LOST
         elapsed = time.monotonic() - started
         if answer is not None:
             host.log(f"READY in {elapsed:.0f} s — {hint}", logger.info)
@@ -112,8 +112,6 @@ def await_ready(host, address: str, port: int, model: str, timeout_s: int, hint:
         gevent.sleep(2)
 
 
-LOST = ("the host stopped answering over SSH (powered off, rebooted or cut off from the controller): "
-        "bring it back and deploy again")
 
 
 def lost(target_host) -> bool:

@@ -40,14 +40,33 @@ from pyinfra.api.exceptions import OperationError
 logger = logging.getLogger("pyinfra")
 
 
+#: What a step says of a host that went away under it.
+LOST = ("the host stopped answering over SSH (powered off, rebooted or cut off from the controller): "
+        "bring it back and deploy again")
+
+
+def answers(host) -> bool:
+    """Whether ``host`` still runs a command: asked when a step failed in a way that may
+    mean the host went away (power, link) rather than a fault of the step."""
+    try:
+        return run(host, "true", timeout=15, as_login=True).ok
+    except Exception:  # noqa: BLE001 - whatever the connection raises, the host does not answer
+        return False
+
+
 def callback(function, *args, **kwargs) -> FunctionCommand:
     """``function(state, host, *args, **kwargs)`` as an operation's command, its expected
-    failures (OperationError) reported as one message naming the step."""
+    failures (OperationError) reported as one message naming the step; a host lost in
+    the middle of it (whatever the broken connection raised) in one line too."""
 
     def run_step(state, host, *args, **kwargs) -> bool:
         try:
             return function(state, host, *args, **kwargs)
-        except OperationError as exc:
+        except Exception as exc:
+            if not isinstance(exc, OperationError):
+                if answers(host):
+                    raise  # a fault of ours: its traceback says where
+                exc = OperationError(LOST)
             meta = state.get_op_meta(host.current_op_hash) if host.current_op_hash else None
             # The operation's own name, without the deploy group's "Group | " prefix.
             step = ", ".join(sorted({n.rsplit(" | ", 1)[-1] for n in meta.names})) if meta and meta.names else "step"

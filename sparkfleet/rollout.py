@@ -249,9 +249,14 @@ def rolled(state, host, settings: Settings, revision: str | None, member: PairMe
         else:
             host.log("gate passed", logger.info)
         return True
-    except BaseException:
+    except BaseException as exc:
         if not ro.stopped:
             ro.stopped = f"{host.name} ({step})"
+        # Power lost or the link cut in its turn: whatever the step was running when the
+        # connection broke, one line says where the rollout stopped and why.
+        if (isinstance(exc, Exception) and step != "drain" and not str(exc).startswith("rollout stopped at")
+                and not remote.answers(host)):
+            raise OperationError(f"rollout stopped at {host.name}, step {step}: {remote.LOST}") from None
         raise
     finally:
         ro.ended[host.name].set()

@@ -236,3 +236,39 @@ def test_a_callback_failure_is_one_message_and_a_bug_keeps_its_traceback(tmp_pat
         assert "Traceback" in verbose  # -v shows where it came from
     else:
         assert "Traceback" in quiet and "KeyError" in quiet
+
+
+class GoneHost(LocalHost):
+    """A host whose power went: every command after ``alive`` of them breaks the connection."""
+
+    print_prefix = "[gone] "
+    current_op_hash = None
+
+    def __init__(self, alive: int = 0):
+        super().__init__()
+        self.alive = alive
+        self.errors: list[str] = []
+
+    def run_shell_command(self, command, print_output=False, **_):
+        if self.alive <= 0:
+            raise AttributeError("'NoneType' object has no attribute 'open_session'")  # a closed client
+        self.alive -= 1
+        return super().run_shell_command(command)
+
+    def log_styled(self, message, **_):
+        self.errors.append(message)
+
+
+def test_a_step_whose_host_went_away_says_so_in_one_line_and_a_fault_of_ours_keeps_its_traceback():
+    state = SimpleNamespace(print_fact_info=False)
+
+    def step(state, host):
+        host.run_shell_command(StringCommand("true"))
+        raise KeyError("a fault of the step")
+
+    gone = GoneHost(alive=1)  # the step's first command ran, then the host went
+    assert remote.callback(step).execute(state, gone, {}) is False
+    assert gone.errors == [f"step: {remote.LOST}"]
+    alive = GoneHost(alive=9)  # the host answers: the step's own fault is not hidden
+    with pytest.raises(KeyError, match="a fault of the step"):
+        remote.callback(step).execute(state, alive, {})
