@@ -42,14 +42,15 @@ def test_an_inventory_without_hosts_fails_naming_it(tmp_path):
 
 def test_ctrl_c_exits_130_not_0(tmp_path):
     (tmp_path / "local.py").write_text('hosts = ["@local"]\n')
+    # A step that cannot end before the signal, however loaded the machine.
     (tmp_path / "slow.py").write_text('from pyinfra.operations import server\n'
-                                      'server.shell(name="a long step", commands=["sleep 4"])\n')
-    run = pyinfra(ROOT, str(tmp_path / "local.py"), str(tmp_path / "slow.py"))
+                                      'server.shell(name="a long step", commands=["sleep 120"])\n')
+    run = pyinfra(ROOT, str(tmp_path / "local.py"), str(tmp_path / "slow.py"), start_new_session=True)
     seen = ""
     deadline = time.monotonic() + 60
     while "Starting operation" not in seen and time.monotonic() < deadline:
         seen += run.stdout.readline()
-    run.send_signal(signal.SIGINT)
+    os.killpg(run.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole foreground group, its sleep too
     out, _ = run.communicate(timeout=60)
     out = seen + out
     assert run.returncode == 130, out
