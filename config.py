@@ -42,7 +42,9 @@ def _end_of_run():
     os.umask(0o077)  # pyinfra-debug.log is written after this, when there is one
     if os.path.isfile(DEBUG_LOG):  # an old one keeps its mode when pyinfra rewrites it
         os.chmod(DEBUG_LOG, 0o600)
-    if _interrupted or not state.initialised or any(state.is_host_in_limit(host) for host in state.inventory):
+    if _interrupted:  # also when the handler's exit was swallowed (it landed in a cleanup that ignores errors)
+        sys.exit(128 + _interrupted[0])
+    if not state.initialised or any(state.is_host_in_limit(host) for host in state.inventory):
         return
     params = click.get_current_context().params
     hosts = ", ".join(host.name for host in state.inventory)

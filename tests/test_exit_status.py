@@ -57,6 +57,24 @@ def test_ctrl_c_exits_130_not_0(tmp_path):
     assert "Interrupted (Ctrl-C)" in out and "Exiting upon user request" not in out, out
 
 
+def test_ctrl_c_whose_exit_is_swallowed_still_exits_130(tmp_path):
+    """The signal can land in code whose errors Python ignores (a __del__, logging's lock
+    release): the handler's exit is lost there, and the run must still end non-zero."""
+    (tmp_path / "local.py").write_text('hosts = ["@local"]\n')
+    (tmp_path / "swallowed.py").write_text(
+        "import os, signal\n"
+        "from pyinfra.operations import server\n"
+        "class Dropped:\n"
+        "    def __del__(self):\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "Dropped()\n"
+        'server.shell(name="after", commands=["true"])\n')
+    run = pyinfra(ROOT, str(tmp_path / "local.py"), str(tmp_path / "swallowed.py"))
+    out, _ = run.communicate(timeout=120)
+    assert "Exception ignored" in out, out  # the case itself: the exit was swallowed
+    assert run.returncode == 130, out
+
+
 def test_the_traceback_of_an_internal_error_is_private(tmp_path):
     # pyinfra writes pyinfra-debug.log into its working directory: here, not the checkout.
     shutil.copy(ROOT / "config.py", tmp_path / "config.py")
