@@ -17,6 +17,7 @@ import shlex
 import time
 from functools import partial
 
+import gevent
 from pyinfra import host, logger
 from pyinfra.api import FactBase, deploy, operation
 from pyinfra.api.exceptions import OperationError
@@ -138,14 +139,14 @@ def _rebooted(target) -> str | None:
     """Reboot and wait for SSH on a new boot: None, or why not."""
     before = _boot_id(target)
     remote.run(target, "( sleep 1 && systemctl reboot ) </dev/null >/dev/null 2>&1 &", timeout=30)
-    time.sleep(10)
+    gevent.sleep(10)
     target.disconnect()
     deadline = time.monotonic() + REBOOT_TIMEOUT_S
     while time.monotonic() < deadline:
         target.connect(show_errors=False)
         if target.connected and _boot_id(target) not in ("", before):
             return None
-        time.sleep(5)
+        gevent.sleep(5)
     return f"no new boot answered SSH within {REBOOT_TIMEOUT_S} s"
 
 
