@@ -731,6 +731,7 @@ class _HubHandler(BaseHTTPRequestHandler):
         # long enough for a proxy's read timeout (olah's is 15 s) to give up on it.
         delay = self.server.faults.take_delay(repo_id, path)
         pieces = math.ceil(delay)
+        pause = delay / pieces if pieces else 0.0
         step = -(-budget // pieces) if pieces else _CHUNK
         sent = 0
         try:
@@ -738,7 +739,7 @@ class _HubHandler(BaseHTTPRequestHandler):
                 fh.seek(start)
                 while sent < budget:
                     if pieces:
-                        time.sleep(delay / math.ceil(delay))
+                        time.sleep(pause)
                         pieces -= 1
                     chunk = fh.read(min(step, budget - sent))
                     if not chunk:
