@@ -70,6 +70,15 @@ mirror_hf_offline_port = 8089
 # upstream moved or deleted them. Older ones are deleted from the mirror. Each kept artifact
 # costs its full size (olah stores each commit's files apart; image layers are shared).
 mirror_keep_previous = 1
+# How many hosts one host serves the image and the weights to. The mirror serves this many
+# hosts; each of them that has hosts to serve (a relay) runs the same registry and HF mirror,
+# copying from the host above it, so no host's NIC carries more than this many copies and
+# a first deploy costs about one WAN copy at any fleet size (README, "Distribution"). 3: a
+# WAN of ~1 Gb/s feeds three LAN streams on 10 GbE with room to spare, and 16 hosts are 3
+# relay levels deep (32: 3 as well). A relay keeps a second copy: its registry's copy of
+# the image (compressed) and its HF mirror's copy of the weights, beside its own. A pair's
+# other member always fetches from its partner, over the ConnectX-7 link.
+fleet_fanout = 3
 
 # --- The fleet lock: sparkfleet.lock, the bytes every host serves ------------------------------
 # Where it lives; None: beside the inventory file (the current directory when the inventory

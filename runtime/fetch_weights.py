@@ -86,7 +86,8 @@ GONE = {"RevisionNotFoundError", "RepositoryNotFoundError", "EntryNotFoundError"
 
 def gone(exc: BaseException) -> bool:
     names = {cls.__name__ for cls in type(exc).__mro__}
-    return bool(names & GONE) and "GatedRepoError" not in names
+    # LocalEntryNotFoundError (an EntryNotFoundError): the endpoint did not answer at all.
+    return bool(names & GONE) and not names & {"GatedRepoError", "LocalEntryNotFoundError"}
 
 
 def explain(exc: BaseException, repo: str, revision: str, endpoint: str) -> str | None:
@@ -123,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verify", action="store_true", help="re-hash every blob, not only new ones")
     parser.add_argument("--fallback-endpoint", default=None,
                         help="where a revision the endpoint refuses comes from (the mirror's cache, offline)")
+    parser.add_argument("--also-endpoint", action="append", default=[],
+                        help="where the same files are when the endpoint fails mid-way (a relay that died: "
+                             "the mirrors above it), tried in turn")
     args = parser.parse_args(argv)
 
     from huggingface_hub import snapshot_download
@@ -138,9 +142,23 @@ def main(argv: list[str] | None = None) -> int:
             repo_id=args.repo_id, revision=args.revision, allow_patterns=args.allow, max_workers=4, **elsewhere,
         ))
 
+    def fetch_first() -> Path:
+        """From HF_ENDPOINT, else (it fails, not refusing the revision) each --also-endpoint."""
+        sources = [None, *args.also_endpoint]
+        for i, where in enumerate(sources):
+            try:
+                return fetch(where)
+            except Exception as exc:
+                if i + 1 == len(sources) or gone(exc):
+                    raise
+                # "report: " lines reach the deploy's output (sparkfleet/tasks.py).
+                print(f"report: {args.repo_id} from {where or endpoint} failed ({type(exc).__name__}): "
+                      f"fetching from {sources[i + 1]}", flush=True)
+        raise AssertionError("unreachable")
+
     def download() -> Path:
         try:
-            return fetch(None)
+            return fetch_first()
         except Exception as exc:
             if args.fallback_endpoint and gone(exc):
                 # "report: " lines reach the deploy's output (sparkfleet/tasks.py).

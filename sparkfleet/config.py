@@ -182,6 +182,7 @@ class Settings(BaseModel):
     image_registry_url: Url | None
     mirror_hf_offline_port: int = Field(ge=1, le=65535)
     mirror_keep_previous: int = Field(ge=0, le=100)
+    fleet_fanout: int = Field(ge=1, le=64)
     # The fleet lock: sparkfleet.lock (sparkfleet/fleetlock.py)
     fleet_lock_file: ControllerPath | None
     fleet_lock_update: list[str]

@@ -39,7 +39,7 @@ T = TypeVar("T")
 
 #: Keys a run applies to the fleet as a whole (the rollout's shape): every host must give
 #: the same value, or which host's value wins would depend on which host plans first.
-FLEET_WIDE = ("rollout", "rollout_batch", "drain_timeout_s", "fleet_lock_file", "fleet_lock_update")
+FLEET_WIDE = ("rollout", "rollout_batch", "drain_timeout_s", "fleet_lock_file", "fleet_lock_update", "fleet_fanout")
 
 
 # --- the per-run store ----------------------------------------------------------------------
@@ -260,13 +260,16 @@ def host_mirror() -> Mirror | None:
 
 
 def located(state, current, mirrors: dict[str, Mirror | None]) -> Mirror | None:
-    """``current``'s mirror with the address every host uses for it: ``mirror_address``,
-    else found on the hosts once per run (:func:`_fleet_address`)."""
+    """``current``'s mirror (and the ones above it) with the address every host uses for
+    it: ``mirror_address``, else found on the hosts once per run (:func:`_fleet_address`)."""
     mirror = mirrors.get(current.name)
-    if mirror is None or mirror.address:
-        return mirror
-    address = once(("mirror address", mirror.host), lambda: _fleet_address(state, mirror.host, mirrors), state)
-    return replace(mirror, address=address)
+    return _addressed(state, mirror) if mirror else None
+
+
+def _addressed(state, mirror: Mirror) -> Mirror:
+    upstream = _addressed(state, mirror.upstream) if mirror.upstream else None
+    address = mirror.address or once(("mirror address", mirror.host), lambda: _fleet_address(state, mirror), state)
+    return replace(mirror, address=address, upstream=upstream)
 
 
 def ssh_address(target, state=None) -> str:
@@ -295,7 +298,7 @@ def _usable(address: str) -> bool:
     return not (ip.is_loopback or ip.is_link_local or ip.is_unspecified)
 
 
-def _fleet_address(state, mirror_name: str, mirrors: dict[str, Mirror | None]) -> str:
+def _fleet_address(state, mirror: Mirror) -> str:
     """The address every host of the fleet uses for the mirror.
 
     The controller's name for the mirror (an SSH alias, a ``.local`` name) may resolve
@@ -310,8 +313,9 @@ def _fleet_address(state, mirror_name: str, mirrors: dict[str, Mirror | None]) -
     """
     from sparkfleet.routes import RouteSources
 
+    mirror_name = mirror.host
     server = state.inventory.get_host(mirror_name)
-    peers = [state.inventory.get_host(n) for n, m in mirrors.items() if m and m.host == mirror_name and n != mirror_name]
+    peers = [state.inventory.get_host(n) for n in mirror.serves]
     peers = [p for p in peers if p in state.active_hosts]
     reached = {peer.name: ssh_address(peer, state) for peer in peers}
     asked = sorted({a for a in reached.values() if _usable(a)})
@@ -340,14 +344,29 @@ MIRROR_GROUP = "mirror"
 
 @dataclass(frozen=True)
 class Mirror:
-    """The host that serves the fleet's model files (an HF mirror) and image (a registry)."""
+    """A host that serves model files (an HF mirror) and the image (a registry) to others:
+    the fleet's mirror, which fetches them from upstream, or a relay, which fetches them
+    from the mirror above it (``upstream``)."""
 
     host: str  # its inventory name
     address: str | None  # how the other hosts reach it (None: found on the hosts, mirror.names)
     hf_port: int
     registry_port: int
     is_self: bool  # the current host is the mirror
-    hf_offline_port: int = 0  # the HF mirror serving its cache only (0: none)
+    hf_offline_port: int = 0  # the HF mirror serving its cache only (0: none; the fleet's mirror only)
+    upstream: Mirror | None = None  # a relay's source (None: upstream itself, the fleet's mirror)
+    serves: tuple[str, ...] = ()  # the hosts that fetch from it (the fleet's mirror: all, a relay's fallback)
+    depth: int = 0  # hops from the fleet's mirror: a relay copies the image after the ones above it
+
+    @property
+    def root(self) -> Mirror:
+        """The fleet's mirror, the top of the relays."""
+        return self.upstream.root if self.upstream else self
+
+    @property
+    def chain(self) -> tuple[Mirror, ...]:
+        """This mirror and every one above it, up to the fleet's mirror."""
+        return (self, *(self.upstream.chain if self.upstream else ()))
 
     @property
     def netloc_host(self) -> str:
@@ -360,8 +379,10 @@ class Mirror:
 
     @property
     def hf_offline_endpoint(self) -> str | None:
-        """The HF mirror that serves its cache only: revisions upstream no longer has."""
-        return f"http://{self.netloc_host}:{self.hf_offline_port}" if self.hf_offline_port else None
+        """The fleet's mirror's HF mirror that serves its cache only: revisions upstream no
+        longer has."""
+        root = self.root
+        return f"http://{root.netloc_host}:{root.hf_offline_port}" if root.hf_offline_port else None
 
     @property
     def registry(self) -> str:
@@ -427,17 +448,78 @@ def fleet_mirrors(hosts: Iterable[Any], settings: dict[str, Settings],
     chosen, problems = _chosen_mirrors(hosts, settings, unreachable)
     if problems:
         raise ConfigError("\n  ".join(["invalid configuration, nothing was changed on any host:", *problems]))
-    sources: dict[str, Mirror | None] = {}
-    for name, mirror in chosen.items():
-        if mirror is None:
-            sources[name] = None
-            continue
-        ms = settings[mirror]
-        # The controller's name for the mirror (an SSH alias, a .local name) may mean
-        # nothing to the other hosts: unless mirror_address says, it is found on them.
-        sources[name] = Mirror(mirror, ms.mirror_address, ms.mirror_hf_port, ms.mirror_registry_port, name == mirror,
-                               ms.mirror_hf_offline_port)
+    pairs = fleet_pairs(hosts, settings)[0]
+    sources: dict[str, Mirror | None] = {name: None for name, mirror in chosen.items() if mirror is None}
+    for root in sorted({m for m in chosen.values() if m}):
+        users = [name for name, mirror in chosen.items() if mirror == root]
+        parents = relay_tree([root, *(n for n in users if n != root)], settings[root].fleet_fanout,
+                             {n: p.members for n, p in pairs.items()})
+        sources.update(_tree_mirrors(root, users, parents, settings))
     return sources
+
+
+def _tree_mirrors(root: str, users: list[str], parents: dict[str, str],
+                  settings: dict[str, Settings]) -> dict[str, Mirror]:
+    """Each of ``users``' mirror in the tree ``parents`` under the fleet's mirror ``root``:
+    itself when it serves others (a relay, or the mirror), else the host it fetches from."""
+    depths = tree_depths(parents)
+
+    def served_by(name: str, is_self: bool) -> Mirror:
+        s = settings[name]
+        # The controller's name for a mirror (an SSH alias, a .local name) may mean
+        # nothing to the other hosts: unless mirror_address says, it is found on them.
+        return Mirror(name, s.mirror_address if name == root else None, s.mirror_hf_port, s.mirror_registry_port,
+                      is_self, s.mirror_hf_offline_port if name == root else 0,
+                      served_by(parents[name], False) if name in parents else None,
+                      # The fleet's mirror serves every host: it is the fallback of all of them.
+                      tuple(n for n in users if n != root) if name == root
+                      else tuple(n for n, p in parents.items() if p == name),
+                      depths.get(name, 0))
+
+    relays = {root, *parents.values()}
+    return {name: served_by(name, True) if name in relays else served_by(parents[name], False) for name in users}
+
+
+def relay_tree(order: list[str], fanout: int, pairs: dict[str, tuple[str, ...]]) -> dict[str, str]:
+    """Which host each host fetches the image and the weights from ({host: source}) when
+    ``order[0]`` is the mirror: breadth first in ``order``, each host serving at most
+    ``fanout`` hosts over the LAN, so every NIC carries at most ``fanout`` copies and the
+    depth grows as log(fanout) of the fleet. A pair member's partners fetch from it over
+    their link (``pairs``: {member: the pair's members}), not counted against its fanout."""
+    parents: dict[str, str] = {}
+    serving: list[str] = []  # hosts placed, in the order they take hosts to serve
+    load: Counter = Counter()
+
+    def place(name: str, parent: str | None) -> None:
+        if parent is not None:
+            parents[name] = parent
+        serving.append(name)
+        for partner in pairs.get(name, ()):  # over the link, first
+            if partner in order and partner != name and partner not in parents and partner != order[0]:
+                place(partner, name)
+
+    place(order[0], None)
+    for name in order[1:]:
+        if name in parents:
+            continue
+        parent = next(h for h in serving if load[h] < fanout)
+        load[parent] += 1
+        place(name, parent)
+    return parents
+
+
+def tree_depths(parents: dict[str, str]) -> dict[str, int]:
+    """Each host's hops from the mirror in a :func:`relay_tree`."""
+    depths: dict[str, int] = {}
+
+    def depth(name: str) -> int:
+        if name not in depths:
+            depths[name] = depth(parents[name]) + 1 if name in parents else 0
+        return depths[name]
+
+    for name in parents:
+        depth(name)
+    return depths
 
 
 #: An inventory group of this name picks the fleet endpoint for fleet_endpoint="auto".

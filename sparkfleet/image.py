@@ -16,7 +16,7 @@ import shlex
 from dataclasses import dataclass
 
 from pyinfra import host, logger
-from pyinfra.api import deploy, operation
+from pyinfra.api import StringCommand, deploy, operation
 from pyinfra.api.exceptions import OperationError
 from pyinfra.facts.docker import DockerImage, DockerSystemInfo
 
@@ -209,13 +209,15 @@ def pull_failure(tail: list[str], reference: str, used, target_host) -> str | No
 
 
 @operation()
-def pulled(reference: str, local: str):
+def pulled(reference: str, local: str, fallbacks: list[str] | None = None):
     """
     Pull the serving image unless the host has it, and name it ``local``.
 
     + reference: what to pull (the mirror registry's copy of ``image``, or ``image``;
       pin it as ``name@sha256:...`` for a fleet)
     + local: the name the host runs it by (``local_image``)
+    + fallbacks: where else the same bytes are, tried in turn when ``reference`` fails (a
+      relay that died mid-pull: the mirrors above it)
 
     A tag that moved upstream is not re-pulled: sparkfleet.lock pins its digest, and
     moving it (``--data fleet_lock_update=image``) changes what runs. With a mirror the pull
@@ -230,19 +232,28 @@ def pulled(reference: str, local: str):
     for name, digests in other_bytes(reference, local).items():
         logger.warning(f"    [{host.name}] holds {name} as {', '.join(d[:19] for d in digests) or 'no digest'}, "
                        f"not the {digest[:19]} sparkfleet.lock names: pulling that")
+    q = shlex.quote
     if _present(reference):
-        yield f"docker tag {shlex.quote(reference)} {shlex.quote(local)}"
+        yield f"docker tag {q(reference)} {q(local)}"
         return
     if used:
         yield mirror.answers(used, "registry")
-    yield detached("image-pull", f"docker pull {shlex.quote(reference)}",
-                   diagnose=lambda tail: pull_failure(tail, reference, used, host))
+    sources = [reference, *(fallbacks or [])]
+    pull = " || ".join(f"{{ {'' if i == 0 else f'echo report: pulling from {q(ref)} instead && '}"
+                       f"docker pull {q(ref)}; }}" for i, ref in enumerate(sources))
+    yield detached("image-pull", pull, diagnose=lambda tail: pull_failure(tail, reference, used, host))
+    # Named from whichever source the bytes came, then checked under that name.
+    yield StringCommand("sh", "-c", q(" ".join(
+        f"docker image inspect {q(ref)} >/dev/null 2>&1 && exec docker tag {q(ref)} {q(local)};" for ref in sources)
+        + " exit 1"))
     check_tag = reference if used and not pinned_digest(reference) else None
-    yield remote.callback(_verify, reference, pinned_digest(reference), check_tag)
-    yield f"docker tag {shlex.quote(reference)} {shlex.quote(local)}"
+    yield remote.callback(_verify, local, pinned_digest(reference), check_tag)
 
 
 @deploy("Serving image")
 def present(settings: Settings):
     """The serving image on this host. Returns the pull operation (for the download report)."""
-    return pulled(name="serving image present", reference=image_reference(settings), local=local_image(settings))
+    used = host_mirror()
+    fallbacks = [image_reference(settings, above) for above in used.chain[1:]] if used else []
+    return pulled(name="serving image present", reference=image_reference(settings), local=local_image(settings),
+                  fallbacks=fallbacks)

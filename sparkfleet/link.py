@@ -116,6 +116,7 @@ def resolved(settings: Settings, pair: Pair) -> Link:
     peers = tuple((name, address) for rank, (name, address) in enumerate(zip(pair.members, pair.addresses))
                   if rank != pair.rank)
     mirror = host_mirror()
+    mirror = mirror.upstream if mirror and mirror.is_self else mirror  # where this host fetches from
     route = mirror_route(host.name, mirror) if mirror else None  # (this member's address, via)
     return Link(interface=interface, netdevs=netdevs, hcas=hcas, address=pair.address,
                 prefix_len=pair.prefix_len, mtu=settings.pair_mtu, peers=peers,

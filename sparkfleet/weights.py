@@ -84,7 +84,7 @@ def disk_needs(settings: Settings) -> dict[str, float]:
 
 @operation()
 def cached(repos: dict[str, str], hf_home: str, image: str, hf_endpoint: str | None, sizes_gib: dict[str, float],
-           verify: bool = False, fallback_endpoint: str | None = None):
+           verify: bool = False, fallback_endpoint: str | None = None, also_endpoints: list[str] | None = None):
     """
     Download each repository into the host's HF cache, unless its snapshot is complete.
 
@@ -96,6 +96,8 @@ def cached(repos: dict[str, str], hf_home: str, image: str, hf_endpoint: str | N
     + verify: hash every cached blob again (``verify_weights``), not only new ones
     + fallback_endpoint: where a revision upstream refuses comes from (the mirror's offline
       HF endpoint, its cache only; None: nowhere)
+    + also_endpoints: where the same files are when ``hf_endpoint`` fails mid-way (a relay
+      that died: the mirrors above it), tried in turn
     """
     missing = _missing(repos, hf_home, verify)
     if not missing:
@@ -115,6 +117,8 @@ def cached(repos: dict[str, str], hf_home: str, image: str, hf_endpoint: str | N
             args += " --verify"
         if fallback_endpoint:
             args += f" --fallback-endpoint {shlex.quote(fallback_endpoint)}"
+        for also in also_endpoints or []:
+            args += f" --also-endpoint {shlex.quote(also)}"
         command = one_shot(image, hf_home, hf_endpoint, "sparkfleet-" + task.lower(), args)
         yield detached(task, command,
                        _progress(repo, hf_home, sizes_gib.get(repo, 0.0)))
@@ -123,7 +127,9 @@ def cached(repos: dict[str, str], hf_home: str, image: str, hf_endpoint: str | N
 @deploy("Weights")
 def fetched(settings: Settings):
     """The profile's weights in the HF cache. Returns the download operation (for the report)."""
+    used = host_mirror()
     return cached(name="weights in the HF cache", repos=wanted(settings), hf_home=settings.hf_home,
                   image=mirror.local_image(settings), hf_endpoint=mirror.hf_endpoint(settings),
                   sizes_gib=settings.artifact_sizes_gib, verify=settings.verify_weights,
-                  fallback_endpoint=mirror.hf_offline_endpoint(settings))
+                  fallback_endpoint=mirror.hf_offline_endpoint(settings),
+                  also_endpoints=[above.hf_endpoint for above in used.chain[1:]] if used else [])

@@ -39,7 +39,10 @@ def configured(settings: Settings) -> list:
         ops.append(tls.made(name="registry certificate made on the controller",
                             tls_dir=settings.mirror_tls_dir, mirror=mirror))
         # Trusted first: the mirror host's own image copy into its registry checks it too.
-        ops.append(tls.trusted(settings.mirror_tls_dir, mirror))
+        # Every registry up to the fleet's mirror: a relay copies from the one above it, and
+        # a host whose relay fails pulls from the fleet's mirror.
+        for each in mirror.chain:
+            ops.append(tls.trusted(settings.mirror_tls_dir, each))
     tls.former_trust_removed(mirror)
     if mirror and mirror.is_self:
         ops += server.served(settings, mirror)
@@ -53,7 +56,7 @@ def holds(settings: Settings) -> None:
     """On the mirror host, once the hosts fetched: every file of each commit sparkfleet.lock
     names in its HF cache, so a host added after upstream deleted them still deploys."""
     mirror = host_mirror()
-    if not mirror or not mirror.is_self:
+    if not mirror or not mirror.is_self or mirror.upstream:  # the fleet's mirror, not a relay
         return
     commits = sorted({(repo, s.revision(repo)) for s in all_settings().values() if s.serving
                       for repo in s.repos_to_fetch})

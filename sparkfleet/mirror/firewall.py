@@ -27,7 +27,7 @@ from pyinfra.api import operation
 from pyinfra.operations import systemd
 
 from sparkfleet import snapshot
-from sparkfleet.fleet import Mirror, all_mirrors, mirror_route
+from sparkfleet.fleet import Mirror, mirror_route
 from sparkfleet.hostpaths import (
     FIREWALL_RULES,
     FIREWALL_UNIT,
@@ -42,8 +42,8 @@ TABLE = "sparkfleet_mirror"
 
 
 def fleet_sources(mirror: Mirror) -> list[str]:
-    """The addresses the fleet's reachable hosts reach ``mirror`` from, sorted."""
-    users = [name for name, m in all_mirrors().items() if m and m.host == mirror.host and name != mirror.host]
+    """The addresses the hosts ``mirror`` serves reach it from, sorted."""
+    users = mirror.serves
     found, unreachable = set(), False
     for name in users:
         peer = state.inventory.get_host(name)

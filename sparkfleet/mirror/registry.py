@@ -65,14 +65,15 @@ def copy_failure(tail: list[str], image: str, upstream: str) -> str | None:
 
 
 @operation()
-def image_copied(image: str, upstream: str, result_dir: str, mirror: Mirror):
+def image_copied(image: str, sources: list[str], result_dir: str, mirror: Mirror):
     """
     Copy the serving image, byte for byte, into the mirror registry unless it holds it.
 
     + image: the serving image's reference (``image``)
-    + upstream: the URL of the registry to copy it from
+    + sources: the URLs of the registries to copy it from, each tried in turn (upstream;
+      a relay: the mirrors above it, the nearest first)
     + result_dir: where the copy tool leaves its count of bytes (``mirror_dir``)
-    + mirror: this host, the mirror
+    + mirror: this host, the mirror or a relay
     """
     name = ImageName.parse(image)
     local = f"https://{mirror.registry}"
@@ -83,14 +84,23 @@ def image_copied(image: str, upstream: str, result_dir: str, mirror: Mirror):
     q = shlex.quote
     storage = q(mirror_registry_storage(result_dir))
     result = q(f"{result_dir}/image-copy-bytes")
-    copy = copy_command(upstream, name, mirror.registry, posixpath.dirname(registry_ca_path(mirror.registry)))
+    # A mirror above this one is trusted where docker trusts it, /etc/docker/certs.d, which
+    # skopeo reads for a source too.
+    copy = " || ".join(f"{{ {copy_command(source, name, mirror.registry, _cert_dir(mirror.registry))}; }}"
+                       for source in sources)
     # What came from upstream, measured: the registry stores blobs (and manifests) as fetched,
     # each in a file named data.
     stored = f"find {storage} -type f -name data -printf '%s\\n' | awk '{{s += $1}} END {{print s + 0}}'"
-    yield detached("image-copy", f"rm -f {result}; before=$({stored}) && {copy} && "
+    yield detached("image-copy", f"rm -f {result}; before=$({stored}) && ( {copy} ) && "
                                  f"echo $(( $({stored}) - before )) > {result}",
-                   diagnose=lambda tail: copy_failure(tail, image, upstream))
-    yield remote.callback(_record_copy, result)
+                   diagnose=lambda tail: copy_failure(tail, image, sources[-1]))
+    if not mirror.upstream:  # what crossed the WAN: the fleet's mirror's copy
+        yield remote.callback(_record_copy, result)
+
+
+def _cert_dir(registry: str) -> str:
+    """Where docker (and skopeo) find the certificate of the fleet's ``registry``."""
+    return posixpath.dirname(registry_ca_path(registry))
 
 
 def copy_command(upstream_url: str, name: ImageName, registry: str, cert_dir: str) -> str:

@@ -57,6 +57,7 @@ class MirrorReport(BaseStateCallback):
         self.copy: dict | None = None
         self.hf_cache_before: int | None = None
         self.mirror_dir: str | None = None
+        self.root: str | None = None  # the fleet's mirror (relays copy from it, not from upstream)
 
     def track(self, step: str, *ops) -> None:
         for op in ops:
@@ -140,7 +141,7 @@ class MirrorReport(BaseStateCallback):
             lines.append(f"    [{name}] " + ", ".join(parts))
         upstream: list[str] = []
         if mirrors:
-            mirror = sorted(mirrors)[0]
+            mirror = self.root or sorted(mirrors)[0]
             if self.copy is not None:
                 upstream.append(f"image {_mib(self.copy.get('upstream_bytes', 0))} (copied once into the mirror registry)")
             if self.hf_cache_before is not None and mirror in inventory and self.mirror_dir:
@@ -229,6 +230,7 @@ def track(settings: Settings, mirror_ops: list, image_op, weights_op, repo_dirs:
         record.repo_bytes_before = sum(snapshot.size(p) for p in repo_dirs)
     rep.hosts[host.name] = record
     rep.mirrors[host.name] = mirror
-    if mirror and mirror.is_self:
+    if mirror and mirror.is_self and not mirror.upstream:  # the fleet's mirror: what crossed the WAN
+        rep.root = host.name
         rep.mirror_dir = settings.mirror_dir
         rep.hf_cache_before = snapshot.size(mirror_hf_cache(settings.mirror_dir))

@@ -1,5 +1,8 @@
-"""The mirror host: the registry with the image copy and the HF mirror, each up and
-restarted only when its configuration changed, both answering before anyone fetches."""
+"""The mirror host, or a relay: the registry with the image copy and the HF mirror, each
+up and restarted only when its configuration changed, both answering before anyone
+fetches. The fleet's mirror copies from upstream and also serves its cache offline; a
+relay (:func:`sparkfleet.fleet.relay_tree`) copies from the mirror above it, once that one
+holds the image, and its HF mirror fetches through the one above it."""
 
 from __future__ import annotations
 
@@ -62,19 +65,27 @@ def served(settings: Settings, mirror: Mirror) -> list:
     olah = hf.installed(name=f"HF mirror ({settings.mirror_olah}) installed", requirement=settings.mirror_olah)
     hf_data = snapshot.directory(mirror_hf_cache(settings.mirror_dir), name="HF mirror cache")
     # The same cache twice: online (fetches from the hub), and offline (serves only what
-    # it holds: the locked revisions upstream refuses since, sparkfleet.fleetlock).
-    for offline, port, config_path, unit_name, unit_path, logs in (
-            (False, mirror.hf_port, HF_MIRROR_CONFIG, HF_MIRROR_UNIT, HF_MIRROR_UNIT_PATH, "logs"),
-            (True, mirror.hf_offline_port, HF_MIRROR_OFFLINE_CONFIG, HF_MIRROR_OFFLINE_UNIT,
-             HF_MIRROR_OFFLINE_UNIT_PATH, "logs-offline")):
+    # it holds: the locked revisions upstream refuses since, sparkfleet.fleetlock). A relay
+    # runs the online one only: every host's offline fallback is the fleet's mirror.
+    services = [(False, mirror.hf_port, HF_MIRROR_CONFIG, HF_MIRROR_UNIT, HF_MIRROR_UNIT_PATH, "logs")]
+    if mirror.hf_offline_port:
+        services.append((True, mirror.hf_offline_port, HF_MIRROR_OFFLINE_CONFIG, HF_MIRROR_OFFLINE_UNIT,
+                         HF_MIRROR_OFFLINE_UNIT_PATH, "logs-offline"))
+    for offline, port, config_path, unit_name, unit_path, logs in services:
         _olah_served(settings, mirror, olah, hf_data, offline, port, config_path, unit_name, unit_path, logs)
     # Both answer before anything is fetched from them.
     ready = answering(name="registry and HF mirror answer", mirror=mirror)
-    copy = registry.image_copied(
-        name="serving image copied from upstream", image=settings.image,
-        upstream=upstream_registry_url(settings.image, settings.image_registry_url),
-        result_dir=settings.mirror_dir, mirror=mirror,
-    )
+    upstream = upstream_registry_url(settings.image, settings.image_registry_url)
+    # A relay's copy waits for its turn: pyinfra runs each turn's operation on every host
+    # before the next, so the mirror above it holds the image by then. Should that one have
+    # failed, the copy comes from the fleet's mirror.
+    for turn in host.loop(range(mirror.depth + 1)):
+        if turn == mirror.depth:
+            copy = registry.image_copied(
+                name=f"serving image copied from {'the mirror above' if mirror.upstream else 'upstream'}",
+                image=settings.image, sources=[f"https://{m.registry}" for m in mirror.chain[1:]] or [upstream],
+                result_dir=settings.mirror_dir, mirror=mirror,
+            )
     snapshot.expect(texts=[mirror_kept_record(settings.mirror_dir)])
     keep.kept(name="the mirror keeps what sparkfleet.lock names, and the previous ones",
               record_path=mirror_kept_record(settings.mirror_dir), locked=fleetlock.artifacts(fleet_lock().lock),
@@ -86,7 +97,8 @@ def _olah_served(settings: Settings, mirror: Mirror, olah, hf_data, offline: boo
                  unit_name: str, unit_path: str, logs: str) -> None:
     """One olah service over the mirror's HF cache: configured, running, restarted when
     what it runs changed."""
-    scheme, netloc, lfs_netloc = hf.upstream_hub(settings.hf_endpoint)
+    scheme, netloc, lfs_netloc = hf.upstream_hub(mirror.upstream.hf_endpoint if mirror.upstream
+                                                 else settings.hf_endpoint)
     what = "HF mirror" + (" (offline)" if offline else "")
     hf_config = snapshot.template(
         config_path, str(TEMPLATES / "hf-mirror.toml.j2"), op_args={"name": f"{what} configuration"},

@@ -114,10 +114,10 @@ def trusted(tls_dir: str, mirror: Mirror):
 
 def former_trust_removed(mirror: Mirror | None) -> None:
     """The certificates of registries this host trusted for a former mirror (another
-    address, or fleet_mirror=none) removed: a mirror address that moves on leaves
-    nothing behind."""
-    keep = mirror.registry if mirror else None
+    address, another relay, or fleet_mirror=none) removed: a mirror address that moves on
+    leaves nothing behind."""
+    keep = {each.registry for each in mirror.chain} if mirror else set()
     for registry in host.get_fact(MirrorTrust):
-        if registry != keep:
+        if registry not in keep:
             files.directory(name=f"trust of the former mirror registry {registry} removed",
                             path=f"{DOCKER_CERTS_DIR}/{registry}", present=False)

@@ -43,7 +43,7 @@ fake_state = FakeState
 
 
 def mirrors_for(names, address=None):
-    return {n: Mirror(names[0], address, 8090, 5000, n == names[0]) for n in names}
+    return {n: Mirror(names[0], address, 8090, 5000, n == names[0], serves=tuple(names[1:])) for n in names}
 
 
 def test_the_address_is_the_mirrors_source_on_its_route_to_the_peers():

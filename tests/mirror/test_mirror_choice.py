@@ -18,8 +18,9 @@ def test_auto_is_the_first_host_and_everyone_uses_it():
     got = mirrors(hosts)
     # No mirror_address: the address is found on the hosts (mirror.names.located), never
     # taken from the controller's name or ssh_hostname for it.
-    assert got["spark-1"] == Mirror("spark-1", None, 8090, 5000, True, 8089)
-    assert got["spark-2"] == Mirror("spark-1", None, 8090, 5000, False, 8089)
+    served = ("spark-2", "spark-3")
+    assert got["spark-1"] == Mirror("spark-1", None, 8090, 5000, True, 8089, serves=served)
+    assert got["spark-2"] == Mirror("spark-1", None, 8090, 5000, False, 8089, serves=served)
     given = fleet(("spark-1", {"mirror_address": "10.0.0.11"}), ("spark-2", {}))
     assert mirrors(given)["spark-2"].hf_endpoint == "http://10.0.0.11:8090"
     assert mirrors(given)["spark-2"].registry == "10.0.0.11:5000"
@@ -90,3 +91,39 @@ def test_a_named_mirror_that_is_unreachable_stops_the_run_naming_the_key():
     assert "fleet_mirror=auto" in message and "fleet_mirror=none" in message
     # An unreachable host that is no one's mirror changes nothing.
     assert fleet_mirrors(named, validate_fleet(named), unreachable={"spark-3"})["spark-2"].host == "spark-1"
+
+
+def test_past_the_fanout_hosts_fetch_from_relays_breadth_first():
+    names = [f"spark-{i}" for i in range(1, 17)]
+    got = mirrors(fleet(*[(n, {}) for n in names]))
+    def source(name: str) -> str:  # the host it fetches from
+        return got[name].upstream.host if got[name].is_self else got[name].host
+
+    # The mirror serves 3 hosts; each of those (a relay: its own mirror) serves 3 more.
+    assert [n for n in names[1:] if source(n) == "spark-1"] == ["spark-2", "spark-3", "spark-4"]
+    for relay in ("spark-2", "spark-3", "spark-4", "spark-5"):
+        assert got[relay].is_self and got[relay].host == relay
+        assert len(got[relay].serves) <= 3 and got[relay].hf_offline_port == 0
+    assert got["spark-5"].depth == 2 and got["spark-5"].upstream.host == "spark-2"
+    leaf = got["spark-16"]
+    assert (leaf.host, leaf.is_self, [m.host for m in leaf.chain]) == ("spark-5", False, ["spark-5", "spark-2", "spark-1"])
+    # Every host's offline fallback is the fleet's mirror; it serves (as a fallback) everyone.
+    assert leaf.root.hf_offline_port == 8089 and set(got["spark-1"].serves) == set(names[1:])
+    # No NIC carries more than the fanout's copies: count who each host serves.
+    sources = [source(n) for n in names[1:]]
+    assert max(sources.count(h) for h in names) == 3
+
+
+def test_a_fanout_of_one_is_a_chain_and_fanout_must_agree():
+    names = ["a", "b", "c"]
+    got = mirrors(fleet(*[(n, {"fleet_fanout": 1}) for n in names]))
+    assert [m.host for m in got["c"].chain] == ["b", "a"] and got["b"].is_self
+    with pytest.raises(ConfigError, match="fleet_fanout"):
+        mirrors(fleet(("a", {"fleet_fanout": 1}), ("b", {"fleet_fanout": 2})))
+
+
+def test_a_pairs_other_member_fetches_from_its_partner_outside_the_fanout():
+    from sparkfleet.fleet import relay_tree
+
+    pairs = {"s1": ("s1", "s2"), "s2": ("s1", "s2"), "s3": ("s3", "s4"), "s4": ("s3", "s4")}
+    assert relay_tree(["s1", "s2", "s3", "s4", "s5"], 2, pairs) == {"s2": "s1", "s3": "s1", "s4": "s3", "s5": "s1"}

@@ -33,13 +33,14 @@ def hub(tmp_path_factory):
 
 
 def fetch(endpoint: str, tmp_path: Path, repo: str, revision: str, token: str | None = None,
-          fallback: str | None = None):
+          fallback: str | None = None, also: tuple[str, ...] = ()):
     env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_DISABLE_XET": "1",
            "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_ETAG_TIMEOUT": "3", "HF_HUB_DOWNLOAD_TIMEOUT": "3"}
     env.pop("HF_TOKEN", None)
     if token:
         env["HF_TOKEN"] = token
     more = ["--fallback-endpoint", fallback] if fallback else []
+    more += [arg for each in also for arg in ("--also-endpoint", each)]
     return subprocess.run([sys.executable, str(FETCH), repo, "--revision", revision, *more], env=env,
                           capture_output=True, text=True, timeout=120)
 
@@ -100,3 +101,18 @@ def test_a_revision_upstream_deleted_comes_from_the_fallback_and_says_so(tmp_pat
         assert failed.returncode == 2 and "Traceback" not in failed.stdout + failed.stderr
         assert f"error: {REPO}@{REV} is gone from {upstream.url}, and the mirror does not hold it either" in failed.stdout
         assert f"--data fleet_lock_update={REPO}" in failed.stdout
+
+
+def test_a_relay_that_does_not_answer_costs_a_retry_at_the_mirror_above(hub, tmp_path):
+    dead = f"http://127.0.0.1:{closed_port()}"
+    done = fetch(dead, tmp_path, REPO, REV, also=(f"http://127.0.0.1:{closed_port()}", hub.url))
+    assert done.returncode == 0, done.stdout + done.stderr
+    retries = [line for line in done.stdout.splitlines() if line.startswith("report: ")]
+    assert len(retries) == 2 and retries[-1].endswith(f"fetching from {hub.url}"), done.stdout
+    assert (tmp_path / "hf" / "hub" / "models--acme--tiny" / "snapshots" / REV / "config.json").exists()
+
+
+def test_a_revision_refused_is_not_asked_of_the_relays_above(hub, tmp_path):
+    done = fetch(hub.url, tmp_path, REPO, "v9", also=(f"http://127.0.0.1:{closed_port()}",))
+    assert done.returncode == 2 and "has no revision 'v9'" in done.stdout
+    assert "report: " not in done.stdout  # the same bytes above it: asking there changes nothing
