@@ -318,3 +318,69 @@ def test_turning_the_mirror_off_goes_direct(fleet4, deploy_run):
     assert state == ["inactive", "inactive"], state
     assert re.search(r"\[spark-\d(?:\.local)?\] weights [\d.]+ MiB from upstream", out), out[-3000:]
     assert "image pulled from upstream" not in out  # the hosts have it under its local name
+
+
+def registry_clients(tb, name: str, since: float) -> set[str]:
+    """The addresses that GET image blobs from ``name``'s registry since ``since``."""
+    out = tb.exec(name, f"journalctl -u docker-registry --since @{int(since)} -o cat --no-pager").stdout
+    return set(re.findall(r'^(\S+) - \S+ \[[^\]]*\] "GET /v2/\S+/blobs/', out, re.M))
+
+
+def test_past_the_fanout_hosts_fetch_from_relays_and_a_dead_relay_costs_a_retry(fleet4, deploy_run):
+    """fleet_fanout=1: a chain, spark-1 -> spark-2 -> spark-3 -> spark-4 (the two in the
+    middle relays). The relay of spark-4 dies while the weights are on their way: spark-4
+    (and spark-3) fetch from the mirrors above it instead, and the deploy succeeds; the WAN
+    still sends every file once, to the fleet's mirror only."""
+    tb = fleet4
+    first, second, third, last = tb.hosts
+    slug = DFLASH.replace("/", "--")
+    for name in tb.names:  # the repository (and, below the mirror, the image) fetched again
+        tb.exec(name, f"rm -rf {HF}/models--{slug} /var/lib/sparkfleet/hf/sparkfleet/complete/{slug}@*")
+    # Every name of the image untagged (the running engine keeps its layers).
+    tb.exec(last.name, f"docker rmi -f $(docker image inspect -f '{{{{.Id}}}}' {local_name(tb)})")
+    tb.exec(first.name, f"rm -rf /var/lib/sparkfleet/mirror/hf/repos/files/models/{DFLASH} "
+                        f"/var/lib/sparkfleet/mirror/hf/repos/api/models/{DFLASH}")
+    files = repo_files(tb, DFLASH)
+    slow = "model-00003-of-00003.safetensors"
+    hub(tb, "POST", "reset")
+    hub(tb, "POST", "fault", {"repo": DFLASH, "path": slow, "delay_s": 40, "times": 1})  # the window to kill in
+    since = time.time()
+    time.sleep(1)
+    cmd = ["pyinfra", "-y", INVENTORY, "deploy.py", "--data", "fleet_fanout=1"]
+    with subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          stdin=subprocess.DEVNULL) as run:
+        deadline = time.monotonic() + 300
+        fetcher = f"sparkfleet-fetch-{slug.lower()}"
+        while time.monotonic() < deadline:
+            if fetcher in tb.exec(last.name, "docker ps --format '{{.Names}}'").stdout:
+                break
+            time.sleep(0.5)
+        else:
+            run.kill()
+            pytest.fail(f"{last.name} never started its download: " + (run.stdout.read() or "")[-3000:])
+        time.sleep(5)  # the fast files are in, the slow one is on its way
+        stopped = tb.exec(third.name, "systemctl stop sparkfleet-hf-mirror")
+        assert stopped.returncode == 0, stopped.stderr
+        out, _ = run.communicate(timeout=900)
+    assert run.returncode == 0, around_error(out)
+    assert re.search(rf"\[{re.escape(shown(tb, last.name))}\] fetch-\S+: {re.escape(DFLASH)} from "
+                     rf"http://{re.escape(third.address)}:8090 failed \(\w+\): fetching from "
+                     rf"http://{re.escape(second.address)}:8090", out), \
+        "\n".join(line for line in out.splitlines() if "report" in line or "fetch" in line.lower())[-5000:]
+    for name in tb.names:
+        assert snapshot(tb, name, DFLASH) == files, name
+        assert "Paris" in completion(tb, name)
+    # Upstream: each file once, to the fleet's mirror only.
+    stats = hub(tb, "GET", "stats")
+    assert stats["by_repo"][DFLASH] <= repo_size(tb, DFLASH) * 1.01 + len(files_bytes(tb, DFLASH, slow)), stats
+    assert set(stats["by_client"]) == {first.address}, stats
+    # The image came down the chain: each registry served the host below it.
+    assert second.address in registry_clients(tb, first.name, since)
+    assert third.address in registry_clients(tb, second.name, since)
+    assert last.address in registry_clients(tb, third.name, since)
+    assert last.address not in registry_clients(tb, first.name, since) | registry_clients(tb, second.name, since)
+
+
+def around_error(out: str) -> str:
+    at = max(out.find("] Error"), out.find("Traceback"))
+    return out[max(0, at - 3000):at + 1500] if at >= 0 else out[-4000:]
