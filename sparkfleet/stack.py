@@ -7,8 +7,9 @@ update broke NCCL between two Sparks; a driver userspace update without a reboot
 every new GPU container). A package the host does not have is not ours to install; a
 declared version the host does not run is drift, which ``sparkfleet status`` shows.
 
-One read per host (:class:`StackPackages`: ``dpkg-query``, whose status says hold) serves
-the deploy and the status alike; no other step reads it, so it is asked directly.
+One question per host (:class:`StackPackages`: ``dpkg-query``, whose status says hold)
+serves the deploy and the status alike: the deploy reads it with the host's snapshot
+(sparkfleet/snapshot.py), status in its one command.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def packages_held(names: list[str]):
 
     + names: the stack's apt packages
     """
-    have = host.get_fact(StackPackages, packages=list(names))
+    have = snapshot.fact(StackPackages, packages=list(names))
     loose = [p for p in names if p in have and not have[p]["held"]]
     if not loose:
         host.noop(f"the stack's {len(have)} installed package(s) are held")
@@ -105,6 +106,8 @@ def held(settings: Settings) -> None:
     """The stack's installed packages held, so no unattended upgrade moves them."""
     names = packages(settings)
     if names:
+        # Declared while the deploy plans, before the preflight: its one read of the host answers this too.
+        snapshot.expect(facts=[(StackPackages, {"packages": names})])
         packages_held(name="driver, toolkit, Docker, kernel held (apt-mark hold)", names=names)
 
 
@@ -230,7 +233,7 @@ def upgraded(settings: Settings, pair=None) -> None:
     """The declared versions, rolled through the gate (nothing to do while none is declared)."""
     if not declared(settings):
         return
-    have = host.get_fact(StackPackages, packages=packages(settings))
+    have = snapshot.fact(StackPackages, packages=packages(settings))
     snapshot.expect(texts=[STARTED_FILE, f"{LAST_GOOD_DIR}/serving.rev"], units=[UNIT])
     rolling = settings.serving and rollout.applies(settings, snapshot.unit(UNIT), snapshot.first_line(STARTED_FILE),
                                                    snapshot.first_line(f"{LAST_GOOD_DIR}/serving.rev"))

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
+import json
 
-from sparkfleet import stack
+import pytest
+from pyinfra.api import Config, Inventory, State
+from pyinfra.api.connect import connect_all
+from pyinfra.context import ctx_host, ctx_state
+
+from sparkfleet import snapshot, stack
 from sparkfleet.config import ConfigError, project_defaults, validate_host_data
 from tests.test_deploy_plan import changes, plan
 
@@ -116,3 +121,27 @@ def test_going_back_with_no_earlier_version_says_so_and_touches_nothing():
     assert change.back == "the previous versions (-)"
     # No host is passed: nothing may be run for an empty set of versions.
     assert change.undo(None) == "no earlier version to go back to (the packages were new on this host)"
+
+
+# --- read with the host's snapshot, on a @fake host -------------------------------------------
+
+
+def test_the_stacks_packages_are_read_with_the_hosts_snapshot_not_asked_apart():
+    s = settings(stack_versions={"toolkit": {"nvidia-container-toolkit": "1.17.9-1"}, "docker": {"docker.io": None}})
+    key, _ = snapshot._fact_entry(stack.StackPackages, {"packages": stack.packages(s)})
+    have = ["ii |nvidia-container-toolkit|1.17.8-1", "hi |docker.io|26.1.5+dfsg1-1"]
+    # The snapshot answers first; dpkg-query asked on its own would fail the test.
+    responses = {"python3 -c": json.dumps({"facts": {key: have}}), "dpkg-query": {"success": False}}
+    inventory = Inventory((["@fake/spark-1"], {"fake_responses": responses, "fake_delay": 0, "fake_delay_jitter": 0}))
+    state = State(inventory, Config())
+    with ctx_state.use(state):
+        connect_all(state)
+        target = inventory.get_host("@fake/spark-1")
+        with ctx_host.use(target):
+            stack.held(s)  # the deploy's first step: before the preflight reads the rest
+            stack.upgraded(s)
+    asked = target.connector.executed_commands
+    assert asked and all(command.startswith("python3 -c") for command in asked), asked  # the snapshot's only
+    planned = [state.get_op_meta(h).names for h in state.get_op_order()]
+    assert planned == [{"Stack | driver, toolkit, Docker, kernel held (apt-mark hold)"},
+                       {"Stack | the stack runs the declared versions"}], planned
