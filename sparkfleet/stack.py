@@ -25,6 +25,7 @@ from pyinfra.api.exceptions import OperationError
 
 from sparkfleet import remote, rollout, snapshot
 from sparkfleet.config import Settings
+from sparkfleet.gpu import NVML_MISMATCH, Gpu
 from sparkfleet.hostpaths import LAST_GOOD_DIR, STARTED_FILE, UNIT
 from sparkfleet.preflight import GB10_NAME
 
@@ -170,9 +171,14 @@ def _switched(target, versions: dict[str, str], reboot: bool) -> str | None:
         # Blocking: READY is then asked of the new container, never of the one it replaces;
         # try-restart: a host that does not serve (upgraded in place) is not started here.
         remote.run(target, f"systemctl reset-failed {UNIT} 2>/dev/null; systemctl try-restart {UNIT}", timeout=300)
-    gpu = "".join(remote.run(target, "nvidia-smi --query-gpu=name --format=csv,noheader").stdout).strip()
-    if GB10_NAME not in gpu:
-        return f"nvidia-smi answers {gpu or 'nothing'!r} after the upgrade, not {GB10_NAME}"
+    # Asked anew, not through the snapshot: what it read was the stack before this change.
+    gpu = Gpu().process(remote.run(target, Gpu().command()).stdout) or {"name": ""}
+    if "mismatch" in gpu:
+        loaded = gpu["mismatch"]
+        return (f"nvidia-smi answers {NVML_MISMATCH} after the upgrade (kernel module {loaded['kernel_module'] or '?'}, "
+                f"library {loaded['library'] or '?'}), not {GB10_NAME}")
+    if gpu["name"] != GB10_NAME:
+        return f"nvidia-smi answers {gpu['name'] or 'nothing'!r} after the upgrade, not {GB10_NAME}"
     if not remote.run(target, "systemctl is-active docker").ok:
         return "docker is not active after the upgrade"
     return None

@@ -9,8 +9,9 @@ from pyinfra.api import Config, Inventory, State
 from pyinfra.api.connect import connect_all
 from pyinfra.context import ctx_host, ctx_state
 
-from sparkfleet import snapshot, stack
+from sparkfleet import remote, snapshot, stack
 from sparkfleet.config import ConfigError, project_defaults, validate_host_data
+from sparkfleet.gpu import Gpu
 from tests.test_deploy_plan import changes, plan
 
 
@@ -121,6 +122,29 @@ def test_going_back_with_no_earlier_version_says_so_and_touches_nothing():
     assert change.back == "the previous versions (-)"
     # No host is passed: nothing may be run for an empty set of versions.
     assert change.undo(None) == "no earlier version to go back to (the packages were new on this host)"
+
+
+@pytest.mark.parametrize("smi, problem", [
+    (["NVIDIA GB10, 12.1, 580.126.09"], None),
+    (["NVIDIA H100 80GB HBM3, 9.0, 580.126.09"],
+     "nvidia-smi answers 'NVIDIA H100 80GB HBM3' after the upgrade, not NVIDIA GB10"),
+    (["sh: 1: nvidia-smi: not found"], "nvidia-smi answers 'nothing' after the upgrade, not NVIDIA GB10"),
+    (["Failed to initialize NVML: Driver/library version mismatch", "NVML library version: 580.126",
+      "kernel_module=580.95.05"],
+     "nvidia-smi answers Driver/library version mismatch after the upgrade (kernel module 580.95.05, "
+     "library 580.126), not NVIDIA GB10"),
+], ids=["gb10", "other-gpu", "no-nvidia-smi", "driver-mismatch"])
+def test_after_the_switch_nvidia_smi_is_asked_again_as_the_preflight_asks_it(monkeypatch, smi, problem):
+    asked = []
+
+    def run(target, command, timeout=None, **kwargs):
+        asked.append(command)
+        return remote.Result(True, smi if command == Gpu().command() else [], [])
+
+    monkeypatch.setattr(stack.remote, "run", run)
+    assert stack._switched(None, {"nvidia-container-toolkit": "1.17.9-1"}, reboot=False) == problem
+    assert asked.count(Gpu().command()) == 1
+    assert ("systemctl is-active docker" in asked) == (problem is None)
 
 
 # --- read with the host's snapshot, on a @fake host -------------------------------------------
