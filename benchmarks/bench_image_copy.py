@@ -154,7 +154,7 @@ def upstream_reads(tb, mark: int, client: str) -> dict[str, list[int]]:
 
 def copy(tb, source: str, digest: str, cut: float | None = None) -> tuple[float, int]:
     """The mirror's copy of SOURCE@DIGEST into the host's empty registry; (s, rc)."""
-    from sparkfleet.mirror.names import ImageName
+    from sparkfleet.imagename import ImageName
     from sparkfleet.mirror.registry import copy_command
 
     registry, _ = source.split("/", 1)

@@ -5,42 +5,54 @@ pyinfra merges data as ``--data`` > host data > ``group_data/<group>.py`` >
 of the inventory the first time a deploy file asks, and raises one
 :class:`ConfigError` naming host, key, value and fix for everything that is wrong —
 while nothing has run on any host yet. ``group_data/all.py`` holds every default; the
-model has none of its own, so there is exactly one place to read them.
+model has none of its own, so there is exactly one place to read them. Each key's type
+(sparkfleet/values.py) judges its value alone; the model judges the keys together.
 """
 
 from __future__ import annotations
 
 import difflib
 import hashlib
-import ipaddress
-import logging
 import os
 import re
 import runpy
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Protocol
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    SecretStr,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from runtime import serve_args, startup  # the one builder of the `vllm serve` argv (also in the container)
 from sparkfleet.profiles import FP8_DONOR, INTEL_INT4, PROFILES, Profile
+from sparkfleet.values import (
+    ApiKey,
+    CheckNames,
+    ControllerPath,
+    HostAddress,
+    HostPath,
+    ImageRef,
+    IpAddress,
+    LockUpdate,
+    Names,
+    NetdevNames,
+    PairSubnet,
+    ProfileName,
+    RepoId,
+    Requirement,
+    Revisions,
+    RoleHost,
+    RunId,
+    ServeArgs,
+    ServeEnv,
+    StackVersions,
+    Url,
+    VersionText,
+    Word,
+)
 
 try:  # pyinfra is the runtime, but the model is also used by plain unit tests
     from pyinfra.api.exceptions import PyinfraError as _BaseError
 except ImportError:  # pragma: no cover
     _BaseError = Exception
-
-log = logging.getLogger("sparkfleet")
 
 # The reference recipe measured 0.82 as the most a 128 GiB Spark takes without swapping the OS.
 MEASURED_GPU_MEMORY_UTILIZATION = 0.82
@@ -49,54 +61,6 @@ CONTAINER_MODEL_DIR = "/model"
 
 # Data keys that belong to pyinfra's connectors, not to sparkfleet.
 _CONNECTOR_PREFIXES = ("ssh_", "_", "docker_", "chroot_", "local_", "winrm_", "vagrant_", "terraform_", "fake_")
-
-_SAFE_PATH = re.compile(r"^(?!.*/\.\.(?:/|$))/[A-Za-z0-9._/+-]*$")  # no /../
-_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
-_REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
-# registry[:port]/path[:tag][@sha256:digest] — lower-case path, as registries require.
-_IMAGE_REF = re.compile(
-    r"^(?:[a-zA-Z0-9.-]+(?::[0-9]+)?/)?[a-z0-9]+(?:[._/-][a-z0-9]+)*"
-    r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[0-9a-f]{64})?$"
-)
-_HOSTNAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252}[A-Za-z0-9])?$")
-
-
-def _matching(pattern: re.Pattern, message: str) -> AfterValidator:
-    """A value check: ``pattern`` matches the whole value, or ValueError(``message``)."""
-    def check(value: str) -> str:
-        if not pattern.match(value):
-            raise ValueError(message)
-        return value
-    return AfterValidator(check)
-
-
-RepoId = Annotated[str, _matching(_REPO_ID, "not a Hugging Face repo id (org/name)")]
-ImageRef = Annotated[str, _matching(_IMAGE_REF, "not an image reference")]
-Url = Annotated[str, _matching(re.compile(r"^https?://[A-Za-z0-9.:\[\]_-]+(?:/[A-Za-z0-9._~/$()%+-]*)?$"),
-                                "must be an http(s) URL")]
-Word = Annotated[str, _matching(re.compile(r"^[A-Za-z0-9_.-]*$"), "only letters, digits and ._- are allowed")]
-# A pip requirement without spaces, markers or shell characters, e.g. olah==0.5.4.
-Requirement = Annotated[str, _matching(re.compile(
-    r"^[A-Za-z0-9][A-Za-z0-9._-]*(?:\[[A-Za-z0-9,._-]+\])?(?:(?:==|>=|<=|~=|!=|>|<)[A-Za-z0-9.*+!_-]+)?$"),
-    "not a pip requirement (name, optionally ==version)")]
-HostPath = Annotated[str, _matching(_SAFE_PATH, "must be an absolute path of letters, digits and ._/+-")]
-ControllerPath = Annotated[str, _matching(re.compile(r"^[^\n\x00]+$"), "must be a directory on the controller")]
-ProfileName = Annotated[str, _matching(re.compile(f"^({'|'.join(map(re.escape, PROFILES))})$"),
-                                       f"unknown profile; valid profiles: {', '.join(sorted(PROFILES))}")]
-VersionText = Annotated[str, _matching(re.compile(r"^\d+(?:\.\d+)*$"), "use a dotted version such as 2.30.4")]
-NetdevNames = Annotated[str, _matching(re.compile(r"^[A-Za-z0-9_.:-]+(?:,[A-Za-z0-9_.:-]+)*$"),
-                                       "must be 'auto' or device names (comma-separated)")]
-RunId = Annotated[str, _matching(re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"),
-                                 "names a results directory: use letters, digits and ._-")]
-IpAddress = Annotated[str, AfterValidator(lambda value: ipaddress.ip_address(value) and value)]  # ValueError if not
-
-#: The stack under the engine (sparkfleet/stack.py): what stack_versions may name.
-STACK_COMPONENTS = ("driver", "toolkit", "docker", "kernel")
-_APT_PACKAGE = re.compile(r"^[a-z0-9][a-z0-9+.-]+$")  # Debian policy 5.6.1
-_APT_VERSION = re.compile(r"^(?:[0-9]+:)?[0-9][A-Za-z0-9.+~-]*$")  # [epoch:]upstream[-revision], 5.6.12
-
-#: fleet_mirror values that turn the mirror off.
-MIRROR_OFF = (None, "", "none", "off", "false")
 
 FIXES: dict[str, str] = {
     "profile": "pick one of the profiles, e.g. --data profile=dense",
@@ -161,7 +125,7 @@ class Settings(BaseModel):
     # What to serve
     profile: ProfileName
     model: RepoId | None
-    model_revisions: dict[str, str]
+    model_revisions: Revisions
     model_dir: HostPath | None
     build_hybrid: bool
     verify_weights: bool
@@ -172,8 +136,8 @@ class Settings(BaseModel):
     hf_endpoint: Url | None
     hf_token: SecretStr | None
     # The mirror: one host serves the others the image and the weights (sparkfleet/mirror/)
-    fleet_mirror: str | None
-    mirror_address: str | None
+    fleet_mirror: RoleHost
+    mirror_address: HostAddress | None
     mirror_hf_port: int = Field(ge=1, le=65535)
     mirror_registry_port: int = Field(ge=1, le=65535)
     mirror_dir: HostPath
@@ -185,14 +149,14 @@ class Settings(BaseModel):
     fleet_fanout: int = Field(ge=1, le=64)
     # The fleet lock: sparkfleet.lock (sparkfleet/fleetlock.py)
     fleet_lock_file: ControllerPath | None
-    fleet_lock_update: list[str]
+    fleet_lock_update: LockUpdate
     # The fleet endpoint: HAProxy over every serving host (sparkfleet/endpoint.py)
-    fleet_endpoint: str | None
+    fleet_endpoint: RoleHost
     endpoint_port: int = Field(ge=1, le=65535)
     endpoint_metrics_port: int = Field(ge=1, le=65535)
     endpoint_timeout_s: int = Field(ge=60, le=86400)
     # The fleet monitor: Prometheus, the node exporters, the alert rules (sparkfleet/monitor.py)
-    fleet_monitor: str | None
+    fleet_monitor: RoleHost
     monitor_bind_address: IpAddress
     monitor_port: int = Field(ge=1, le=65535)
     node_exporter_port: int = Field(ge=1, le=65535)
@@ -203,7 +167,7 @@ class Settings(BaseModel):
     alert_disk_free_pct: float = Field(gt=0, lt=100)
     alert_acceptance_window_s: int = Field(ge=10, le=86400)
     # Pairs: an inventory group pair_* serves one model over the ConnectX-7 link (sparkfleet/link.py)
-    pair_subnet: str
+    pair_subnet: PairSubnet
     pair_mtu: int = Field(ge=1280, le=9216)
     pair_interface: NetdevNames
     pair_hcas: NetdevNames
@@ -241,11 +205,11 @@ class Settings(BaseModel):
     chunked_prefill: bool
     prefix_caching: bool
     num_speculative_tokens: int | None = Field(ge=0, le=16)
-    extra_serve_args: list[str]
-    vllm_env: dict[str, str]
-    patches: list[str] | None
+    extra_serve_args: ServeArgs
+    vllm_env: ServeEnv
+    patches: Names | None
     # Access
-    api_key: SecretStr
+    api_key: ApiKey
     api_key_file: str
     # Lifecycle
     serving: bool
@@ -258,7 +222,7 @@ class Settings(BaseModel):
     drain_timeout_s: int = Field(ge=0, le=86400)
     rollout_min_acceptance: float = Field(ge=1.0, le=17.0)
     # Host preparation
-    stack_versions: dict[str, dict[str, str | None]]
+    stack_versions: StackVersions
 
     nvidia_apt_repo: Url
     nvidia_apt_key_url: Url
@@ -269,8 +233,8 @@ class Settings(BaseModel):
     artifact_sizes_gib: dict[str, float]
     disk_margin_gib: float = Field(ge=0)
     # Post-deploy checks (see checks/)
-    checks: list[str]
-    bench: list[str]
+    checks: CheckNames
+    bench: CheckNames
     bench_runs: int = Field(ge=1, le=100)
     bench_warmup: int = Field(ge=0, le=20)
     bench_max_tokens: int = Field(ge=2, le=32768)
@@ -285,117 +249,7 @@ class Settings(BaseModel):
     run_id: RunId | None = Field(coerce_numbers_to_str=True)
     results_dir: str
 
-    # --- field checks -------------------------------------------------------------
-
-    @field_validator("model_revisions")
-    @classmethod
-    def _revisions(cls, value: dict[str, str]) -> dict[str, str]:
-        for repo, rev in value.items():
-            if not _REPO_ID.match(repo):
-                raise ValueError(f"{repo!r} is not a repo id (org/name)")
-            if not _REVISION.match(rev):
-                raise ValueError(f"revision {rev!r} of {repo} is not a branch, tag or commit")
-        return value
-
-    @field_validator("stack_versions")
-    @classmethod
-    def _stack(cls, value: dict[str, dict[str, str | None]]) -> dict[str, dict[str, str | None]]:
-        for component, versions in value.items():
-            if component not in STACK_COMPONENTS:
-                raise ValueError(f"unknown component {component!r}: the stack is {', '.join(STACK_COMPONENTS)}")
-            for package, version in versions.items():
-                if not _APT_PACKAGE.match(package):
-                    raise ValueError(f"{package!r} ({component}) is not an apt package name")
-                if version is not None and not _APT_VERSION.match(version):
-                    raise ValueError(f"{version!r} of {package} is not an apt version (as `apt-cache policy` shows)")
-        return value
-
-    @field_validator("fleet_mirror", "fleet_endpoint", "fleet_monitor", mode="before")
-    @classmethod
-    def _mirror_name(cls, value: Any) -> Any:
-        if value is False or (isinstance(value, str) and value.strip().lower() in MIRROR_OFF):
-            return None
-        if value is not None and (not isinstance(value, str) or "\n" in value or not value.strip()):
-            raise ValueError("must be 'auto', a host name of the inventory, or none")
-        return value
-
-    @field_validator("mirror_address")
-    @classmethod
-    def _hostname(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        try:
-            return str(ipaddress.ip_address(value.strip("[]")))
-        except ValueError:
-            pass
-        if not _HOSTNAME.match(value):
-            raise ValueError("must be a host name, an IPv4 or an IPv6 address")
-        return value
-
-    @field_validator("pair_subnet")
-    @classmethod
-    def _subnet(cls, value: str) -> str:
-        try:
-            net = ipaddress.IPv4Network(value, strict=False)
-        except ValueError:
-            raise ValueError("not an IPv4 network like 192.168.100.0/24") from None
-        if net.num_addresses < 4:
-            raise ValueError("too small for a pair: use a /30 or larger")
-        return str(net)
-
-    @field_validator("extra_serve_args")
-    @classmethod
-    def _extra_args(cls, value: list[str]) -> list[str]:
-        for arg in value:
-            if "\n" in arg or "\x00" in arg:
-                raise ValueError(f"argument {arg!r} contains a newline")
-        return value
-
-    @field_validator("vllm_env")
-    @classmethod
-    def _env(cls, value: dict[str, str]) -> dict[str, str]:
-        for key, val in value.items():
-            if not re.match(r"^[A-Z_][A-Z0-9_]*$", key) or "\n" in str(val):
-                raise ValueError(f"{key!r} is not a valid environment variable")
-            # serve.env is world-readable and its SF_*/HF_* entries are the deploy's own.
-            if key.startswith(("SF_", "HF_")) or key in ("VLLM_API_KEY", "VLLM_CACHE_ROOT"):
-                raise ValueError(f"{key} is set by sparkfleet itself; use the matching setting instead")
-            if re.search(r"TOKEN|SECRET|PASSWORD|_KEY$", key):
-                raise ValueError(f"{key} looks like a secret: serve.env is not private (use api_key/hf_token)")
-        return value
-
-    @field_validator("api_key")
-    @classmethod
-    def _api_key(cls, value: SecretStr) -> SecretStr:
-        raw = value.get_secret_value()
-        if raw not in ("auto", "none") and (len(raw) < 16 or not re.match(r"^[A-Za-z0-9._~+-]+$", raw)):
-            raise ValueError("must be 'auto', 'none' or 16+ characters of letters, digits and ._~+-")
-        return value
-
-    @field_validator("checks", "bench", "patches", "fleet_lock_update", mode="before")
-    @classmethod
-    def _comma_list(cls, value: Any) -> Any:
-        # `--data checks=smoke,decode` arrives as one string.
-        if isinstance(value, str):
-            return [name.strip() for name in value.split(",") if name.strip()]
-        return value
-
-    @field_validator("fleet_lock_update")
-    @classmethod
-    def _lock_update(cls, value: list[str]) -> list[str]:
-        for name in value:
-            if name not in ("all", "image") and not _REPO_ID.match(name):
-                raise ValueError(f"{name!r} is neither all, image nor a repo id")
-        return value
-
-    @field_validator("checks", "bench")
-    @classmethod
-    def _check_names(cls, value: list[str]) -> list[str]:
-        known = {"smoke", "tools", "decode", "e2e", "agent"}
-        unknown = [name for name in value if name not in known]
-        if unknown:
-            raise ValueError(f"unknown check(s) {unknown}; known: {', '.join(sorted(known))}")
-        return value
+    # --- checks across keys (a key's own value is judged by its type: sparkfleet/values.py) ---
 
     @model_validator(mode="after")
     def _coherent(self) -> "Settings":
@@ -563,46 +417,6 @@ def hf_token(settings: Settings) -> str | None:
     if settings.hf_token is not None:
         return settings.hf_token.get_secret_value() or None
     return os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN") or None
-
-
-@dataclass(frozen=True)
-class ImageName:
-    """A docker reference split the way registries see it."""
-
-    registry: str  # host[:port]; docker.io for Docker Hub
-    path: str  # repository path in that registry (library/x for official images)
-    tag: str | None
-    digest: str | None
-
-    @classmethod
-    def parse(cls, reference: str) -> ImageName:
-        name, _, digest = reference.partition("@")
-        tag = None
-        if ":" in name.rsplit("/", 1)[-1]:
-            name, tag = name.rsplit(":", 1)
-        first, _, rest = name.partition("/")
-        if rest and ("." in first or ":" in first or first == "localhost"):
-            registry, path = first, rest
-        else:
-            registry, path = "docker.io", name if "/" in name else f"library/{name}"
-        if not tag and not digest:
-            tag = "latest"
-        return cls(registry, path, tag, digest or None)
-
-    def at(self, registry: str) -> str:
-        """This image's reference in another registry (same path, tag and digest)."""
-        return f"{registry}/{self.path}" + (f":{self.tag}" if self.tag else "") + (
-            f"@{self.digest}" if self.digest else ""
-        )
-
-
-def upstream_registry_url(image: str, image_registry_url: str | None) -> str:
-    """The registry ``image`` comes from: where the mirror copies it from, and where the
-    fleet lock resolves its tag."""
-    if image_registry_url:
-        return image_registry_url.rstrip("/")
-    registry = ImageName.parse(image).registry
-    return "https://registry-1.docker.io" if registry == "docker.io" else f"https://{registry}"
 
 
 # --- one host's data, validated ------------------------------------------------------

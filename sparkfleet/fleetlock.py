@@ -37,8 +37,9 @@ from typing import Any, Literal
 from pyinfra import host, logger
 from pyinfra.api import FunctionCommand, deploy, operation
 
-from sparkfleet.config import ImageName, Settings, hf_token, upstream_registry_url
+from sparkfleet.config import Settings, hf_token
 from sparkfleet.hostpaths import local_image
+from sparkfleet.imagename import ImageName, upstream_registry_url
 from sparkfleet.lockfile import COMMIT, LOCK_NAME, Entry, FleetLock, Reference, changes, render, short_pin
 from sparkfleet.upstream import Unresolved, Upstream
 

@@ -25,8 +25,8 @@ from sparkfleet.config import Settings
 from sparkfleet.facts import MANIFEST_ACCEPT, ContainerdRoot, ManifestSize
 from sparkfleet.fleet import host_mirror
 from sparkfleet.hostpaths import HF_ENV, RUNTIME_DIR, registry_ca_path
-from sparkfleet.mirror import ImageName, image_reference, local_image
-from sparkfleet.mirror.names import upstream_registry_url
+from sparkfleet.imagename import ImageName, upstream_registry_url
+from sparkfleet.mirror import image_reference, local_image
 from sparkfleet.tasks import detached
 
 

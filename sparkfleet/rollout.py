@@ -49,6 +49,14 @@ GATE_DECODE_TOKENS = 128
 GATE_DECODE_PROMPT = "Write a short paragraph about the history of Paris."
 
 
+class Stopped(OperationError):
+    """The rollout stopped at a host: raised where a turn words why, so the connection
+    check at the turn's end words it no second time."""
+
+    def __init__(self, host_name: str, step: str, why: str):
+        super().__init__(f"rollout stopped at {host_name}, step {step}: {why}")
+
+
 @dataclass(frozen=True)
 class Change:
     """What a turn changes between drain and READY other than the serving settings (the
@@ -225,7 +233,7 @@ def rolled(state, host, settings: Settings, revision: str | None, member: PairMe
         except OperationError as exc:
             rolled_back = "rolled back: the last good settings serve again" in str(exc)
             _after_rollback(ep, host, settings, rolled_back)
-            raise OperationError(f"rollout stopped at {host.name}, step READY: {exc}") from None
+            raise Stopped(host.name, "READY", str(exc)) from None
         step = "gate"
         problem = gate(host, settings)
         if problem:
@@ -238,9 +246,8 @@ def rolled(state, host, settings: Settings, revision: str | None, member: PairMe
             _after_rollback(ep, host, settings, again is None)
             outcome = ("rolled back: the last good settings serve again" if again is None
                        else f"the rollback did not get READY either ({again})")
-            raise OperationError(
-                f"rollout stopped at {host.name}, step gate: {problem}; {outcome}. Changed: {change} — fix that "
-                f"and deploy again\n    last lines of journalctl -u {UNIT} from the new settings:\n{journal}")
+            raise Stopped(host.name, "gate", f"{problem}; {outcome}. Changed: {change} — fix that and deploy "
+                          f"again\n    last lines of journalctl -u {UNIT} from the new settings:\n{journal}")
         step = "back in rotation"
         if ep is not None:
             endpoint.follows(state, host)  # its new address, port or key: the endpoint moves with its turn
@@ -254,9 +261,9 @@ def rolled(state, host, settings: Settings, revision: str | None, member: PairMe
             ro.stopped = f"{host.name} ({step})"
         # Power lost or the link cut in its turn: whatever the step was running when the
         # connection broke, one line says where the rollout stopped and why.
-        if (isinstance(exc, Exception) and step != "drain" and not str(exc).startswith("rollout stopped at")
+        if (isinstance(exc, Exception) and not isinstance(exc, Stopped) and step != "drain"
                 and not remote.answers(host)):
-            raise OperationError(f"rollout stopped at {host.name}, step {step}: {remote.LOST}") from None
+            raise Stopped(host.name, step, remote.LOST) from None
         raise
     finally:
         ro.ended[host.name].set()
@@ -288,8 +295,8 @@ def _changed(ep, host, settings: Settings, change: Change) -> None:
     else:
         remote.run(host, f"systemctl stop {UNIT}")
         outcome = f"could not go back ({again}): left drained, {UNIT} stopped"
-    raise OperationError(f"rollout stopped at {host.name}, step {step}: {problem}; {outcome}. Fix the declared "
-                         f"versions and deploy again\n    last lines of journalctl -u {UNIT}:\n{journal}")
+    raise Stopped(host.name, step, f"{problem}; {outcome}. Fix the declared versions and deploy again\n"
+                                   f"    last lines of journalctl -u {UNIT}:\n{journal}")
 
 
 def _after_rollback(ep, host, settings: Settings, serving_again: bool) -> None:
@@ -322,8 +329,8 @@ def _endpoint(state, host):
 
 def _back(ep, host) -> None:
     if not haproxy.ready(ep, host.name, timeout_s=BACK_TIMEOUT_S):
-        raise OperationError(f"rollout stopped at {host.name}, step back in rotation: the fleet endpoint's "
-                             f"checks did not pass within {BACK_TIMEOUT_S} s (see the endpoint's metrics)")
+        raise Stopped(host.name, "back in rotation", "the fleet endpoint's checks did not pass within "
+                                                     f"{BACK_TIMEOUT_S} s (see the endpoint's metrics)")
 
 
 def _keep_running_settings(host) -> str:

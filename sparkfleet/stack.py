@@ -7,8 +7,9 @@ update broke NCCL between two Sparks; a driver userspace update without a reboot
 every new GPU container). A package the host does not have is not ours to install; a
 declared version the host does not run is drift, which ``sparkfleet status`` shows.
 
-One read per host (:class:`StackPackages`: ``dpkg-query``, whose status says hold) serves
-the deploy and the status alike; no other step reads it, so it is asked directly.
+One question per host (:class:`StackPackages`: ``dpkg-query``, whose status says hold)
+serves the deploy and the status alike: the deploy reads it with the host's snapshot
+(sparkfleet/snapshot.py), status in its one command.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pyinfra.api.exceptions import OperationError
 
 from sparkfleet import remote, rollout, snapshot
 from sparkfleet.config import Settings
+from sparkfleet.gpu import NVML_MISMATCH, Gpu
 from sparkfleet.hostpaths import LAST_GOOD_DIR, STARTED_FILE, UNIT
 from sparkfleet.preflight import GB10_NAME
 
@@ -92,7 +94,7 @@ def packages_held(names: list[str]):
 
     + names: the stack's apt packages
     """
-    have = host.get_fact(StackPackages, packages=list(names))
+    have = snapshot.fact(StackPackages, packages=list(names))
     loose = [p for p in names if p in have and not have[p]["held"]]
     if not loose:
         host.noop(f"the stack's {len(have)} installed package(s) are held")
@@ -105,6 +107,8 @@ def held(settings: Settings) -> None:
     """The stack's installed packages held, so no unattended upgrade moves them."""
     names = packages(settings)
     if names:
+        # Declared while the deploy plans, before the preflight: its one read of the host answers this too.
+        snapshot.expect(facts=[(StackPackages, {"packages": names})])
         packages_held(name="driver, toolkit, Docker, kernel held (apt-mark hold)", names=names)
 
 
@@ -167,9 +171,14 @@ def _switched(target, versions: dict[str, str], reboot: bool) -> str | None:
         # Blocking: READY is then asked of the new container, never of the one it replaces;
         # try-restart: a host that does not serve (upgraded in place) is not started here.
         remote.run(target, f"systemctl reset-failed {UNIT} 2>/dev/null; systemctl try-restart {UNIT}", timeout=300)
-    gpu = "".join(remote.run(target, "nvidia-smi --query-gpu=name --format=csv,noheader").stdout).strip()
-    if GB10_NAME not in gpu:
-        return f"nvidia-smi answers {gpu or 'nothing'!r} after the upgrade, not {GB10_NAME}"
+    # Asked anew, not through the snapshot: what it read was the stack before this change.
+    gpu = Gpu().process(remote.run(target, Gpu().command()).stdout) or {"name": ""}
+    if "mismatch" in gpu:
+        loaded = gpu["mismatch"]
+        return (f"nvidia-smi answers {NVML_MISMATCH} after the upgrade (kernel module {loaded['kernel_module'] or '?'}, "
+                f"library {loaded['library'] or '?'}), not {GB10_NAME}")
+    if gpu["name"] != GB10_NAME:
+        return f"nvidia-smi answers {gpu['name'] or 'nothing'!r} after the upgrade, not {GB10_NAME}"
     if not remote.run(target, "systemctl is-active docker").ok:
         return "docker is not active after the upgrade"
     return None
@@ -230,7 +239,7 @@ def upgraded(settings: Settings, pair=None) -> None:
     """The declared versions, rolled through the gate (nothing to do while none is declared)."""
     if not declared(settings):
         return
-    have = host.get_fact(StackPackages, packages=packages(settings))
+    have = snapshot.fact(StackPackages, packages=packages(settings))
     snapshot.expect(texts=[STARTED_FILE, f"{LAST_GOOD_DIR}/serving.rev"], units=[UNIT])
     rolling = settings.serving and rollout.applies(settings, snapshot.unit(UNIT), snapshot.first_line(STARTED_FILE),
                                                    snapshot.first_line(f"{LAST_GOOD_DIR}/serving.rev"))

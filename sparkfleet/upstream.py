@@ -9,8 +9,8 @@ import hashlib
 import re
 from urllib.parse import quote, urlencode
 
-from sparkfleet.config import ImageName
 from sparkfleet.facts import MANIFEST_ACCEPT
+from sparkfleet.imagename import ImageName
 from sparkfleet.lockfile import COMMIT, LOCK_NAME
 
 

@@ -301,6 +301,27 @@ def test_a_rollout_that_stops_leaves_the_later_hosts_serving_what_they_ran(five,
     assert hosts.restarts() == [S1]  # nobody else was touched
 
 
+def test_a_stop_the_turn_worded_is_not_worded_again_when_the_host_is_gone(five, monkeypatch):
+    Hosts(monkeypatch, ready_error={S1: "not READY after 900 s"})
+    monkeypatch.setattr(rollout.remote, "answers", lambda host: False)  # it went away after the stop
+    got = roll(five, settings(rollout_batch=1), [S1])
+    assert isinstance(got[S1], rollout.Stopped)
+    assert str(got[S1]) == f"rollout stopped at {S1}, step READY: not READY after 900 s"
+
+
+def test_a_host_lost_in_its_turn_stops_the_rollout_at_that_step(five, monkeypatch):
+    Hosts(monkeypatch)
+    monkeypatch.setattr(rollout.remote, "answers", lambda host: False)
+
+    def gate_lost(host, settings, acceptance_floor=True):
+        raise OSError("Socket closed")
+
+    monkeypatch.setattr(rollout, "gate", gate_lost)
+    got = roll(five, settings(rollout_batch=1), [S1])
+    assert isinstance(got[S1], rollout.Stopped)
+    assert str(got[S1]) == f"rollout stopped at {S1}, step gate: {remote.LOST}"
+
+
 def test_a_headless_member_whose_head_did_not_roll_does_not_change(five, monkeypatch):
     hosts = Hosts(monkeypatch, ready_error={S1: "not READY after 900 s"}, running="")
     got = roll(five, settings(rollout_batch=1), [S1, S2, S3], members(five))

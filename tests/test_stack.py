@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
+import json
 
-from sparkfleet import stack
+import pytest
+from pyinfra.api import Config, Inventory, State
+from pyinfra.api.connect import connect_all
+from pyinfra.context import ctx_host, ctx_state
+
+from sparkfleet import remote, snapshot, stack
 from sparkfleet.config import ConfigError, project_defaults, validate_host_data
+from sparkfleet.gpu import Gpu
 from tests.test_deploy_plan import changes, plan
 
 
@@ -116,3 +122,50 @@ def test_going_back_with_no_earlier_version_says_so_and_touches_nothing():
     assert change.back == "the previous versions (-)"
     # No host is passed: nothing may be run for an empty set of versions.
     assert change.undo(None) == "no earlier version to go back to (the packages were new on this host)"
+
+
+@pytest.mark.parametrize("smi, problem", [
+    (["NVIDIA GB10, 12.1, 580.126.09"], None),
+    (["NVIDIA H100 80GB HBM3, 9.0, 580.126.09"],
+     "nvidia-smi answers 'NVIDIA H100 80GB HBM3' after the upgrade, not NVIDIA GB10"),
+    (["sh: 1: nvidia-smi: not found"], "nvidia-smi answers 'nothing' after the upgrade, not NVIDIA GB10"),
+    (["Failed to initialize NVML: Driver/library version mismatch", "NVML library version: 580.126",
+      "kernel_module=580.95.05"],
+     "nvidia-smi answers Driver/library version mismatch after the upgrade (kernel module 580.95.05, "
+     "library 580.126), not NVIDIA GB10"),
+], ids=["gb10", "other-gpu", "no-nvidia-smi", "driver-mismatch"])
+def test_after_the_switch_nvidia_smi_is_asked_again_as_the_preflight_asks_it(monkeypatch, smi, problem):
+    asked = []
+
+    def run(target, command, timeout=None, **kwargs):
+        asked.append(command)
+        return remote.Result(True, smi if command == Gpu().command() else [], [])
+
+    monkeypatch.setattr(stack.remote, "run", run)
+    assert stack._switched(None, {"nvidia-container-toolkit": "1.17.9-1"}, reboot=False) == problem
+    assert asked.count(Gpu().command()) == 1
+    assert ("systemctl is-active docker" in asked) == (problem is None)
+
+
+# --- read with the host's snapshot, on a @fake host -------------------------------------------
+
+
+def test_the_stacks_packages_are_read_with_the_hosts_snapshot_not_asked_apart():
+    s = settings(stack_versions={"toolkit": {"nvidia-container-toolkit": "1.17.9-1"}, "docker": {"docker.io": None}})
+    key, _ = snapshot._fact_entry(stack.StackPackages, {"packages": stack.packages(s)})
+    have = ["ii |nvidia-container-toolkit|1.17.8-1", "hi |docker.io|26.1.5+dfsg1-1"]
+    # The snapshot answers first; dpkg-query asked on its own would fail the test.
+    responses = {"python3 -c": json.dumps({"facts": {key: have}}), "dpkg-query": {"success": False}}
+    inventory = Inventory((["@fake/spark-1"], {"fake_responses": responses, "fake_delay": 0, "fake_delay_jitter": 0}))
+    state = State(inventory, Config())
+    with ctx_state.use(state):
+        connect_all(state)
+        target = inventory.get_host("@fake/spark-1")
+        with ctx_host.use(target):
+            stack.held(s)  # the deploy's first step: before the preflight reads the rest
+            stack.upgraded(s)
+    asked = target.connector.executed_commands
+    assert asked and all(command.startswith("python3 -c") for command in asked), asked  # the snapshot's only
+    planned = [state.get_op_meta(h).names for h in state.get_op_order()]
+    assert planned == [{"Stack | driver, toolkit, Docker, kernel held (apt-mark hold)"},
+                       {"Stack | the stack runs the declared versions"}], planned

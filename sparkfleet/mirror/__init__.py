@@ -22,10 +22,10 @@ from sparkfleet.config import Settings
 from sparkfleet.fleet import all_settings, host_mirror
 from sparkfleet.mirror import clients, keep, server, tls
 from sparkfleet.mirror.clients import answers
-from sparkfleet.mirror.names import ImageName, hf_endpoint, hf_offline_endpoint, image_reference, local_image
+from sparkfleet.mirror.names import hf_endpoint, hf_offline_endpoint, image_reference, local_image
 from sparkfleet.mirror.report import track
 
-__all__ = ["ImageName", "answers", "configured", "disk_needs", "hf_endpoint", "hf_offline_endpoint", "holds",
+__all__ = ["answers", "configured", "disk_needs", "hf_endpoint", "hf_offline_endpoint", "holds",
            "image_reference", "local_image", "track"]
 
 

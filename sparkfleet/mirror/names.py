@@ -1,14 +1,14 @@
 """Names of the mirror's services as the fleet's hosts see them: image references in the
-mirror registry, the HF endpoint, the upstream registry the copy reads from."""
+mirror registry, the HF endpoint."""
 
 from __future__ import annotations
 
 from sparkfleet import hostpaths
-from sparkfleet.config import ImageName, Settings, upstream_registry_url
+from sparkfleet.config import Settings
 from sparkfleet.fleet import Mirror, host_mirror
+from sparkfleet.imagename import ImageName
 
-__all__ = ["ImageName", "LOCAL_REPOSITORY", "hf_endpoint", "hf_offline_endpoint", "image_reference", "local_image",
-           "upstream_registry_url"]
+__all__ = ["LOCAL_REPOSITORY", "hf_endpoint", "hf_offline_endpoint", "image_reference", "local_image"]
 
 
 def image_reference(settings: Settings, mirror: Mirror | None = None) -> str:

@@ -30,8 +30,8 @@ from sparkfleet.hostpaths import (
     mirror_registry_storage,
     registry_ca_path,
 )
+from sparkfleet.imagename import ImageName
 from sparkfleet.mirror.facts import RegistryManifest
-from sparkfleet.mirror.names import ImageName
 from sparkfleet.mirror.report import report_of
 from sparkfleet.tasks import detached
 

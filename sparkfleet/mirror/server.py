@@ -33,9 +33,9 @@ from sparkfleet.hostpaths import (
     mirror_kept_record,
     mirror_registry_storage,
 )
+from sparkfleet.imagename import upstream_registry_url
 from sparkfleet.mirror import firewall, hf, keep, registry, tls
 from sparkfleet.mirror.facts import MirrorAnswers
-from sparkfleet.mirror.names import upstream_registry_url
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
 

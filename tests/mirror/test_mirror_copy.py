@@ -18,7 +18,7 @@ from support.listening import wait_for_port
 
 from sparkfleet import credentials
 from sparkfleet.fleet import Mirror
-from sparkfleet.mirror.names import ImageName
+from sparkfleet.imagename import ImageName
 from sparkfleet.mirror.registry import copy_command, copy_failure
 
 BLOB_GET = re.compile(r'"GET /v2/\S+/blobs/(sha256:[0-9a-f]+) [^"]*" 200 (\d+)')

@@ -1,26 +1,12 @@
-"""Image names and the references hosts pull from the mirror (no fleet)."""
+"""The references hosts pull from the mirror (no fleet)."""
 
 from __future__ import annotations
 
-import pytest
 from support.fleetdata import defaults
 
 from sparkfleet.config import validate_host_data
 from sparkfleet.fleet import Mirror
-from sparkfleet.mirror import ImageName, image_reference, local_image
-
-
-@pytest.mark.parametrize("reference,expected", [
-    ("ghcr.io/aeon-7/vllm:2026-06-18", ("ghcr.io", "aeon-7/vllm", "2026-06-18", None)),
-    ("10.213.0.1:5000/sparkfleet/vllm-sim:0.23.0@sha256:" + "a" * 64,
-     ("10.213.0.1:5000", "sparkfleet/vllm-sim", "0.23.0", "sha256:" + "a" * 64)),
-    ("vllm/vllm-openai", ("docker.io", "vllm/vllm-openai", "latest", None)),
-    ("ubuntu@sha256:" + "b" * 64, ("docker.io", "library/ubuntu", None, "sha256:" + "b" * 64)),
-    ("localhost:5000/x:1", ("localhost:5000", "x", "1", None)),
-])
-def test_image_names(reference, expected):
-    name = ImageName.parse(reference)
-    assert (name.registry, name.path, name.tag, name.digest) == expected
+from sparkfleet.mirror import image_reference, local_image
 
 
 def test_hosts_run_the_fleet_registrys_copy_with_the_same_pin():
