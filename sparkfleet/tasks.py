@@ -106,7 +106,7 @@ def run_detached(
             logger.info(f"{host.print_prefix}{name}: running for {now - started:.0f} s — {detail}")
         gevent.sleep(POLL_EVERY_S)  # yields to the other hosts' greenlets
     if state["ActiveState"] == "failed":
-        lines = _journal(host, unit, state, 500)
+        lines = _lines(_journal(host, unit, state, 500))
         remote.run(host, f"systemctl reset-failed {unit}")
         said = [line[len(ERROR_PREFIX):] for line in lines if line.startswith(ERROR_PREFIX)]
         tail = [line for line in lines if not line.startswith(ERROR_PREFIX)][-TAIL_LINES:]
@@ -127,8 +127,23 @@ REPORT_PREFIX = "report: "
 ERROR_PREFIX = "error: "
 
 
+def _lines(journal: list[str]) -> list[str]:
+    """The journal's lines as a terminal shows them: a progress bar (tqdm, on stderr)
+    redraws with \r and leaves no newline, so a line printed after it lands behind its
+    last draw in one journal line."""
+    lines = []
+    for line in journal:
+        line = line.rsplit("\r", 1)[-1]
+        for prefix in (REPORT_PREFIX, ERROR_PREFIX):
+            at = line.find(prefix)
+            if at > 0 and line[:at].rstrip().endswith("]"):  # "... 4/5 [00:22<00:05,  5.70s/it]"
+                line = line[at:]
+        lines.append(line)
+    return lines
+
+
 def _print_reports(host, name: str, unit: str, state: dict[str, str]) -> None:
-    for line in _journal(host, unit, state, 500):
+    for line in _lines(_journal(host, unit, state, 500)):
         if line.startswith(REPORT_PREFIX):
             logger.warning(f"{host.print_prefix}{name}: {line[len(REPORT_PREFIX):]}")
 
