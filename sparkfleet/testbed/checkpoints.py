@@ -672,17 +672,20 @@ def write_synthetic_repos(root: Path, artifact_scale: float | None = None) -> di
     return {r: revs[r] for r in REPOS}
 
 
-def fetched_bytes(root: Path, revisions: dict[str, str]) -> dict[str, int]:
-    """What a host of the dense profile fetches of each repo written here: the INT4
-    checkpoint and the drafter whole, of the FP8 donor its config, index and the shards
-    the hub's hybrid build read (its config.json names them)."""
+def fetched_bytes(root: Path, revisions: dict[str, str], build_hybrid: bool = False) -> dict[str, int]:
+    """What a host of the dense profile fetches of each repo written here: the hosted
+    hybrid and the drafter whole; with *build_hybrid*, instead of the hybrid, the INT4
+    checkpoint whole and of the FP8 donor its config, index and the shards the hub's hybrid
+    build read (its config.json names them)."""
     root = Path(root)
+    dflash = {DFLASH: _repo_bytes(root / DFLASH / revisions[DFLASH])}
+    if not build_hybrid:
+        return {HYBRID: _repo_bytes(root / HYBRID / revisions[HYBRID]), **dflash}
     hybrid = json.loads((root / HYBRID / revisions[HYBRID] / "config.json").read_text())
     donor = root / DONOR / revisions[DONOR]
     read = ["config.json", "model.safetensors.index.json", *hybrid["sparkfleet_hybrid"]["donor"]["shards_read"]]
     return {INTEL: _repo_bytes(root / INTEL / revisions[INTEL]),
-            DONOR: sum((donor / f).stat().st_size for f in read),
-            DFLASH: _repo_bytes(root / DFLASH / revisions[DFLASH])}
+            DONOR: sum((donor / f).stat().st_size for f in read), **dflash}
 
 
 def main() -> None:  # pragma: no cover - convenience

@@ -229,7 +229,8 @@ def _up(state: State, names: list[str], host_switches: dict[str, dict[str, Any]]
         rates = shaping.Rates(state.shaping["bandwidth_scale"])
         shaping.apply(list(state.hosts.values()), [tuple(p["members"]) for p in state.pairs], rates)
         state.shaping["rates"] = rates.record()
-        log("shaped: " + ", ".join(f"{k} {v / 1000:g} Mbit/s" for k, v in rates.record().items() if k != "scale"))
+        log(f"shaped: WAN {rates.kbit('wan') / 1000:g}, LAN {rates.kbit('lan') / 1000:g}, ConnectX-7 "
+            f"{rates.kbit('cx7') / 1000:g} Mbit/s (a real fleet's / {rates.scale:g})")
         t = mark("shaping", t)
 
     state.data = {
@@ -350,14 +351,15 @@ class Testbed:
         paired = {m for p in self.state.pairs for m in p["members"]}
         return shaping.counters(self.hosts, paired)
 
-    def one_copy_bytes(self) -> dict[str, int]:
-        """What one host of the default profile (dense) fetches: the image's blobs and the
-        checkpoint bytes (checkpoints.fetched_bytes), by artifact."""
+    def one_copy_bytes(self, build_hybrid: bool = False) -> dict[str, int]:
+        """What one host of the default profile (dense) fetches, by artifact: the image's
+        blobs and the checkpoints' bytes (the hosted hybrid, or with *build_hybrid* its
+        inputs: checkpoints.fetched_bytes)."""
         from .checkpoints import fetched_bytes
 
         revisions = self.state.data["_model_revisions"]
         return {"image": int(self.state.image.get("wire_bytes") or self.state.image.get("blob_bytes", 0)),
-                **fetched_bytes(hubservice.REPOS_DIR, revisions)}
+                **fetched_bytes(hubservice.REPOS_DIR, revisions, build_hybrid)}
 
     def registry_mark(self) -> int:
         """A point in the registry's access log; registry_stats(mark) counts from there."""
