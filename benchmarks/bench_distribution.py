@@ -16,9 +16,11 @@ fast as on a real fleet and the real ratios hold: one copy over a NIC ~27 s (a r
 10 GbE: ~81 s), over the WAN ~270 s. The sizes are bounded by the machine: a host holds its copy in the state
 tmpfs (RAM), ~0.5 GB a host at sizes / 300 with the image unpacked.
 
-Per size: the wall time; the image and weights phases (the summed durations of the
-operations whose pyinfra names match ``--image-ops`` / ``--weights-ops``, each from its
-"Starting operation" line to the next; each output line is timestamped as it arrives);
+Per size: the wall time; the image and weights phases: from the first start to the last
+end, on any host, of the deploy's long steps (sparkfleet/tasks.py runs each as a transient
+unit ``sparkfleet-task-<task>-<hash>``; its journal gives when it started and last wrote)
+whose task matches ``--image-tasks`` / ``--weights-tasks`` (pyinfra's own output is no
+clock: an operation's lines come when it ends, and transfers run inside few operations);
 WAN bytes (what the hub and the registry served: payload, their own counters) and the
 largest egress of any host (its NIC plus its pair link, interface counters), each also as
 a multiple of one copy (``tb.one_copy_bytes()``: the image's blobs and what a dense host
@@ -27,7 +29,8 @@ fetches of each repository). Last line:
 ``distribution: first deploy 8/1 = X.XX×, 16/1 = X.XX×, WAN = X.XX× one copy, max host
 egress = X.XX× one copy`` (on one line; a size not run reads ``-``; WAN and egress the
 largest over the sizes). The JSON (every raw number) goes to ``--out``, the table beside
-it as ``.txt``; each run's timestamped output to a log directory (its path is printed).
+it as ``.txt``; each run's output, each line timestamped as it arrived, and every
+operation's start go to a log directory (its path is printed) and the JSON.
 
 Run as root. It replaces this instance's fleet (``--replace`` when one is up): pick an
 instance of your own with ``SPARKFLEET_TESTBED_INSTANCE=N``.
@@ -54,10 +57,23 @@ INVENTORY = "inventory/testbed.py"  # reads this instance's hosts.json
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 OP_START = re.compile(r"^--> Starting (?:[a-z ,]+ )?operation: (.*?)(?: \(.*\))?\s*$")
 RUN_TIMEOUT_S = 3600
-#: The star's operations (sparkfleet/image.py, mirror/server.py; weights.py, hybrid.py,
-#: mirror/keep.py); a deploy that names its steps otherwise gives its own.
-IMAGE_OPS = r"serving image (copied from upstream|present)"
-WEIGHTS_OPS = r"^(Weights|Hybrid build) \||HF mirror holds"
+#: The deploy's long steps run as transient units on the hosts (sparkfleet/tasks.py), named
+#: by task: the mirror's image copy and the pulls; downloads, the mirror's holds and builds.
+#: A deploy that names its tasks otherwise gives its own (--image-tasks, --weights-tasks).
+TASK_PREFIX = "sparkfleet-task-"
+IMAGE_TASKS = r"^image-"
+WEIGHTS_TASKS = r"^(fetch-|mirror-holds-|hybrid)"
+#: Each task unit's journal entries (systemd's and its own output): first and last time.
+TASK_TIMES = (
+    "journalctl --no-pager -o json --output-fields=UNIT,_SYSTEMD_UNIT,__REALTIME_TIMESTAMP 2>/dev/null | "
+    "python3 -c 'import json,sys\n"
+    "t={}\n"
+    "for l in sys.stdin:\n"
+    "    e=json.loads(l); u=e.get(\"UNIT\") or e.get(\"_SYSTEMD_UNIT\") or \"\"\n"
+    "    if u.startswith(\"" + TASK_PREFIX + "\"):\n"
+    "        s=int(e[\"__REALTIME_TIMESTAMP\"])/1e6; a,b=t.get(u,(s,s)); t[u]=(min(a,s),max(b,s))\n"
+    "print(json.dumps(t))'"
+)
 
 
 def first_deploy(tb, logs: Path, label: str, extra: list[str]) -> dict[str, Any]:
@@ -89,8 +105,27 @@ def first_deploy(tb, logs: Path, label: str, extra: list[str]) -> dict[str, Any]
     return {"rc": rc, "wall_s": round(wall, 1), "log": str(log_path), "ops": timeline}
 
 
-def phase_s(timeline: list[dict[str, Any]], pattern: str) -> float:
-    return round(sum(op["seconds"] for op in timeline if re.search(pattern, op["op"])), 1)
+def task_windows(tb) -> dict[str, dict[str, list[float]]]:
+    """Per host, each task unit's [first, last] journal time (unix seconds)."""
+    out = {}
+    for name in tb.names:
+        done = tb.exec(name, TASK_TIMES, via="nsenter", timeout=60)
+        try:
+            out[name] = json.loads(done.stdout or "{}")
+        except ValueError:
+            out[name] = {}
+    return out
+
+
+def phase(windows: dict[str, dict[str, list[float]]], pattern: str, started: float) -> dict[str, float] | None:
+    """From the first start to the last end of the matching tasks on any host, seconds
+    after the deploy started; None when no task matched."""
+    spans = [w for tasks in windows.values() for unit, w in tasks.items()
+             if re.search(pattern, unit[len(TASK_PREFIX):])]
+    if not spans:
+        return None
+    start, end = min(w[0] for w in spans) - started, max(w[1] for w in spans) - started
+    return {"start_s": round(start, 1), "end_s": round(end, 1), "seconds": round(end - start, 1)}
 
 
 def one_size(n: int, args: argparse.Namespace, logs: Path) -> dict[str, Any]:
@@ -106,8 +141,10 @@ def one_size(n: int, args: argparse.Namespace, logs: Path) -> dict[str, Any]:
         print(f"... {n} host(s) up in {up_s:.0f} s, one copy {one / 1e6:.0f} MB; first deploy", file=sys.stderr,
               flush=True)
         before = tb.traffic()
+        started_at = time.time()
         run = first_deploy(tb, logs, f"{n}-first", args.data)
         moved = tb.traffic() - before
+        windows = task_windows(tb)
     finally:
         fleet.down()
     egress = {name: moved.egress(name) for name in moved.hosts}
@@ -115,7 +152,11 @@ def one_size(n: int, args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     size = {
         "hosts": n, "up_s": round(up_s, 1), "shaping": tb.shaping, "one_copy": copy, "one_copy_bytes": one,
         **run,
-        "image_s": phase_s(run["ops"], args.image_ops), "weights_s": phase_s(run["ops"], args.weights_ops),
+        "tasks": windows,
+        "image_phase": phase(windows, args.image_tasks, started_at),
+        "weights_phase": phase(windows, args.weights_tasks, started_at),
+        "image_s": (phase(windows, args.image_tasks, started_at) or {}).get("seconds", float("nan")),
+        "weights_s": (phase(windows, args.weights_tasks, started_at) or {}).get("seconds", float("nan")),
         "traffic": moved.record(),
         "wan_bytes": moved.wan, "wan_copies": moved.wan / one,
         "max_egress_host": top, "max_egress_bytes": egress[top], "max_egress_copies": egress[top] / one,
@@ -171,9 +212,10 @@ def main() -> int:
     ap.add_argument("--artifact-scale", type=float, default=300.0,
                     help="real artifact sizes divided by this (default 300: one dense copy ~316 MB)")
     ap.add_argument("--pairs", action="store_true", help="cable spark-1 + spark-2, ... as pairs (the pair profile)")
-    ap.add_argument("--image-ops", default=IMAGE_OPS, help=f"regex of the image phase's operations ({IMAGE_OPS!r})")
-    ap.add_argument("--weights-ops", default=WEIGHTS_OPS,
-                    help=f"regex of the weights phase's operations ({WEIGHTS_OPS!r})")
+    ap.add_argument("--image-tasks", default=IMAGE_TASKS,
+                    help=f"regex of the image phase's host tasks, after {TASK_PREFIX} ({IMAGE_TASKS!r})")
+    ap.add_argument("--weights-tasks", default=WEIGHTS_TASKS,
+                    help=f"regex of the weights phase's host tasks ({WEIGHTS_TASKS!r})")
     ap.add_argument("--data", action="append", default=[], metavar="KEY=VALUE",
                     help="passed to pyinfra as --data KEY=VALUE (repeatable)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" /
@@ -203,7 +245,7 @@ def main() -> int:
     doc: dict[str, Any] = {
         "issue": 25, "date": datetime.datetime.now().isoformat(timespec="seconds"), "cpus": os.cpu_count(),
         "instance": paths.INSTANCE, "bandwidth_scale": args.bandwidth_scale, "artifact_scale": args.artifact_scale,
-        "image_ops": args.image_ops, "weights_ops": args.weights_ops, "logs": str(logs), "sizes": [],
+        "image_tasks": args.image_tasks, "weights_tasks": args.weights_tasks, "logs": str(logs), "sizes": [],
     }
     done: list[dict[str, Any]] = []
     for n in sizes:
