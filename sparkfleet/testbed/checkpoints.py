@@ -18,6 +18,13 @@ sources, the choice is marked GUESS below.
 
 All content is a pure function of the tensor name (seeded numpy), so file bytes,
 and the revisions (sha1 over the files), are stable across runs and machines.
+
+With an artifact scale S (``up --artifact-scale S``) each repo carries seeded random
+padding so that what a host fetches of it is its real size divided by S
+(:data:`REAL_FETCHED_GIB`): a file of its own, outside the index, in the INT4, drafter and
+hybrid repos (the builder copies no `.safetensors` file the index does not name, so a
+host's built hybrid stays small), and padding tensors inside the FP8 donor's shards that
+a hybrid build reads (it fetches only those).
 Only the standard library and numpy are used (safetensors written by hand). The
 tokenizer is a real byte-level BPE in Qwen's format, trained here on fixed text
 (engine/tokenizer.py), with a Qwen-shaped chat template (engine/template.py).
@@ -76,6 +83,11 @@ class Dims:
 
 
 D = Dims()
+#: What a host fetches of each repository at real size, GiB (group_data/all.py's
+#: artifact_sizes_gib: of the FP8 donor, only the non-expert shards a hybrid build reads).
+REAL_FETCHED_GIB = {INTEL: 62.0, DONOR: 12.0, HYBRID: 67.0, DFLASH: 1.6}
+PADDING_FILE = "sparkfleet-padding.safetensors"
+PADDING_TENSOR = "sparkfleet_padding"
 # Shards are cut at this size so each repo has several, and the donor has
 # shards holding only routed experts (the builder must not fetch those).
 SHARD_BYTES = 256 << 10
@@ -483,9 +495,10 @@ def write_safetensors(path: Path, tensors: list[Tensor]) -> None:
 
 
 def write_sharded(d: Path, tensors: list[Tensor], extra: dict[str, list[Tensor]] | None = None,
-                  shard_bytes: int = SHARD_BYTES) -> None:
+                  shard_bytes: int = SHARD_BYTES, padding: int = 0, pad_into=None) -> None:
     """Greedy size-capped shards in save order (like `save_pretrained`), plus
-    extra named files (the Intel MTP file), all listed in the index."""
+    extra named files (the Intel MTP file), all listed in the index. *padding* bytes are
+    spread over the shards for which ``pad_into(tensors)`` holds, as U8 tensors."""
     groups: list[list[Tensor]] = [[]]
     size = 0
     for t in tensors:
@@ -494,6 +507,10 @@ def write_sharded(d: Path, tensors: list[Tensor], extra: dict[str, list[Tensor]]
             size = 0
         groups[-1].append(t)
         size += len(t[3])
+    chosen = [g for g in groups if pad_into and pad_into(g)] if padding > 0 else []
+    for i, g in enumerate(chosen):
+        size = padding // len(chosen) + (1 if i < padding % len(chosen) else 0)
+        g.append((f"{PADDING_TENSOR}.{i}", "U8", (size,), _random_bytes(f"{d.name}-{i}", size)))
     n = len(groups)
     wmap: dict[str, str] = {}
     total = 0
@@ -506,6 +523,37 @@ def write_sharded(d: Path, tensors: list[Tensor], extra: dict[str, list[Tensor]]
             total += len(data)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(wmap.items()))}
     (d / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _random_bytes(seed: str, n: int) -> bytes:
+    return _rng(seed).bytes(n)
+
+
+def _padding_needed(repo: str, fetched: int, artifact_scale: float | None) -> int:
+    return max(0, round(REAL_FETCHED_GIB[repo] * 2**30 / artifact_scale) - fetched) if artifact_scale else 0
+
+
+def _repo_bytes(d: Path) -> int:
+    return sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
+
+
+def pad_repo(d: Path, repo: str, artifact_scale: float | None) -> None:
+    """Bring the repo in *d* to its real size over *artifact_scale* with a padding file."""
+    # ~100 bytes of safetensors header around the padding tensor.
+    n = _padding_needed(repo, _repo_bytes(d) + 128, artifact_scale)
+    if n:
+        write_safetensors(d / PADDING_FILE, [(PADDING_TENSOR, "U8", (n,), _random_bytes(repo, n))])
+
+
+def donor_read(name: str, names: set[str]) -> bool:
+    """Whether a hybrid build reads the donor tensor *name* (build_hybrid.make_plan: a
+    non-expert, non-MTP ``.weight`` the INT4 checkpoint holds unquantized, with its block
+    scales in the donor; or those scales)."""
+    if name.endswith("_scale_inv"):
+        return donor_read(name[:-len("_scale_inv")], names)
+    if ".mlp.experts." in name or name.startswith("mtp.") or not name.endswith(".weight"):
+        return False
+    return not intel_quantized(name[:-len(".weight")]) and name + "_scale_inv" in names
 
 
 def write_json(path: Path, doc: dict) -> None:
@@ -565,10 +613,16 @@ def write_intel(d: Path, dims: Dims = D) -> None:
     common_files(d, dims)
 
 
-def write_donor(d: Path, dims: Dims = D) -> None:
+def write_donor(d: Path, dims: Dims = D, artifact_scale: float | None = None) -> None:
     # Smaller shards than the others: like the real 122B FP8 release, several
     # shards then hold routed experts only, which the builder must not fetch.
-    write_sharded(d, donor_tensors(dims), shard_bytes=128 << 10)
+    tensors = donor_tensors(dims)
+    names = {t[0] for t in tensors}
+    read = [t for t in tensors if donor_read(t[0], names)]
+    # Padding goes into the shards a build reads: what a host fetches grows, nothing else.
+    write_sharded(d, tensors, shard_bytes=128 << 10,
+                  padding=_padding_needed(DONOR, sum(len(t[3]) for t in read), artifact_scale),
+                  pad_into=lambda group: any(donor_read(t[0], names) for t in group))
     cfg = model_config(dims)
     cfg["quantization_config"] = fp8_qconfig()
     write_json(d / "config.json", cfg)
@@ -586,17 +640,21 @@ def run_builder(int4: Path, donor: Path, out: Path, *extra: str) -> subprocess.C
                            "--out", str(out), *extra], capture_output=True, text=True)
 
 
-def write_synthetic_repos(root: Path) -> dict[str, str]:
+def write_synthetic_repos(root: Path, artifact_scale: float | None = None) -> dict[str, str]:
     """Write the four synthetic repos under root/<org>/<name>/<revision>/;
-    return {repo id: revision}.  Idempotent and deterministic."""
+    return {repo id: revision}.  Idempotent and deterministic. *artifact_scale*: padded to
+    their real sizes divided by it (see the module's docstring)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     revs: dict[str, str] = {}
-    writers = ((INTEL, write_intel), (DONOR, write_donor), (DFLASH, write_dflash))
-    for repo, writer in writers:
+    for repo in (INTEL, DONOR, DFLASH):
         (root / repo).mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root / repo))
-        writer(tmp)
+        if repo == DONOR:
+            write_donor(tmp, artifact_scale=artifact_scale)
+        else:
+            (write_intel if repo == INTEL else write_dflash)(tmp)
+            pad_repo(tmp, repo, artifact_scale)
         revs[repo] = _publish(tmp, root, repo)
 
     (root / HYBRID).mkdir(parents=True, exist_ok=True)
@@ -608,9 +666,26 @@ def write_synthetic_repos(root: Path) -> dict[str, str]:
         raise RuntimeError(f"build_hybrid failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
     tmp = work / "repo"
     os.rename(out, tmp)
+    pad_repo(tmp, HYBRID, artifact_scale)
     revs[HYBRID] = _publish(tmp, root, HYBRID)
     shutil.rmtree(work, ignore_errors=True)
     return {r: revs[r] for r in REPOS}
+
+
+def fetched_bytes(root: Path, revisions: dict[str, str], build_hybrid: bool = False) -> dict[str, int]:
+    """What a host of the dense profile fetches of each repo written here: the hosted
+    hybrid and the drafter whole; with *build_hybrid*, instead of the hybrid, the INT4
+    checkpoint whole and of the FP8 donor its config, index and the shards the hub's hybrid
+    build read (its config.json names them)."""
+    root = Path(root)
+    dflash = {DFLASH: _repo_bytes(root / DFLASH / revisions[DFLASH])}
+    if not build_hybrid:
+        return {HYBRID: _repo_bytes(root / HYBRID / revisions[HYBRID]), **dflash}
+    hybrid = json.loads((root / HYBRID / revisions[HYBRID] / "config.json").read_text())
+    donor = root / DONOR / revisions[DONOR]
+    read = ["config.json", "model.safetensors.index.json", *hybrid["sparkfleet_hybrid"]["donor"]["shards_read"]]
+    return {INTEL: _repo_bytes(root / INTEL / revisions[INTEL]),
+            DONOR: sum((donor / f).stat().st_size for f in read), **dflash}
 
 
 def main() -> None:  # pragma: no cover - convenience

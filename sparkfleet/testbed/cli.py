@@ -39,6 +39,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     up.add_argument("--unpinned", action="store_true",
                     help="declare the image by its tag and every repository at main, as a real fleet is "
                          "(sparkfleet.lock then resolves them); default: pinned by digest and commit")
+    up.add_argument("--bandwidth-scale", type=float, default=None, metavar="F",
+                    help="shape the fleet like a real one, every rate divided by F: WAN (hub, registry) 1 Gb/s, "
+                         "each host's NIC 10 Gb/s both ways, a pair's ConnectX-7 200 Gb/s (default: unshaped)")
+    up.add_argument("--artifact-scale", type=float, default=None, metavar="S",
+                    help="pad the image and the hub's checkpoints to their real sizes divided by S "
+                         "(default: as small as they are)")
     up.add_argument("--keep-on-failure", action="store_true", help="leave a failed fleet for inspection")
     up.set_defaults(func=_handled(_cmd_up))
 
@@ -86,7 +92,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise TestbedError(str(exc)) from None
     tb = fleet.up(args.hosts, sw, keep_on_failure=args.keep_on_failure, login_kind=args.login, names=args.names,
-                  n_pairs=args.pairs, pinned=not args.unpinned)
+                  n_pairs=args.pairs, pinned=not args.unpinned, bandwidth_scale=args.bandwidth_scale,
+                  artifact_scale=args.artifact_scale)
     _print_status(tb.status())
     print(f"\ninventory: {tb.inventory_path.relative_to(paths.REPO_ROOT)}  (hosts: {tb.hosts_json})")
     return 0

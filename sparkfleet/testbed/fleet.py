@@ -17,7 +17,22 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from . import aptrepo, cleanup, hosts, hubservice, image, keys, login, network, pairs, paths, registry, rootfs, switches
+from . import (
+    aptrepo,
+    cleanup,
+    hosts,
+    hubservice,
+    image,
+    keys,
+    login,
+    network,
+    pairs,
+    paths,
+    registry,
+    rootfs,
+    shaping,
+    switches,
+)
 from .proc import TestbedError, log, pid_alive, pid_matches, require_root, require_tools, run
 from .services import port_open
 from .state import HostState, State, write_hosts_json
@@ -81,15 +96,22 @@ def _check_env() -> None:
 
 def up(n_hosts: int, host_switches: dict[str, dict[str, Any]] | None = None, *,
        keep_on_failure: bool = False, login_kind: str = login.DEFAULT_LOGIN,
-       names: str = login.DEFAULT_NAMES, n_pairs: int = 0, pinned: bool = True) -> "Testbed":
+       names: str = login.DEFAULT_NAMES, n_pairs: int = 0, pinned: bool = True,
+       bandwidth_scale: float | None = None, artifact_scale: float | None = None) -> "Testbed":
     """Boot a fresh fleet of *n_hosts* hosts (spark-1..N); return it. *login_kind* and
     *names* say how the controller logs in and what the inventory calls the hosts
     (login.py); *n_pairs* joins spark-1 + spark-2, ... by a simulated ConnectX-7 link
     (pairs.py). *pinned* gives the image by digest and each repository by commit; False
-    leaves the tag and ``main``, as a fleet is declared (sparkfleet.lock resolves them)."""
+    leaves the tag and ``main``, as a fleet is declared (sparkfleet.lock resolves them).
+    *bandwidth_scale* F limits the WAN, every NIC and every pair link to a real fleet's
+    rates divided by F (shaping.py); *artifact_scale* S pads the image and the hub's
+    checkpoints to their real sizes divided by S (image.py, checkpoints.py)."""
     if not 1 <= n_hosts <= 50:
         raise TestbedError(f"--hosts must be 1..50, not {n_hosts}")
     login.check(login_kind, names)
+    for what, scale in (("--bandwidth-scale", bandwidth_scale), ("--artifact-scale", artifact_scale)):
+        if scale is not None and not scale >= 1:
+            raise TestbedError(f"{what} divides a real fleet's figures: 1 or more, not {scale}")
     _check_env()
     host_switches = host_switches or {}
     host_names = [paths.host_name(i) for i in range(1, n_hosts + 1)]
@@ -109,7 +131,8 @@ def up(n_hosts: int, host_switches: dict[str, dict[str, Any]] | None = None, *,
         cleanup.teardown()
         t = mark("cleanup", t0)
         _mount_state_tmpfs()
-        state = State(login=login_kind, names=names, pairs=[p.record() for p in cabled])
+        state = State(login=login_kind, names=names, pairs=[p.record() for p in cabled],
+                      shaping={"bandwidth_scale": bandwidth_scale, "artifact_scale": artifact_scale})
         paths.LOG_DIR.mkdir(parents=True, exist_ok=True)
         state.save()
         try:
@@ -186,10 +209,11 @@ def _up(state: State, names: list[str], host_switches: dict[str, dict[str, Any]]
     # While the hosts boot: the services they will use.
     state.services["registry"] = registry.start_server()
     state.save()
-    state.image = image.publish()
+    artifact_scale = state.shaping.get("artifact_scale")
+    state.image = image.publish(image.padded_size(artifact_scale))
     state.save()
     t = mark("registry_image", t)
-    revisions = hubservice.write_repos()
+    revisions = hubservice.write_repos(artifact_scale)
     state.services["hub"] = hubservice.start_server()
     state.save()
     state.services["apt"] = aptrepo.start_server()
@@ -201,6 +225,13 @@ def _up(state: State, names: list[str], host_switches: dict[str, dict[str, Any]]
         for fut in [pool.submit(hosts.wait_ready, h, key, HOST_READY_TIMEOUT) for h in state.hosts.values()]:
             fut.result()
     t = mark("hosts_ready", t)
+    if state.shaping.get("bandwidth_scale"):
+        rates = shaping.Rates(state.shaping["bandwidth_scale"])
+        shaping.apply(list(state.hosts.values()), [tuple(p["members"]) for p in state.pairs], rates)
+        state.shaping["rates"] = rates.record()
+        log(f"shaped: WAN {rates.kbit('wan') / 1000:g}, LAN {rates.kbit('lan') / 1000:g}, ConnectX-7 "
+            f"{rates.kbit('cx7') / 1000:g} Mbit/s (a real fleet's / {rates.scale:g})")
+        t = mark("shaping", t)
 
     state.data = {
         "image": state.image["pinned"] if pinned else state.image["ref"],
@@ -224,6 +255,7 @@ def _up(state: State, names: list[str], host_switches: dict[str, dict[str, Any]]
         "mirror_tls_dir": paths.MIRROR_TLS_DIR,
         # The fleet's sparkfleet.lock: in its state, gone with the fleet (never in the checkout).
         "fleet_lock_file": str(paths.SPARKFLEET_LOCK),
+        "_model_revisions": revisions,  # for one_copy_bytes, pinned or not; not in hosts.json
     }
 
 
@@ -303,13 +335,31 @@ class Testbed:
         return paths.REGISTRY
 
     def set_wan_rate(self, rate: str | None) -> None:
-        """Model the internet link: traffic from the controller's services (hub, registry,
-        apt) to the hosts is limited to *rate* (tc syntax, e.g. "100mbit"); host-to-host
-        traffic on the bridge (the fleet's LAN) is not. None removes the limit."""
-        run(["tc", "qdisc", "del", "dev", paths.BRIDGE, "root"], timeout=15, check=False)
-        if rate:
-            run(["tc", "qdisc", "add", "dev", paths.BRIDGE, "root", "tbf", "rate", rate,
-                 "burst", "256kb", "latency", "400ms"], timeout=15)
+        """Model the internet link: what the hub and the registry send to the hosts is
+        limited to *rate* ("100mbit", "500kbit"); host-to-host traffic on the bridge (the
+        fleet's LAN), SSH and the apt repository are not (shaping.set_wan). None removes it."""
+        shaping.set_wan(_kbit(rate) if rate else None)
+
+    @property
+    def shaping(self) -> dict[str, Any]:
+        """``bandwidth_scale``, ``artifact_scale`` (None: off) and the ``rates`` in kbit/s."""
+        return dict(self.state.shaping)
+
+    def traffic(self) -> shaping.Traffic:
+        """Bytes so far: upstream's (WAN) and each host's NIC and pair link; subtract two
+        readings for what a run moved (shaping.Traffic)."""
+        paired = {m for p in self.state.pairs for m in p["members"]}
+        return shaping.counters(self.hosts, paired)
+
+    def one_copy_bytes(self, build_hybrid: bool = False) -> dict[str, int]:
+        """What one host of the default profile (dense) fetches, by artifact: the image's
+        blobs and the checkpoints' bytes (the hosted hybrid, or with *build_hybrid* its
+        inputs: checkpoints.fetched_bytes)."""
+        from .checkpoints import fetched_bytes
+
+        revisions = self.state.data["_model_revisions"]
+        return {"image": int(self.state.image.get("wire_bytes") or self.state.image.get("blob_bytes", 0)),
+                **fetched_bytes(hubservice.REPOS_DIR, revisions, build_hybrid)}
 
     def registry_mark(self) -> int:
         """A point in the registry's access log; registry_stats(mark) counts from there."""
@@ -548,6 +598,15 @@ def status() -> dict[str, Any] | None:
     if state is None or not state.hosts:
         return None
     return Testbed(state).status()
+
+
+def _kbit(rate: str) -> int:
+    """tc's "100mbit" / "500kbit" / "1gbit" in kbit/s."""
+    units = {"kbit": 1, "mbit": 1000, "gbit": 1000_000}
+    for unit, factor in units.items():
+        if rate.lower().endswith(unit):
+            return round(float(rate[:-len(unit)]) * factor)
+    raise TestbedError(f"rate {rate!r}: give kbit, mbit or gbit (e.g. 100mbit)")
 
 
 # Module-level conveniences for tests and scripts.

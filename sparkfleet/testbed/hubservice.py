@@ -14,9 +14,9 @@ REPOS_DIR = paths.STATE_DIR / "hub" / "repos"
 GIB = 1024**3
 
 
-def write_repos() -> dict[str, str]:
-    """Write the synthetic repos; {repo id: pinned revision} ({} if the checkpoints
-    module is unavailable)."""
+def write_repos(artifact_scale: float | None = None) -> dict[str, str]:
+    """Write the synthetic repos (padded to real size / *artifact_scale*, if given);
+    {repo id: pinned revision} ({} if the checkpoints module is unavailable)."""
     try:
         from .checkpoints import write_synthetic_repos
     except ImportError as exc:  # pragma: no cover - only while checkpoints.py is missing
@@ -25,7 +25,7 @@ def write_repos() -> dict[str, str]:
         log(f"warning: synthetic repos unavailable ({exc}); the hub serves no repos")
         REPOS_DIR.mkdir(parents=True, exist_ok=True)
         return {}
-    return write_synthetic_repos(REPOS_DIR)
+    return write_synthetic_repos(REPOS_DIR, artifact_scale)
 
 
 def repo_sizes_gib(revisions: dict[str, str]) -> dict[str, float]:

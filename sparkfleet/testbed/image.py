@@ -13,6 +13,10 @@ Built without a docker engine, as three deterministic layers:
    controller downloads once, plus the simulated engine (the sparkfleet/testbed/engine
    package, as `sparkfleet_vllm_sim`) run by /usr/local/bin/vllm; cached per input hash.
 
+With an artifact scale S (``up --artifact-scale S``) a fourth layer of seeded random bytes
+(incompressible, so its blob is as large as its content) brings the blobs to the real
+image's compressed size divided by S (:func:`padded_size`); the image stays the same image.
+
 Layers are tarred in sorted order with fixed mtimes/owners names and gzip mtime 0, and the
 manifest is serialised canonically, so the same inputs always give the same digest.
 """
@@ -132,13 +136,14 @@ def _entries(root: Path, skip_contents: Iterable[str] = (), skip: Iterable[str] 
     return out
 
 
-def write_layer(root: Path, out: Path, *, skip_contents: Iterable[str] = (), skip: Iterable[str] = ()) -> Layer:
+def write_layer(root: Path, out: Path, *, skip_contents: Iterable[str] = (), skip: Iterable[str] = (),
+                compresslevel: int = 6) -> Layer:
     """Tar *root* deterministically into gzip blob *out* (written via a temp file)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     with open(tmp, "wb") as raw:
         zhash = _Hashing(raw)
-        with gzip.GzipFile(filename="", mode="wb", fileobj=zhash, mtime=0, compresslevel=6) as gz:
+        with gzip.GzipFile(filename="", mode="wb", fileobj=zhash, mtime=0, compresslevel=compresslevel) as gz:
             thash = _Hashing(gz)
             with tarfile.open(fileobj=thash, mode="w|", format=tarfile.PAX_FORMAT) as tar:
                 for rel in _entries(root, skip_contents, skip):
@@ -339,6 +344,45 @@ def app_layer(base: Layer) -> Layer:
     return layer
 
 
+#: The real serving image's compressed size (group_data/all.py: ~50 GB unpacked from ~21 GB
+#: compressed; image_size_gib 47 / image_unpack_ratio 2.4).
+REAL_BLOB_GIB = 47.0 / 2.4
+PADDING_FILE = "usr/share/sparkfleet-sim/padding.bin"
+PADDING_LAYER_VERSION = 1
+
+
+def padded_size(artifact_scale: float | None) -> int | None:
+    """The blob bytes an image scaled down by *artifact_scale* has (None: not padded)."""
+    return round(REAL_BLOB_GIB * 2**30 / artifact_scale) if artifact_scale else None
+
+
+def padding_layer(size: int) -> Layer:
+    """A layer of one file of *size* seeded random bytes; cached per size."""
+    import numpy as np
+
+    meta = paths.CACHE_DIR / f"image-padding-v{PADDING_LAYER_VERSION}-{size}.json"
+    layer = _cached_layer(meta)
+    if layer:
+        return layer
+    for old in paths.CACHE_DIR.glob("image-padding-*"):  # one size kept at a time
+        old.unlink(missing_ok=True)
+    stage = paths.CACHE_DIR / f"image-padding-stage.tmp-{os.getpid()}"
+    shutil.rmtree(stage, ignore_errors=True)
+    try:
+        f = stage / PADDING_FILE
+        f.parent.mkdir(parents=True)
+        f.write_bytes(np.random.default_rng(PADDING_LAYER_VERSION).bytes(size))
+        for p in [stage, *stage.rglob("*")]:
+            p.chmod(0o755 if p.is_dir() else 0o644)
+        # Random bytes do not compress: the fastest level gives the same blob size.
+        layer = write_layer(stage, paths.CACHE_DIR / f"image-padding-v{PADDING_LAYER_VERSION}-{size}.tar.gz",
+                            compresslevel=1)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    meta.write_text(json.dumps(asdict(layer), indent=2))
+    return layer
+
+
 def config_bytes(layers: list[Layer]) -> bytes:
     doc = {
         "architecture": "amd64",
@@ -355,22 +399,34 @@ def config_bytes(layers: list[Layer]) -> bytes:
             {"created": CREATED, "created_by": "sparkfleet testbed: debian bookworm minbase + python3"},
             {"created": CREATED, "created_by": f"sparkfleet testbed: vllm {VLLM_VERSION} python source"},
             {"created": CREATED, "created_by": "sparkfleet testbed: python packages + simulated vllm"},
+            *([{"created": CREATED, "created_by": "sparkfleet testbed: padding to the real image's size"}]
+              if len(layers) > 3 else []),
         ],
     }
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
-def build() -> tuple[bytes, list[Layer]]:
+def build(blob_bytes: int | None = None) -> tuple[bytes, list[Layer]]:
+    """The image's config and layers; with *blob_bytes*, padded to about that many blob
+    bytes (a padding layer, when the layers are smaller)."""
     base = base_layer()
     layers = [base, vllm_layer(), app_layer(base)]
+    if blob_bytes:
+        # ~1 KiB of tar and gzip framing around the padding file.
+        missing = blob_bytes - sum(layer.size for layer in layers) - 2048
+        if missing > 0:
+            layers.append(padding_layer(missing))
+        else:
+            log(f"image: {sum(layer.size for layer in layers)} blob bytes already, more than {blob_bytes}: not padded")
     return config_bytes(layers), layers
 
 
-def publish() -> dict:
-    """Build (or reuse) the layers and push the image; {ref, digest, pinned, size_bytes}."""
-    from .registry import RegistryClient, push_image
+def publish(blob_bytes: int | None = None) -> dict:
+    """Build (or reuse) the layers and push the image; {ref, digest, pinned, size_bytes,
+    blob_bytes, wire_bytes}. *blob_bytes*: padded to about that size (:func:`build`)."""
+    from .registry import RegistryClient, manifest_bytes, push_image
 
-    config, layers = build()
+    config, layers = build(blob_bytes)
     client = RegistryClient(f"http://{paths.REGISTRY}")
     digest = push_image(client, paths.IMAGE_REPO, paths.IMAGE_TAG, config,
                         [(layer.blob, layer.digest, layer.size) for layer in layers])
@@ -383,4 +439,7 @@ def publish() -> dict:
         # What the image takes in docker's data root once pulled (unpacked layers).
         "size_bytes": sum(layer.uncompressed for layer in layers),
         "blob_bytes": sum(layer.size for layer in layers),
+        # What a pull moves: manifest, config and layers.
+        "wire_bytes": sum(layer.size for layer in layers) + len(config) + len(manifest_bytes(
+            config, [(layer.blob, layer.digest, layer.size) for layer in layers])),
     }

@@ -71,6 +71,9 @@ class State:
     names: str = "plain"  # login.NAMES
     #: Hosts joined by a simulated ConnectX-7 link (pairs.Pair.record), in hosts.json too.
     pairs: list[dict[str, Any]] = field(default_factory=list)
+    #: Bandwidth and artifact scales (shaping.py), or {}; never in hosts.json: the deploy
+    #: must not know it is shaped.
+    shaping: dict[str, Any] = field(default_factory=dict)
 
     # --- (de)serialisation ---------------------------------------------------------
 
@@ -93,6 +96,7 @@ class State:
             login=d.get("login", "root"),
             names=d.get("names", "plain"),
             pairs=list(d.get("pairs", [])),
+            shaping=dict(d.get("shaping", {})),
         )
 
     def save(self, path: Path = paths.STATE_FILE) -> None:
