@@ -101,10 +101,12 @@ class MirrorReport(BaseStateCallback):
             return
         inventory = {h.name: h for h in state.inventory}
         mirrors = {r.mirror.host for r in self.hosts.values() if r.mirror}
-        registry_bytes: dict[str, int] = {}
+        # By mirror and client: two pairs' links may use the same addresses.
+        registry_bytes: dict[tuple[str, str], int] = {}
         for mirror in mirrors:
             if mirror in inventory:
-                registry_bytes.update(_registry_bytes_by_client(inventory[mirror], self.wall_start))
+                for client, sent in _registry_bytes_by_client(inventory[mirror], self.wall_start).items():
+                    registry_bytes[(mirror, client)] = sent
         lines: list[str] = []
         totals = {"image_mirror": 0, "weights_mirror": 0, "weights_direct": 0, "direct_image_hosts": 0,
                   "weights_past": 0}
@@ -119,7 +121,7 @@ class MirrorReport(BaseStateCallback):
                 weights = max(0, _dir_bytes(inventory[name], record.repo_dirs) - record.repo_bytes_before)
             if record.mirror:
                 client = _client_address(inventory[name], record.mirror.address) if name in inventory else ""
-                image = registry_bytes.get(client, 0)
+                image = registry_bytes.get((record.mirror.host, client), 0)
                 held = holds.get(record.mirror.host)
                 past = max(0, weights - held - MIB) if held is not None else 0
                 totals["image_mirror"] += image

@@ -141,6 +141,16 @@ def test_two_pairs_serve_at_their_heads_behind_one_endpoint(pairs4, deploy_run, 
     assert got and float(got.group(1)) > 1, out
     rx = int(pairs4.exec("spark-2", "cat /sys/class/net/enp1s0f1np1/statistics/rx_bytes").stdout)
     assert rx >= float(got.group(1)) * 2**20, (rx, got.group(1))
+    # spark-3 fetches from the mirror and is a relay for its partner: spark-4 routes spark-3's
+    # address over their link and received the image from it there (mirror.relay_tree).
+    relay = pairs4.host("spark-3").address
+    route = pairs4.exec("spark-4", f"ip -o route get {relay}").stdout
+    assert "dev enp1s0f1np1" in route and f"src {LINK['spark-4']}" in route, route
+    got = re.search(rf"\[{re.escape(pairs4.inventory_name('spark-4'))}\] image ([0-9.]+) MiB from the mirror",
+                    proc.stdout + proc.stderr)
+    assert got and float(got.group(1)) > 1, out
+    rx = int(pairs4.exec("spark-4", "cat /sys/class/net/enp1s0f1np1/statistics/rx_bytes").stdout)
+    assert rx >= float(got.group(1)) * 2**20, (rx, got.group(1))
 
 
 def test_status_shows_each_pair_ready_at_its_head(pairs4):
