@@ -88,7 +88,7 @@ def certificate(tb) -> None:
     import tempfile
 
     from sparkfleet import credentials
-    from sparkfleet.fleet import Mirror
+    from sparkfleet.mirrors import Mirror
 
     with tempfile.TemporaryDirectory() as tls_dir:
         cert, key = credentials.mirror_tls(tls_dir, Mirror(HOST, DEST.split(":")[0], 1, int(DEST.split(":")[1]), True))

@@ -20,7 +20,7 @@ from pydantic import SecretStr
 
 from sparkfleet import config
 from sparkfleet.config import Settings
-from sparkfleet.fleet import Mirror
+from sparkfleet.mirrors import Mirror
 
 PROJECT = Path(__file__).resolve().parents[1]
 

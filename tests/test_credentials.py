@@ -21,7 +21,7 @@ def test_api_key_none_disables_auth():
 
 
 def test_a_mirror_certificate_names_its_address_and_is_adopted_privately(tmp_path):
-    from sparkfleet.fleet import Mirror
+    from sparkfleet.mirrors import Mirror
 
     mirror = Mirror("spark-1", "10.0.0.11", 8090, 5000, True)
     cert, key = credentials.mirror_tls(str(tmp_path / "made"), mirror)

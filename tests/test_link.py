@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import yaml
 
 from sparkfleet import link
-from sparkfleet.fleet import Mirror
+from sparkfleet.mirrors import Mirror
 from sparkfleet.pairs import Pair
 from sparkfleet.routes import Answers, RoceGids, RoceNetdevs, RouteSource
 

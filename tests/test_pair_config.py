@@ -8,7 +8,8 @@ from support.fleetdata import fleet
 
 from sparkfleet import fleet as fleet_module
 from sparkfleet.config import ConfigError
-from sparkfleet.fleet import Mirror, validate_fleet
+from sparkfleet.fleet import validate_fleet
+from sparkfleet.mirrors import Mirror
 from sparkfleet.pairs import Pair, fleet_pairs
 
 

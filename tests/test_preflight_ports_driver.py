@@ -210,7 +210,7 @@ def settings_with(monkeypatch, name: str = "spark-1", pair=None, mirror=None, en
 
 
 def test_each_role_adds_its_ports(monkeypatch):
-    from sparkfleet.fleet import Mirror
+    from sparkfleet.mirrors import Mirror
 
     plain = preflight.listens(settings_with(monkeypatch))
     assert [(p.port, p.key, bool(p.reached_from)) for p in plain] == [(8000, "port", True),

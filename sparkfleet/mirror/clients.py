@@ -9,7 +9,6 @@ from pyinfra import host
 from pyinfra.api import StringCommand, operation
 
 from sparkfleet import remote, snapshot
-from sparkfleet.fleet import Mirror
 from sparkfleet.hostpaths import (
     FIREWALL_UNIT,
     HF_MIRROR_OFFLINE_UNIT,
@@ -18,6 +17,7 @@ from sparkfleet.hostpaths import (
     REGISTRY_UNIT,
     registry_ca_path,
 )
+from sparkfleet.mirrors import Mirror
 
 
 def _probe(mirror: Mirror, service: str) -> tuple[str, str]:

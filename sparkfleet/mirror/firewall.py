@@ -27,7 +27,7 @@ from pyinfra.api import operation
 from pyinfra.operations import systemd
 
 from sparkfleet import snapshot
-from sparkfleet.fleet import Mirror, mirror_route
+from sparkfleet.fleet import mirror_route
 from sparkfleet.hostpaths import (
     FIREWALL_RULES,
     FIREWALL_UNIT,
@@ -36,6 +36,7 @@ from sparkfleet.hostpaths import (
     HF_MIRROR_UNIT,
     REGISTRY_UNIT,
 )
+from sparkfleet.mirrors import Mirror
 from sparkfleet.routes import RouteSource
 
 TABLE = "sparkfleet_mirror"

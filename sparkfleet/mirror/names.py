@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from sparkfleet import hostpaths
 from sparkfleet.config import Settings
-from sparkfleet.fleet import Mirror, host_mirror
+from sparkfleet.fleet import host_mirror
 from sparkfleet.imagename import ImageName
+from sparkfleet.mirrors import Mirror
 
 __all__ = ["LOCAL_REPOSITORY", "hf_endpoint", "hf_offline_endpoint", "image_reference", "local_image"]
 

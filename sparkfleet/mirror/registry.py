@@ -23,7 +23,6 @@ from pyinfra import host
 from pyinfra.api import operation
 
 from sparkfleet import apt, remote
-from sparkfleet.fleet import Mirror
 from sparkfleet.hostpaths import (
     DOCKER_AUTH,
     REGISTRY_CERT,
@@ -33,6 +32,7 @@ from sparkfleet.hostpaths import (
 from sparkfleet.imagename import ImageName
 from sparkfleet.mirror.facts import RegistryManifest
 from sparkfleet.mirror.report import report_of
+from sparkfleet.mirrors import Mirror
 from sparkfleet.tasks import detached
 
 

@@ -1,7 +1,7 @@
 """The mirror host, or a relay: the registry with the image copy and the HF mirror, each
 up and restarted only when its configuration changed, both answering before anyone
 fetches. The fleet's mirror copies from upstream and also serves its cache offline; a
-relay (:func:`sparkfleet.fleet.relay_tree`) copies from the mirror above it, once that one
+relay (:func:`sparkfleet.mirrors.relay_tree`) copies from the mirror above it, once that one
 holds the image, and its HF mirror fetches through the one above it."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pyinfra.operations import systemd
 
 from sparkfleet import fleetlock, snapshot
 from sparkfleet.config import Settings
-from sparkfleet.fleet import Mirror, fleet_lock
+from sparkfleet.fleet import fleet_lock
 from sparkfleet.hostpaths import (
     HF_MIRROR_CONFIG,
     HF_MIRROR_OFFLINE_CONFIG,
@@ -36,6 +36,7 @@ from sparkfleet.hostpaths import (
 from sparkfleet.imagename import upstream_registry_url
 from sparkfleet.mirror import firewall, hf, keep, registry, tls
 from sparkfleet.mirror.facts import MirrorAnswers
+from sparkfleet.mirrors import Mirror
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
 

@@ -14,7 +14,6 @@ from pyinfra.api import operation
 from pyinfra.operations import files
 
 from sparkfleet import credentials, remote, snapshot
-from sparkfleet.fleet import Mirror
 from sparkfleet.hostpaths import (
     DOCKER_CERTS_DIR,
     MIRROR_TRUST_MARKER,
@@ -24,6 +23,7 @@ from sparkfleet.hostpaths import (
     registry_ca_path,
 )
 from sparkfleet.mirror.facts import MirrorTrust
+from sparkfleet.mirrors import Mirror
 
 
 def _make(state, host, tls_dir: str, mirror: Mirror) -> bool:  # pyinfra passes state, host

@@ -9,7 +9,8 @@ import gevent
 import pytest
 
 from sparkfleet.config import ConfigError
-from sparkfleet.fleet import Mirror, located
+from sparkfleet.fleet import located
+from sparkfleet.mirrors import Mirror
 from sparkfleet.routes import RouteSources, SshServerAddress
 
 

@@ -6,7 +6,8 @@ import pytest
 from support.fleetdata import defaults, fleet
 
 from sparkfleet.config import ConfigError, validate_host_data
-from sparkfleet.fleet import Mirror, fleet_mirrors, validate_fleet
+from sparkfleet.fleet import validate_fleet
+from sparkfleet.mirrors import Mirror, fleet_mirrors
 
 
 def mirrors(hosts) -> dict:
@@ -123,7 +124,7 @@ def test_a_fanout_of_one_is_a_chain_and_fanout_must_agree():
 
 
 def test_a_pairs_other_member_fetches_from_its_partner_outside_the_fanout():
-    from sparkfleet.fleet import relay_tree
+    from sparkfleet.mirrors import relay_tree
 
     pairs = {"s1": ("s1", "s2"), "s2": ("s1", "s2"), "s3": ("s3", "s4"), "s4": ("s3", "s4")}
     assert relay_tree(["s1", "s2", "s3", "s4", "s5"], 2, pairs) == {"s2": "s1", "s3": "s1", "s4": "s3", "s5": "s1"}

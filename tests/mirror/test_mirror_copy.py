@@ -17,9 +17,9 @@ from support.fleetdata import free_port
 from support.listening import wait_for_port
 
 from sparkfleet import credentials
-from sparkfleet.fleet import Mirror
 from sparkfleet.imagename import ImageName
 from sparkfleet.mirror.registry import copy_command, copy_failure
+from sparkfleet.mirrors import Mirror
 
 BLOB_GET = re.compile(r'"GET /v2/\S+/blobs/(sha256:[0-9a-f]+) [^"]*" 200 (\d+)')
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from support.fleetdata import defaults
 
 from sparkfleet.config import validate_host_data
-from sparkfleet.fleet import Mirror
 from sparkfleet.mirror import image_reference, local_image
+from sparkfleet.mirrors import Mirror
 
 
 def test_hosts_run_the_fleet_registrys_copy_with_the_same_pin():
