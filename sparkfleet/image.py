@@ -254,6 +254,6 @@ def pulled(reference: str, local: str, fallbacks: list[str] | None = None):
 def present(settings: Settings):
     """The serving image on this host. Returns the pull operation (for the download report)."""
     used = host_mirror()
-    fallbacks = [image_reference(settings, above) for above in used.chain[1:]] if used else []
+    fallbacks = [image_reference(settings, above) for above in used.fallbacks] if used else []
     return pulled(name="serving image present", reference=image_reference(settings), local=local_image(settings),
                   fallbacks=fallbacks)

@@ -43,9 +43,14 @@ class Mirror:
         return self.upstream.root if self.upstream else self
 
     @property
-    def chain(self) -> tuple[Mirror, ...]:
-        """This mirror and every one above it, up to the fleet's mirror."""
-        return (self, *(self.upstream.chain if self.upstream else ()))
+    def fallbacks(self) -> tuple[Mirror, ...]:
+        """Where a host of this relay turns when it fails mid-way: the fleet's mirror, which
+        serves every host; the relay itself (``is_self``) first to the one above it, which
+        serves it. Nothing for the fleet's mirror."""
+        if not self.upstream:
+            return ()
+        above = (self.upstream, self.root) if self.is_self else (self.root,)
+        return tuple({m.host: m for m in above}.values())
 
     @property
     def netloc_host(self) -> str:
@@ -131,8 +136,11 @@ def fleet_mirrors(hosts: Iterable[Any], settings: dict[str, Settings],
     sources: dict[str, Mirror | None] = {name: None for name, mirror in chosen.items() if mirror is None}
     for root in sorted({m for m in chosen.values() if m}):
         users = [name for name, mirror in chosen.items() if mirror == root]
-        parents = relay_tree([root, *(n for n in users if n != root)], settings[root].fleet_fanout,
-                             {n: p.members for n, p in pairs.items()})
+        # Only a host this run reaches and that serves can relay: one that is down or not
+        # serving fetches (when it next does) from the fleet's mirror.
+        placed = [n for n in users if n != root and n not in unreachable and settings[n].serving]
+        parents = relay_tree([root, *placed], settings[root].fleet_fanout, {n: p.members for n, p in pairs.items()})
+        parents.update({n: root for n in users if n != root and n not in placed})
         sources.update(_tree_mirrors(root, users, parents, settings))
     return sources
 

@@ -132,4 +132,4 @@ def fetched(settings: Settings):
                   image=mirror.local_image(settings), hf_endpoint=mirror.hf_endpoint(settings),
                   sizes_gib=settings.artifact_sizes_gib, verify=settings.verify_weights,
                   fallback_endpoint=mirror.hf_offline_endpoint(settings),
-                  also_endpoints=[above.hf_endpoint for above in used.chain[1:]] if used else [])
+                  also_endpoints=[above.hf_endpoint for above in used.fallbacks] if used else [])

@@ -39,9 +39,9 @@ def configured(settings: Settings) -> list:
         ops.append(tls.made(name="registry certificate made on the controller",
                             tls_dir=settings.mirror_tls_dir, mirror=mirror))
         # Trusted first: the mirror host's own image copy into its registry checks it too.
-        # Every registry up to the fleet's mirror: a relay copies from the one above it, and
-        # a host whose relay fails pulls from the fleet's mirror.
-        for each in mirror.chain:
+        # And its fallbacks': a relay copies from the one above it, and a host whose relay
+        # fails pulls from the fleet's mirror.
+        for each in (mirror, *mirror.fallbacks):
             ops.append(tls.trusted(settings.mirror_tls_dir, each))
     tls.former_trust_removed(mirror)
     if mirror and mirror.is_self:

@@ -29,13 +29,16 @@ def _probe(mirror: Mirror, service: str) -> tuple[str, str]:
 
 
 def answers(mirror: Mirror, service: str) -> StringCommand:
-    """A command that fails this host, saying so, when the mirror's ``service``
-    ("registry" or "hf") does not answer it."""
+    """A command that fails this host, saying so, when neither the mirror's ``service``
+    ("registry" or "hf") nor its fallbacks' answer it."""
     probe, what = _probe(mirror, service)
+    others = [_probe(m, service)[0] for m in mirror.fallbacks]
     return remote.fail_unless(
-        probe,
-        f"the mirror {mirror.host} does not answer ({what}): see its errors above, set mirror_address "
-        "to an address of it this host reaches, or deploy with --data fleet_mirror=none to download from upstream",
+        " || ".join([probe, *others]),
+        f"the mirror {mirror.host} does not answer ({what}"
+        + (f", nor {', '.join(m.host for m in mirror.fallbacks)} above it" if others else "")
+        + "): see its errors above, set mirror_address to an address of it this host reaches, or deploy with "
+        "--data fleet_mirror=none to download from upstream",
     )
 
 

@@ -74,6 +74,9 @@ def served(settings: Settings, mirror: Mirror) -> list:
                          HF_MIRROR_OFFLINE_UNIT_PATH, "logs-offline"))
     for offline, port, config_path, unit_name, unit_path, logs in services:
         _olah_served(settings, mirror, olah, hf_data, offline, port, config_path, unit_name, unit_path, logs)
+    if not mirror.hf_offline_port:  # a former fleet's mirror, now a relay: its offline cache no longer served
+        snapshot.service(HF_MIRROR_OFFLINE_UNIT, running=False, enabled=False,
+                         name=f"{HF_MIRROR_OFFLINE_UNIT} stopped (a relay)")
     # Both answer before anything is fetched from them.
     ready = answering(name="registry and HF mirror answer", mirror=mirror)
     upstream = upstream_registry_url(settings.image, settings.image_registry_url)
@@ -84,7 +87,7 @@ def served(settings: Settings, mirror: Mirror) -> list:
         if turn == mirror.depth:
             copy = registry.image_copied(
                 name=f"serving image copied from {'the mirror above' if mirror.upstream else 'upstream'}",
-                image=settings.image, sources=[f"https://{m.registry}" for m in mirror.chain[1:]] or [upstream],
+                image=settings.image, sources=[f"https://{m.registry}" for m in mirror.fallbacks] or [upstream],
                 result_dir=settings.mirror_dir, mirror=mirror,
             )
     snapshot.expect(texts=[mirror_kept_record(settings.mirror_dir)])

@@ -116,7 +116,7 @@ def former_trust_removed(mirror: Mirror | None) -> None:
     """The certificates of registries this host trusted for a former mirror (another
     address, another relay, or fleet_mirror=none) removed: a mirror address that moves on
     leaves nothing behind."""
-    keep = {each.registry for each in mirror.chain} if mirror else set()
+    keep = {each.registry for each in (mirror, *mirror.fallbacks)} if mirror else set()
     for registry in host.get_fact(MirrorTrust):
         if registry not in keep:
             files.directory(name=f"trust of the former mirror registry {registry} removed",

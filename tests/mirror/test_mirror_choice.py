@@ -107,7 +107,12 @@ def test_past_the_fanout_hosts_fetch_from_relays_breadth_first():
         assert len(got[relay].serves) <= 3 and got[relay].hf_offline_port == 0
     assert got["spark-5"].depth == 2 and got["spark-5"].upstream.host == "spark-2"
     leaf = got["spark-16"]
-    assert (leaf.host, leaf.is_self, [m.host for m in leaf.chain]) == ("spark-5", False, ["spark-5", "spark-2", "spark-1"])
+    assert (leaf.host, leaf.is_self, leaf.upstream.host) == ("spark-5", False, "spark-2")
+    # A host whose relay fails turns to the fleet's mirror (the only one above that serves
+    # it); a relay's own copy first to the mirror above it.
+    assert [m.host for m in leaf.fallbacks] == ["spark-1"]
+    assert [m.host for m in got["spark-5"].fallbacks] == ["spark-2", "spark-1"]
+    assert got["spark-1"].fallbacks == () and [m.host for m in got["spark-2"].fallbacks] == ["spark-1"]
     # Every host's offline fallback is the fleet's mirror; it serves (as a fallback) everyone.
     assert leaf.root.hf_offline_port == 8089 and set(got["spark-1"].serves) == set(names[1:])
     # No NIC carries more than the fanout's copies: count who each host serves.
@@ -118,7 +123,7 @@ def test_past_the_fanout_hosts_fetch_from_relays_breadth_first():
 def test_a_fanout_of_one_is_a_chain_and_fanout_must_agree():
     names = ["a", "b", "c"]
     got = mirrors(fleet(*[(n, {"fleet_fanout": 1}) for n in names]))
-    assert [m.host for m in got["c"].chain] == ["b", "a"] and got["b"].is_self
+    assert got["c"].host == "b" and got["b"].is_self and got["b"].upstream.host == "a"
     with pytest.raises(ConfigError, match="fleet_fanout"):
         mirrors(fleet(("a", {"fleet_fanout": 1}), ("b", {"fleet_fanout": 2})))
 
@@ -128,3 +133,13 @@ def test_a_pairs_other_member_fetches_from_its_partner_outside_the_fanout():
 
     pairs = {"s1": ("s1", "s2"), "s2": ("s1", "s2"), "s3": ("s3", "s4"), "s4": ("s3", "s4")}
     assert relay_tree(["s1", "s2", "s3", "s4", "s5"], 2, pairs) == {"s2": "s1", "s3": "s1", "s4": "s3", "s5": "s1"}
+
+
+def test_a_host_that_is_down_or_does_not_serve_is_never_a_relay():
+    names = [f"spark-{i}" for i in range(1, 9)]
+    hosts = fleet(*[(n, {"serving": n != "spark-3"}) for n in names])
+    got = fleet_mirrors(hosts, validate_fleet(hosts), unreachable={"spark-2"})
+    relays = {n for n in names if got[n] and got[n].is_self}
+    assert "spark-2" not in relays and "spark-3" not in relays, relays
+    assert got["spark-2"].host == got["spark-3"].host == "spark-1"  # when they next fetch: the mirror
+    assert relays == {"spark-1", "spark-4"}, relays
