@@ -46,5 +46,8 @@ def pytest_runtest_makereport(item, call):
     crash = getattr(report.longrepr, "reprcrash", None)
     if report.failed and crash is not None:
         telling = [line.strip() for line in crash.message.splitlines() if _TELLING.search(line)]
+        # An assertion that shows only the tail of a run's output can miss the host that failed
+        # early; run_pyinfra printed its telling lines, captured with the test's stdout.
+        telling = telling or [line.strip() for line in report.capstdout.splitlines() if _TELLING.search(line)]
         if telling:
             crash.message = " | ".join(telling[-3:])[:600] + "\n" + crash.message

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -91,12 +92,18 @@ def run_pyinfra(*args: str, timeout: float = 1200, env: dict[str, str] | None = 
     (text), never raises on a non-zero exit: tests assert on returncode/stdout."""
     cmd = ["pyinfra", "-y", inventory, *args]
     try:
-        return subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)
+        result = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
+                                env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
-        return subprocess.CompletedProcess(cmd, 124, out, err + f"\n[timed out after {timeout}s]")
+        result = subprocess.CompletedProcess(cmd, 124, out, err + f"\n[timed out after {timeout}s]")
+    if result.returncode:
+        # Shown (captured) only if the test fails: the lines that say which host failed and why.
+        lines = (result.stdout + result.stderr).splitlines()
+        print(f"pyinfra {' '.join(args)}: exit {result.returncode}")
+        print("\n".join(line for line in lines if re.search(r"\] Error|\berror:|rollout stopped", line)))
+    return result
 
 
 @pytest.fixture(name="run_pyinfra")

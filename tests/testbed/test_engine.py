@@ -541,7 +541,7 @@ def test_decode_rate_ttft_and_acceptance_match_the_settings(dflash: Server) -> N
         t_first, rate, n = decode_rate(events)
         assert n == 200
         # A busy machine mostly delays deltas; a first one read late shortens the 1 s span a little.
-        assert 0.6 * 200 <= rate <= 1.1 * 200
+        assert 0.6 * 200 <= rate <= 1.25 * 200
         assert 0.045 <= t_first - t_send <= 0.05 + 0.25
         # Deltas carry blocks of accepted tokens (about 200 / 2.3 of them: prose), not single tokens.
         assert len([e for _, e in events if e != "[DONE]" and e["choices"]]) < 200 / 2
@@ -578,7 +578,8 @@ def test_rate_and_acceptance_per_profile(start: Any, spec: str | None, accept: f
     _, events = stream(server, "/v1/chat/completions", bench_body(200, chat=True))
     after = server.metrics()
     _, rate, n = decode_rate(events)
-    assert n == 200 and 0.6 * 200 <= rate <= 1.1 * 200  # a late first read shortens the 1 s span a little
+    # A first delta read late on a busy machine shortens the 1 s span: up to ~0.1 s seen on CI.
+    assert n == 200 and 0.6 * 200 <= rate <= 1.25 * 200
     if spec is None:
         assert not any(k.startswith("vllm:spec_decode") for k in after)  # like vLLM without spec
         return
@@ -603,7 +604,7 @@ def test_concurrent_streams_each_slow_down_as_on_gb10(dflash: Server) -> None:
         t.join()
     # Three prose streams at once: each at 30.8 / 48.8 of the single-stream rate (dense table).
     expected = 200 / perf.slowdown(perf.PROSE, 3)
-    assert len(results) == 3 and all(0.6 * expected <= r <= 1.1 * expected for r in results)
+    assert len(results) == 3 and all(0.6 * expected <= r <= 1.25 * expected for r in results)
 
 
 def test_client_disconnect_aborts_the_request(dflash: Server) -> None:
