@@ -76,6 +76,13 @@ TASK_TIMES = (
 )
 
 
+def cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine, /proc/stat's first line."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
 def first_deploy(tb, logs: Path, label: str, extra: list[str]) -> dict[str, Any]:
     """Run pyinfra, timestamping each line of its output; wall time, rc and op timeline."""
     log_path = logs / f"{label}.log"
@@ -142,7 +149,9 @@ def one_size(n: int, args: argparse.Namespace, logs: Path) -> dict[str, Any]:
               flush=True)
         before = tb.traffic()
         started_at = time.time()
+        cpu_before = cpu_times()
         run = first_deploy(tb, logs, f"{n}-first", args.data)
+        cpu_after = cpu_times()
         moved = tb.traffic() - before
         windows = task_windows(tb)
     finally:
@@ -152,6 +161,8 @@ def one_size(n: int, args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     size = {
         "hosts": n, "up_s": round(up_s, 1), "shaping": tb.shaping, "one_copy": copy, "one_copy_bytes": one,
         **run,
+        # How busy the machine was: near 1.0, the hosts wait on CPU, not on their links.
+        "cpu_busy": round((cpu_after[0] - cpu_before[0]) / max(1, cpu_after[1] - cpu_before[1]), 3),
         "tasks": windows,
         "image_phase": phase(windows, args.image_tasks, started_at),
         "weights_phase": phase(windows, args.weights_tasks, started_at),
@@ -176,12 +187,12 @@ def table(sizes: list[dict[str, Any]]) -> str:
              f"{rates.get('cx7_kbit', 0) / 1000:g} Mbit/s), sizes / {s.get('artifact_scale')}: one copy "
              f"{base['one_copy_bytes'] / 1e6:.1f} MB (image {base['one_copy']['image'] / 1e6:.1f} MB)", "",
              f"{'hosts':>5} {'rc':>3} {'wall s':>13} {'image s':>8} {'weights s':>9} {'WAN MB':>8} {'WAN x':>6} "
-             f"{'max egress MB':>13} {'x':>6}  host"]
+             f"{'max egress MB':>13} {'x':>6} {'CPU':>4}  host"]
     for r in sizes:
         ratio = f"{r['wall_s']:.0f} ({r['wall_s'] / base['wall_s']:.2f}x)"
         lines.append(f"{r['hosts']:>5} {r['rc']:>3} {ratio:>13} {r['image_s']:>8.0f} {r['weights_s']:>9.0f} "
                      f"{r['wan_bytes'] / 1e6:>8.1f} {r['wan_copies']:>6.2f} {r['max_egress_bytes'] / 1e6:>13.1f} "
-                     f"{r['max_egress_copies']:>6.2f}  {r['max_egress_host']}")
+                     f"{r['max_egress_copies']:>6.2f} {r.get('cpu_busy', float('nan')):>4.0%}  {r['max_egress_host']}")
     return "\n".join(lines)
 
 
