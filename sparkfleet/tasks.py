@@ -55,6 +55,26 @@ def unit_name(name: str, command: str) -> str:
     return f"{TASK_UNIT_PREFIX}{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}-{digest}.service"
 
 
+def start_detached(host, name: str, command: str) -> tuple[str, bool]:
+    """Start ``command`` on ``host`` as task ``name`` unless its unit is loaded (running,
+    or ended and not yet read); (the unit, whether it was found loaded). Does not wait."""
+    unit = unit_name(name, command)
+    q = shlex.quote
+    # systemd expands $NAME in a unit's command line; "$$" is its escape for "$".
+    argv = f"/bin/sh -c {q(command.replace('$', '$$'))}"
+    tag = f"{unit.removesuffix('.service')}.{secrets.token_hex(4)}"
+    start = (
+        f"if [ \"$(systemctl show -P LoadState {unit})\" = not-found ]; then "
+        f"systemd-run --quiet --unit={unit} --description={q('sparkfleet ' + name)} --remain-after-exit "
+        f"--property=SyslogIdentifier={tag} {argv} 2>&1 && echo started; else echo found; fi"
+    )
+    done = remote.run(host, start)  # with the host's sudo: systemd-run needs root
+    lines = done.stdout
+    if not done.ok or not lines or lines[-1] not in ("started", "found"):
+        raise OperationError(f"could not start {name} as {unit}: {' '.join(lines + done.stderr)}")
+    return unit, lines[-1] == "found"
+
+
 def run_detached(
     host,
     name: str,
@@ -72,22 +92,9 @@ def run_detached(
     A failure says what went wrong and what to do: the step's own last ``error: `` line
     (ERROR_PREFIX), else what ``diagnose`` makes of the log's tail, above that tail.
     """
-    unit = unit_name(name, command)
-    q = shlex.quote
-    # systemd expands $NAME in a unit's command line; "$$" is its escape for "$".
-    argv = f"/bin/sh -c {q(command.replace('$', '$$'))}"
-    tag = f"{unit.removesuffix('.service')}.{secrets.token_hex(4)}"
-    start = (
-        f"if [ \"$(systemctl show -P LoadState {unit})\" = not-found ]; then "
-        f"systemd-run --quiet --unit={unit} --description={q('sparkfleet ' + name)} --remain-after-exit "
-        f"--property=SyslogIdentifier={tag} {argv} 2>&1 && echo started; else echo found; fi"
-    )
-    done = remote.run(host, start)  # with the host's sudo: systemd-run needs root
-    lines = done.stdout
-    if not done.ok or not lines or lines[-1] not in ("started", "found"):
-        raise OperationError(f"could not start {name} as {unit}: {' '.join(lines + done.stderr)}")
-    if lines[-1] == "found":
-        logger.info(f"{host.print_prefix}{name}: found {unit} of an earlier run")
+    unit, found = start_detached(host, name, command)
+    if found:
+        logger.info(f"{host.print_prefix}{name}: found {unit} of an earlier run or step")
     started = time.monotonic()
     last_report = started
     while True:
@@ -190,6 +197,18 @@ def detached(name: str, command: str, describe_progress=None, timeout_s: float =
         return True
 
     return remote.callback(_run)
+
+
+def started(name: str, command: str) -> FunctionCommand:
+    """The pyinfra command that starts task ``name`` on the current host and goes on: a
+    later :func:`detached` of the same name and command waits for it and reads its result."""
+
+    def _start(state, host):
+        unit, found = start_detached(host, name, command)
+        logger.info(f"{host.print_prefix}{name}: {'runs' if found else 'started'} as {unit}")
+        return True
+
+    return remote.callback(_start)
 
 
 @operation()

@@ -75,3 +75,14 @@ def test_planning_writes_nothing_on_the_controller(tmp_path):
     assert result.returncode == 0, out[-3000:]
     assert "API key in 0600 files" in out and "registry certificate made on the controller" in out
     assert not key.exists() and not tls.exists()
+
+
+def test_the_mirror_starts_on_the_weights_before_the_image_crosses_the_wan():
+    """The weights need not wait for every host's pull: the fleet's mirror starts fetching
+    them as soon as its HF mirror answers, and the deploy reads the result at the end."""
+    out = changes(plan("gb10,gb10"))
+    steps = ["registry and HF mirror answer", "the HF mirror fetches every file of the locked commits",
+             "serving image copied from upstream", "serving image present", "weights in the HF cache",
+             "the HF mirror holds every file of the locked commits"]
+    positions = [out.find(step) for step in steps]
+    assert -1 not in positions and positions == sorted(positions), out[-3000:]

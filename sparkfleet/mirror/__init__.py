@@ -19,7 +19,7 @@ from __future__ import annotations
 from pyinfra.api import deploy
 
 from sparkfleet.config import Settings
-from sparkfleet.fleet import all_settings, host_mirror
+from sparkfleet.fleet import host_mirror
 from sparkfleet.mirror import clients, keep, server, tls
 from sparkfleet.mirror.clients import answers
 from sparkfleet.mirror.names import hf_endpoint, hf_offline_endpoint, image_reference, local_image
@@ -58,10 +58,7 @@ def holds(settings: Settings) -> None:
     mirror = host_mirror()
     if not mirror or not mirror.is_self or mirror.upstream:  # the fleet's mirror, not a relay
         return
-    commits = sorted({(repo, s.revision(repo)) for s in all_settings().values() if s.serving
-                      for repo in s.repos_to_fetch})
-    keep.expected(settings.mirror_dir, commits)
-    keep.complete(name="the HF mirror holds every file of the locked commits", commits=commits,
+    keep.complete(name="the HF mirror holds every file of the locked commits", commits=server.locked_commits(settings.mirror_dir),
                   mirror_dir=settings.mirror_dir, hf_port=mirror.hf_port)
 
 

@@ -15,9 +15,12 @@ when the lock does, so a converged run changes nothing here.
 
 olah caches what it served, under the commit it was asked for: a host that already held a
 file of a new commit (unchanged since the last) never asks for it, so after a move the
-mirror may hold only the files that changed. So once the hosts fetched, the mirror asks
-its own HF mirror for every file of each locked commit it does not hold whole yet
-(:func:`complete`): what is cached comes from disk, the rest from upstream, once.
+mirror may hold only the files that changed. So the mirror asks its own HF mirror for
+every file of each locked commit it does not hold whole yet: what is cached comes from
+disk, the rest from upstream, once. It starts as soon as its HF mirror answers
+(:func:`prefetched`), so the weights cross the WAN while the image does and while the
+hosts pull it, instead of after every host's pull; the deploy reads the result once the
+hosts fetched (:func:`complete`).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from sparkfleet.hostpaths import (
     mirror_hf_cache,
 )
 from sparkfleet.lockfile import size_text
-from sparkfleet.tasks import detached
+from sparkfleet.tasks import detached, started
 
 
 def next_record(record: dict[str, list[dict]], locked: list[dict[str, Any]],
@@ -175,6 +178,38 @@ def held(mirror_dir: str, repo: str, commit: str) -> bool:
         (snapshot.file_state(mirror_commit_dir(mirror_dir, repo, commit)) or (0, "", ""))[2] == "directory"
 
 
+def _holding(commits: list[tuple[str, str]], mirror_dir: str, hf_port: int) -> list[tuple[str, str]]:
+    """(task, command) that fills the HF mirror's cache with each commit it does not hold whole."""
+    q = shlex.quote
+    tasks = []
+    for repo, commit in commits:
+        if held(mirror_dir, repo, commit):
+            continue
+        args = " ".join(q(a) for a in (f"http://127.0.0.1:{hf_port}", repo, commit,
+                                        mirror_held_marker(mirror_dir, repo, commit), HF_ENV))
+        tasks.append((f"mirror-holds-{repo.replace('/', '--')}", f"python3 -c {q(_HOLD_PY)} {args}"))
+    return tasks
+
+
+@operation(is_idempotent=False)
+def prefetched(commits: list[tuple[str, str]], mirror_dir: str, hf_port: int):
+    """
+    Start filling the HF mirror's cache with every file of each locked commit, and go on.
+
+    + commits / mirror_dir / hf_port: as :func:`complete`, which reads the result
+
+    The weights need not wait for the image: on a real fleet they are ~3.5x its bytes on
+    the same WAN, and without this the mirror fetched them only when the hosts asked, after
+    every host's pull (an operation barrier).
+    """
+    tasks = _holding(commits, mirror_dir, hf_port)
+    if not tasks:
+        host.noop(f"the HF mirror holds every file of {len(commits)} locked commit(s)")
+        return
+    for task, command in tasks:
+        yield started(task, command)
+
+
 @operation()
 def complete(commits: list[tuple[str, str]], mirror_dir: str, hf_port: int):
     """
@@ -184,19 +219,16 @@ def complete(commits: list[tuple[str, str]], mirror_dir: str, hf_port: int):
     + mirror_dir: the mirror's state (olah's cache, the markers of what it holds whole)
     + hf_port: the (online) HF mirror on this host
 
-    Run once the hosts fetched (what they asked for is cached by then): a file no host
+    Waits for what :func:`prefetched` started, once the hosts fetched: a file no host
     asked for (unchanged from a commit it held) comes from upstream once. A commit
     upstream no longer serves whole is reported, never fails the mirror host.
     """
-    missing = [(repo, commit) for repo, commit in commits if not held(mirror_dir, repo, commit)]
-    if not missing:
+    tasks = _holding(commits, mirror_dir, hf_port)
+    if not tasks:
         host.noop(f"the HF mirror holds every file of {len(commits)} locked commit(s)")
         return
-    q = shlex.quote
-    for repo, commit in missing:
-        args = " ".join(q(a) for a in (f"http://127.0.0.1:{hf_port}", repo, commit,
-                                        mirror_held_marker(mirror_dir, repo, commit), HF_ENV))
-        yield detached(f"mirror-holds-{repo.replace('/', '--')}", f"python3 -c {q(_HOLD_PY)} {args}")
+    for task, command in tasks:
+        yield detached(task, command)
 
 
 def expected(mirror_dir: str, commits: list[tuple[str, str]]) -> None:

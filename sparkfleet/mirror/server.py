@@ -15,7 +15,7 @@ from pyinfra.operations import systemd
 
 from sparkfleet import fleetlock, snapshot
 from sparkfleet.config import Settings
-from sparkfleet.fleet import fleet_lock
+from sparkfleet.fleet import all_settings, fleet_lock
 from sparkfleet.hostpaths import (
     HF_MIRROR_CONFIG,
     HF_MIRROR_OFFLINE_CONFIG,
@@ -79,6 +79,9 @@ def served(settings: Settings, mirror: Mirror) -> list:
                          name=f"{HF_MIRROR_OFFLINE_UNIT} stopped (a relay)")
     # Both answer before anything is fetched from them.
     ready = answering(name="registry and HF mirror answer", mirror=mirror)
+    if not mirror.upstream:  # the fleet's mirror: the weights cross the WAN while the image does
+        keep.prefetched(name="the HF mirror fetches every file of the locked commits", commits=locked_commits(settings.mirror_dir),
+                        mirror_dir=settings.mirror_dir, hf_port=mirror.hf_port)
     upstream = upstream_registry_url(settings.image, settings.image_registry_url)
     # A relay's copy waits for its turn: pyinfra runs each turn's operation on every host
     # before the next, so the mirror above it holds the image by then. Should that one have
@@ -95,6 +98,15 @@ def served(settings: Settings, mirror: Mirror) -> list:
               record_path=mirror_kept_record(settings.mirror_dir), locked=fleetlock.artifacts(fleet_lock().lock),
               keep_previous=settings.mirror_keep_previous, mirror_dir=settings.mirror_dir, registry=mirror.registry)
     return [installed, olah, ready, copy]
+
+
+def locked_commits(mirror_dir: str) -> list[tuple[str, str]]:
+    """(repo id, commit) of every repository a serving host fetches, as sparkfleet.lock pins
+    them: what the fleet's mirror holds. Declared to this host's one read."""
+    commits = sorted({(repo, s.revision(repo)) for s in all_settings().values() if s.serving
+                      for repo in s.repos_to_fetch})
+    keep.expected(mirror_dir, commits)
+    return commits
 
 
 def _olah_served(settings: Settings, mirror: Mirror, olah, hf_data, offline: bool, port: int, config_path: str,
