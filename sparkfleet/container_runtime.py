@@ -42,7 +42,7 @@ from sparkfleet.hostpaths import (
     UNIT,
     UNIT_PATH,
 )
-from sparkfleet.mirror import image_reference
+from sparkfleet.mirror import local_image
 
 __all__ = ["CDI_ALL", "GPUS_ALL", "configured", "gpu_flag", "unit_gpu_flag"]
 
@@ -72,7 +72,8 @@ def gpu_flag(settings: Settings) -> str | None:
     running_with = _unit_flag()
     if running_with:
         return running_with
-    works = host.get_fact(GpuAccess, image=image_reference(settings))["works"]
+    # The name the host runs it by: the pull's reference differs with the mirror (or relay) it came from.
+    works = host.get_fact(GpuAccess, image=local_image(settings))["works"]
     return works[0] if works else None
 
 
