@@ -44,8 +44,9 @@ hf_token = None
 # inventory group `mirror` if there is one, else the first host of the inventory; a host
 # name picks that host; None turns it off (every host downloads from upstream itself).
 fleet_mirror = "auto"
-# How the other hosts reach the mirror (a name or an IPv4/IPv6 address); None: its source
-# address on its route to them (the controller's name for it may resolve nowhere else).
+# How the other hosts reach this host when it serves them, as the mirror or a relay (a name
+# or an IPv4/IPv6 address; set it in the host's own host data: each one's differs); None:
+# its source address on its route to them (the controller's name may resolve nowhere else).
 mirror_address = None
 # The HF mirror (olah) and the image registry (Debian/Ubuntu `docker-registry`) on the mirror.
 mirror_hf_port = 8090

@@ -154,8 +154,8 @@ def _tree_mirrors(root: str, users: list[str], parents: dict[str, str],
     def served_by(name: str, is_self: bool) -> Mirror:
         s = settings[name]
         # The controller's name for a mirror (an SSH alias, a .local name) may mean
-        # nothing to the other hosts: unless mirror_address says, it is found on them.
-        return Mirror(name, s.mirror_address if name == root else None, s.mirror_hf_port, s.mirror_registry_port,
+        # nothing to the other hosts: unless its own mirror_address says, it is found on them.
+        return Mirror(name, s.mirror_address, s.mirror_hf_port, s.mirror_registry_port,
                       is_self, s.mirror_hf_offline_port if name == root else 0,
                       served_by(parents[name], False) if name in parents else None,
                       # The fleet's mirror serves every host: it is the fallback of all of them.
@@ -164,6 +164,16 @@ def _tree_mirrors(root: str, users: list[str], parents: dict[str, str],
                       depths.get(name, 0))
 
     relays = {root, *parents.values()}
+    given: dict[str, list[str]] = {}
+    for name in sorted(relays, key=users.index):
+        if settings[name].mirror_address:
+            given.setdefault(str(settings[name].mirror_address), []).append(name)
+    clashes = [f"{', '.join(names)}: each serves the image and the weights (the fleet's mirror or a relay), "
+               f"and each gives `mirror_address` = {address}. Fix: set mirror_address in each one's host data "
+               f"(an address of that host), not for the whole fleet"
+               for address, names in given.items() if len(names) > 1]
+    if clashes:
+        raise ConfigError("\n  ".join(["invalid configuration, nothing was changed on any host:", *clashes]))
     return {name: served_by(name, True) if name in relays else served_by(parents[name], False) for name in users}
 
 

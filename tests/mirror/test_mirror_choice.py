@@ -143,3 +143,19 @@ def test_a_host_that_is_down_or_does_not_serve_is_never_a_relay():
     assert "spark-2" not in relays and "spark-3" not in relays, relays
     assert got["spark-2"].host == got["spark-3"].host == "spark-1"  # when they next fetch: the mirror
     assert relays == {"spark-1", "spark-4"}, relays
+
+
+def test_a_relay_is_reached_at_its_own_mirror_address_and_one_address_for_all_is_refused():
+    names = ["a", "b", "c"]
+    given = {"a": "10.0.0.1", "b": "10.0.0.2"}
+    got = mirrors(fleet(*[(n, {"fleet_fanout": 1, **({"mirror_address": given[n]} if n in given else {})})
+                          for n in names]))
+    # a -> b -> c: c fetches from b at b's address, b copies from a at a's.
+    assert got["c"].host == "b" and got["c"].hf_endpoint == "http://10.0.0.2:8090"
+    assert got["b"].upstream.registry == "10.0.0.1:5000" and got["c"].root.address == "10.0.0.1"
+    # Set for the whole fleet, the mirror's address would be every relay's too.
+    with pytest.raises(ConfigError, match=r"a, b: each serves .* `mirror_address` = 10.0.0.1\. Fix: set "
+                                          r"mirror_address in each one's host data"):
+        mirrors(fleet(*[(n, {"fleet_fanout": 1, "mirror_address": "10.0.0.1"}) for n in names]))
+    # A star (no relay) takes it for the mirror, as before.
+    assert mirrors(fleet(*[(n, {"mirror_address": "10.0.0.1"}) for n in names]))["c"].address == "10.0.0.1"
