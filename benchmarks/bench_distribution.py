@@ -1,7 +1,7 @@
 """How a first deploy's image and weights reach a growing fleet (issue 25).
 
     sudo SPARKFLEET_TESTBED_INSTANCE=N .venv/bin/python benchmarks/bench_distribution.py \\
-        [--sizes 1,2,4,8,16] [--bandwidth-scale 100] [--artifact-scale 300] [--pairs 0] \\
+        [--sizes 1,2,4,8,16] [--bandwidth-scale 300] [--artifact-scale 300] [--pairs 0] \\
         [--out benchmarks/results/distribution-DATE.json] [--replace]
 
 For each size it boots a fresh simulated fleet shaped like a real one (``fleet.up`` with
@@ -10,11 +10,14 @@ by one factor; ``artifact_scale``: the image and checkpoints padded to their rea
 divided by another), runs one first deploy (``pyinfra -y inventory/testbed.py
 deploy.py``), and tears the fleet down (also on an error or Ctrl-C).
 
-Defaults: rates / 100 (WAN 10, LAN 100, ConnectX-7 2000 Mbit/s) and sizes / 300 (image
-70 MB, dense's hosted hybrid and drafter 246 MB: one copy 316 MB), so time runs 3x as
-fast as on a real fleet and the real ratios hold: one copy over a NIC ~27 s (a real
-10 GbE: ~81 s), over the WAN ~270 s. The sizes are bounded by the machine: a host holds its copy in the state
-tmpfs (RAM), ~0.5 GB a host at sizes / 300 with the image unpacked.
+Defaults: rates / 300 (WAN 3.3, LAN 33, ConnectX-7 667 Mbit/s) and sizes / 300 (image
+70 MB, dense's hosted hybrid and drafter 246 MB: one copy 316 MB), so bytes take the time
+they take on a real fleet: one copy over a NIC ~76 s (a real 10 GbE: ~81 s), over the WAN
+~760 s. The steps that move no bytes take what the 2-core machine gives 16 hosts at once;
+with time per byte scaled down (``--bandwidth-scale 100``: 3x as fast) those steps weigh 3x
+more against the bytes than on a real fleet, and the ratios grow with the fleet for that
+reason alone (the CPU column). The sizes are bounded by the machine: a host holds its copy
+in the state tmpfs (RAM), ~0.5 GB a host at sizes / 300 with the image unpacked.
 
 Per size: the wall time; the image and weights phases: from the first start to the last
 end, on any host, of the deploy's long steps (sparkfleet/tasks.py runs each as a transient
@@ -218,8 +221,8 @@ def write_json(path: Path, doc: dict[str, Any]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1,2,4,8,16", help="fleet sizes, comma-separated (default 1,2,4,8,16)")
-    ap.add_argument("--bandwidth-scale", type=float, default=100.0,
-                    help="real rates divided by this (default 100: WAN 10, LAN 100, ConnectX-7 2000 Mbit/s)")
+    ap.add_argument("--bandwidth-scale", type=float, default=300.0,
+                    help="real rates divided by this (default 300: WAN 3.3, LAN 33, ConnectX-7 667 Mbit/s)")
     ap.add_argument("--artifact-scale", type=float, default=300.0,
                     help="real artifact sizes divided by this (default 300: one dense copy ~316 MB)")
     ap.add_argument("--pairs", action="store_true", help="cable spark-1 + spark-2, ... as pairs (the pair profile)")

@@ -322,9 +322,10 @@ def test_turning_the_mirror_off_goes_direct(fleet4, deploy_run):
 
 def registry_clients(tb, name: str, since: float) -> set[str]:
     """The addresses that pulled from ``name``'s registry since ``since``: its manifest (a
-    host that still holds the layers, under a running engine, asks for no blob)."""
+    host that still holds the layers, under a running engine, asks for no blob; one whose
+    content store still holds the manifest only resolves the digest, a HEAD)."""
     out = tb.exec(name, f"journalctl -u docker-registry --since @{int(since)} -o cat --no-pager").stdout
-    return set(re.findall(r'^(\S+) - \S+ \[[^\]]*\] "GET /v2/\S+/(?:blobs|manifests)/', out, re.M))
+    return set(re.findall(r'^(\S+) - \S+ \[[^\]]*\] "(?:GET|HEAD) /v2/\S+/(?:blobs|manifests)/', out, re.M))
 
 
 def test_past_the_fanout_hosts_fetch_from_relays_and_a_dead_relay_costs_a_retry(fleet4, deploy_run):
