@@ -86,3 +86,13 @@ def test_the_mirror_starts_on_the_weights_before_the_image_crosses_the_wan():
              "the HF mirror holds every file of the locked commits"]
     positions = [out.find(step) for step in steps]
     assert -1 not in positions and positions == sorted(positions), out[-3000:]
+
+
+def test_relays_copy_the_image_in_turns_down_the_tree():
+    """fleet_fanout=1 makes a chain: each turn copies on the one host at its depth, after
+    the turn above, whatever operations the fleet's mirror alone declares before its copy."""
+    out = changes(plan("gb10,gb10,gb10,gb10", "fleet_fanout=1"))
+    turns = ["serving image copied from upstream", "serving image copied into the relays 1 hop down",
+             "serving image copied into the relays 2 hops down"]
+    positions = [out.find(f"Mirror | {turn}") for turn in turns]
+    assert -1 not in positions and positions == sorted(positions), out[-3000:]

@@ -65,7 +65,7 @@ def copy_failure(tail: list[str], image: str, upstream: str) -> str | None:
 
 
 @operation()
-def image_copied(image: str, sources: list[str], result_dir: str, mirror: Mirror):
+def image_copied(image: str, sources: list[str], result_dir: str, mirror: Mirror, turn: int = 0):
     """
     Copy the serving image, byte for byte, into the mirror registry unless it holds it.
 
@@ -74,8 +74,13 @@ def image_copied(image: str, sources: list[str], result_dir: str, mirror: Mirror
       a relay: the mirrors above it, the nearest first)
     + result_dir: where the copy tool leaves its count of bytes (``mirror_dir``)
     + mirror: this host, the mirror or a relay
+    + turn: the relays' turn this operation is: a mirror copies in the turn of its depth,
+      once the ones above it hold the image, and waits in the others
     """
     name = ImageName.parse(image)
+    if turn != mirror.depth:
+        host.noop(f"copies in turn {mirror.depth}, not {turn}")
+        return
     local = f"https://{mirror.registry}"
     if host.get_fact(RegistryManifest, url=local, path=name.path, reference=name.digest or name.tag,
                      cacert=REGISTRY_CERT):

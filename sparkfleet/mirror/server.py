@@ -15,7 +15,7 @@ from pyinfra.operations import systemd
 
 from sparkfleet import fleetlock, snapshot
 from sparkfleet.config import Settings
-from sparkfleet.fleet import all_settings, fleet_lock
+from sparkfleet.fleet import all_mirrors, all_settings, fleet_lock
 from sparkfleet.hostpaths import (
     HF_MIRROR_CONFIG,
     HF_MIRROR_OFFLINE_CONFIG,
@@ -85,14 +85,20 @@ def served(settings: Settings, mirror: Mirror) -> list:
     upstream = upstream_registry_url(settings.image, settings.image_registry_url)
     # A relay's copy waits for its turn: pyinfra runs each turn's operation on every host
     # before the next, so the mirror above it holds the image by then. Should that one have
-    # failed, the copy comes from the fleet's mirror.
-    for turn in host.loop(range(mirror.depth + 1)):
+    # failed, the copy comes from the fleet's mirror. Every host that serves declares every
+    # turn: pyinfra orders operations by each host's own sequence, so a turn declared on
+    # some hosts only could run before an earlier one (an operation of the fleet's mirror
+    # alone, before its copy, did so).
+    turns = max((m.depth for m in all_mirrors().values() if m and m.is_self), default=0)
+    for turn in host.loop(range(turns + 1)):
+        copied = registry.image_copied(
+            name="serving image copied from upstream" if turn == 0 else f"serving image copied into the relays "
+                                                                       f"{turn} hop{'s' if turn > 1 else ''} down",
+            image=settings.image, sources=[f"https://{m.registry}" for m in mirror.fallbacks] or [upstream],
+            result_dir=settings.mirror_dir, mirror=mirror, turn=turn,
+        )
         if turn == mirror.depth:
-            copy = registry.image_copied(
-                name=f"serving image copied from {'the mirror above' if mirror.upstream else 'upstream'}",
-                image=settings.image, sources=[f"https://{m.registry}" for m in mirror.fallbacks] or [upstream],
-                result_dir=settings.mirror_dir, mirror=mirror,
-            )
+            copy = copied
     snapshot.expect(texts=[mirror_kept_record(settings.mirror_dir)])
     keep.kept(name="the mirror keeps what sparkfleet.lock names, and the previous ones",
               record_path=mirror_kept_record(settings.mirror_dir), locked=fleetlock.artifacts(fleet_lock().lock),
