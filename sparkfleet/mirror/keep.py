@@ -178,17 +178,17 @@ def held(mirror_dir: str, repo: str, commit: str) -> bool:
         (snapshot.file_state(mirror_commit_dir(mirror_dir, repo, commit)) or (0, "", ""))[2] == "directory"
 
 
-def _holding(commits: list[tuple[str, str]], mirror_dir: str, hf_port: int) -> list[tuple[str, str]]:
-    """(task, command) that fills the HF mirror's cache with each commit it does not hold whole."""
+def _filled(commits: list[tuple[str, str]], mirror_dir: str, hf_port: int, run):
+    """The commands that ``run`` (tasks.started or tasks.detached) the task filling the HF
+    mirror's cache with each commit it does not hold whole; a noop when it holds them all."""
     q = shlex.quote
-    tasks = []
-    for repo, commit in commits:
-        if held(mirror_dir, repo, commit):
-            continue
+    missing = [(repo, commit) for repo, commit in commits if not held(mirror_dir, repo, commit)]
+    if not missing:
+        host.noop(f"the HF mirror holds every file of {len(commits)} locked commit(s)")
+    for repo, commit in missing:
         args = " ".join(q(a) for a in (f"http://127.0.0.1:{hf_port}", repo, commit,
                                         mirror_held_marker(mirror_dir, repo, commit), HF_ENV))
-        tasks.append((f"mirror-holds-{repo.replace('/', '--')}", f"python3 -c {q(_HOLD_PY)} {args}"))
-    return tasks
+        yield run(f"mirror-holds-{repo.replace('/', '--')}", f"python3 -c {q(_HOLD_PY)} {args}")
 
 
 @operation(is_idempotent=False)
@@ -202,12 +202,7 @@ def prefetched(commits: list[tuple[str, str]], mirror_dir: str, hf_port: int):
     the same WAN, and without this the mirror fetched them only when the hosts asked, after
     every host's pull (an operation barrier).
     """
-    tasks = _holding(commits, mirror_dir, hf_port)
-    if not tasks:
-        host.noop(f"the HF mirror holds every file of {len(commits)} locked commit(s)")
-        return
-    for task, command in tasks:
-        yield started(task, command)
+    yield from _filled(commits, mirror_dir, hf_port, started)
 
 
 @operation()
@@ -223,12 +218,7 @@ def complete(commits: list[tuple[str, str]], mirror_dir: str, hf_port: int):
     asked for (unchanged from a commit it held) comes from upstream once. A commit
     upstream no longer serves whole is reported, never fails the mirror host.
     """
-    tasks = _holding(commits, mirror_dir, hf_port)
-    if not tasks:
-        host.noop(f"the HF mirror holds every file of {len(commits)} locked commit(s)")
-        return
-    for task, command in tasks:
-        yield detached(task, command)
+    yield from _filled(commits, mirror_dir, hf_port, detached)
 
 
 def expected(mirror_dir: str, commits: list[tuple[str, str]]) -> None:
