@@ -93,7 +93,7 @@ def first_deploy(tb, logs: Path, label: str, extra: list[str]) -> dict[str, Any]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     ops: list[tuple[float, str]] = []
     started = time.monotonic()
-    with open(log_path, "w") as log:
+    with open(log_path, "w", buffering=1) as log:  # line by line: the log can be watched
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=env, text=True, errors="replace")
         assert proc.stdout is not None
