@@ -33,6 +33,7 @@ from pyinfra import host, logger
 from pyinfra.api import StringCommand, operation
 
 from sparkfleet import snapshot
+from sparkfleet.fleet import once
 from sparkfleet.hostpaths import (
     HF_ENV,
     REGISTRY_CERT,
@@ -182,7 +183,11 @@ def _filled(commits: list[tuple[str, str]], mirror_dir: str, hf_port: int, run):
     """The commands that ``run`` (tasks.started or tasks.detached) the task filling the HF
     mirror's cache with each commit it does not hold whole; a noop when it holds them all."""
     q = shlex.quote
-    missing = [(repo, commit) for repo, commit in commits if not held(mirror_dir, repo, commit)]
+    # What the mirror lacked when the prefetch looked, for both: a task that ended before
+    # the wait wrote its marker, and its result is still to be read and its unit cleared
+    # (a unit left loaded would pass for the fetch of a commit deleted and locked again).
+    missing = once(("the mirror lacks", host.name, tuple(commits)),
+                   lambda: [(repo, commit) for repo, commit in commits if not held(mirror_dir, repo, commit)])
     if not missing:
         host.noop(f"the HF mirror holds every file of {len(commits)} locked commit(s)")
     for repo, commit in missing:

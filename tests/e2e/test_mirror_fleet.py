@@ -151,6 +151,11 @@ def test_the_fleet_takes_each_artifact_from_upstream_once(fleet4, deploy_run):
         assert stats["by_repo"][repo] == pytest.approx(repo_size(tb, repo), rel=0.01), stats
     assert stats["total"] == pytest.approx(repo_size(tb, HYBRID) + repo_size(tb, DFLASH), rel=0.01)
     assert set(stats["by_client"]) == {mirror.address}
+    # The mirror fetched them while the image crossed, and the deploy read what it started:
+    # no task is left loaded on any host.
+    assert re.search(r"mirror-holds-\S+: started as ", out), out[-3000:]
+    for name in tb.names:
+        assert tb.exec(name, "systemctl list-units --all --no-legend 'sparkfleet-task-*'").stdout.strip() == "", name
     # No byte past the mirror: the hub offers Xet like the Hub, and a client on the Xet path
     # would go straight to its CAS (the downloads run with HF_HUB_DISABLE_XET=1).
     assert stats["cas_requests"] == 0 and stats["xet_token_requests"] == 0, stats
