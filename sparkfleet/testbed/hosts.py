@@ -159,7 +159,10 @@ def nspawn_argv(h: HostState) -> list[str]:
         f"--bind={h.dir / 'containerd'}:/var/lib/containerd",
         f"--network-namespace-path=/run/netns/{h.netns}",
         "--resolv-conf=off", "--link-journal=no",
-        "-D", str(h.mnt), "-M", h.name,
+        # The machine by its instance's name (nspawn keeps a directory per machine name under
+        # /run/systemd/nspawn/propagate: spark-1 of two instances collided there), the
+        # host by its own.
+        "-D", str(h.mnt), "-M", h.netns, f"--hostname={h.name}",
     ]
 
 
