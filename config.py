@@ -24,6 +24,7 @@ import signal
 import sys
 
 import click
+import gevent
 from pyinfra import state
 
 #: What pyinfra names its traceback file, in its working directory.
@@ -32,10 +33,18 @@ _interrupted: list[int] = []
 
 
 def _on_interrupt(signum, frame):
+    # Only noted here: a Python handler runs between any two bytecodes, and an exit raised
+    # there once landed in logging's lock release, left that lock held, and the next
+    # greenlet to log waited forever. gevent's loop runs the exit at a switch instead.
     _interrupted.append(signum)
+    gevent.get_hub().loop.run_callback_threadsafe(_exit_interrupted)
+
+
+def _exit_interrupted():
+    # Raised in the hub, gevent throws it into the main greenlet: pyinfra's run ends there.
     click.secho("Interrupted (Ctrl-C): the run stopped part-way and a host may be mid-change; "
                 "deploy again to converge.", fg="red", err=True)
-    sys.exit(128 + signum)
+    sys.exit(128 + _interrupted[0])
 
 
 def _end_of_run():
