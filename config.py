@@ -11,6 +11,9 @@ decided here, where pyinfra 3 reports two failures as success:
   host (a mistyped path): pyinfra warns, runs nothing and exits 0. Here it exits 2,
   naming the patterns and the inventory's hosts, or the inventory.
 
+A run that seems stuck says what it waits on: ``kill -USR1 <pid of pyinfra>`` prints the
+stack of every greenlet (one per host) to stderr, and the run goes on.
+
 pyinfra writes the traceback of an internal error into ./pyinfra-debug.log once the run
 has ended, with the process umask (0644 in a checkout others may read), and a traceback
 quotes data and paths: the run ends under umask 077, so that file is 0600.
@@ -19,12 +22,15 @@ It holds for every deploy file run from here (deploy.py, checks/bench.py) and im
 nothing of sparkfleet.
 """
 
+import gc
 import os
 import signal
 import sys
+import traceback
 
 import click
 import gevent
+import greenlet
 from pyinfra import state
 
 #: What pyinfra names its traceback file, in its working directory.
@@ -45,6 +51,20 @@ def _exit_interrupted():
     click.secho("Interrupted (Ctrl-C): the run stopped part-way and a host may be mid-change; "
                 "deploy again to converge.", fg="red", err=True)
     sys.exit(128 + _interrupted[0])
+
+
+def _on_stacks(signum, frame):
+    gevent.get_hub().loop.run_callback_threadsafe(_print_stacks)
+
+
+def _print_stacks():
+    # Where each greenlet is (its repr names the host it runs for), innermost frames last;
+    # code, never values: no secret is printed.
+    print("* Greenlets", file=sys.stderr)
+    for g in gc.get_objects():
+        if isinstance(g, greenlet.greenlet) and g.gr_frame is not None:
+            stack = "".join(traceback.format_stack(g.gr_frame)[-15:])
+            print(f"--- {repr(g)[:300]}\n{stack}", file=sys.stderr, flush=True)
 
 
 def _end_of_run():
@@ -70,6 +90,7 @@ def _end_of_run():
 
 # Set here, after pyinfra's own handler: the whole run, connecting and planning included.
 signal.signal(signal.SIGINT, _on_interrupt)
+signal.signal(signal.SIGUSR1, _on_stacks)
 _context = click.get_current_context(silent=True)
 if _context is not None:  # the pyinfra command line; its context closes after the run
     _context.call_on_close(_end_of_run)

@@ -59,10 +59,13 @@ def test_ctrl_c_exits_130_not_0(tmp_path):
     else:
         os.killpg(run.pid, signal.SIGKILL)
         pytest.fail(f"pyinfra never started the step: {run.communicate()[0][-2000:]}")
+    os.kill(run.pid, signal.SIGUSR1)  # what a stuck run waits on: every greenlet's stack, and it goes on
+    time.sleep(2)
     os.killpg(run.pid, signal.SIGINT)  # the whole foreground group, its sleep too
     out, _ = run.communicate(timeout=60)
     assert run.returncode == 130, out
     assert "Interrupted (Ctrl-C)" in out and "Exiting upon user request" not in out, out
+    assert "in run_shell_command" in out.split("Interrupted (Ctrl-C)")[0], out
 
 
 def test_ctrl_c_in_code_that_ignores_errors_still_exits_130(tmp_path):

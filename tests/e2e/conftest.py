@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import subprocess
 from pathlib import Path
 
@@ -91,18 +92,26 @@ def run_pyinfra(*args: str, timeout: float = 1200, env: dict[str, str] | None = 
     """`pyinfra -y inventory/testbed.py ARGS...` from the repo root; output captured
     (text), never raises on a non-zero exit: tests assert on returncode/stdout."""
     cmd = ["pyinfra", "-y", inventory, *args]
-    try:
-        result = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
-                                env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
-        result = subprocess.CompletedProcess(cmd, 124, out, err + f"\n[timed out after {timeout}s]")
+    with subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+            result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)  # config.py: every greenlet's stack, what each host waits on
+            try:
+                proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            out, err = proc.communicate()
+            result = subprocess.CompletedProcess(cmd, 124, out, err + f"\n[timed out after {timeout}s]")
     if result.returncode:
         # Shown (captured) only if the test fails: the lines that say which host failed and why.
         lines = (result.stdout + result.stderr).splitlines()
         print(f"pyinfra {' '.join(args)}: exit {result.returncode}")
         print("\n".join(line for line in lines if re.search(r"\] Error|\berror:|rollout stopped", line)))
+        if result.returncode == 124:  # where each host's greenlet waited (the stacks config.py printed)
+            print("\n".join(block for block in result.stderr.split("\n--- ") if "Host(" in block.split("\n")[0]))
     return result
 
 
