@@ -10,7 +10,8 @@ boot a fleet of their own still run after those on the session's fleet.
     python tests/shards.py [pytest arguments, given to every shard]
 
 Each shard's output streams live, every line prefixed with its number. At the end the
-failures of every shard are listed again, so the last lines of a long log say what failed;
+failures and reruns of every shard are listed again, so the last lines of a long log say
+what failed and what passed only the second time (tests/e2e/conftest.py: one rerun);
 the exit status is non-zero when any shard failed.
 """
 
@@ -48,7 +49,7 @@ def commands(extra: list[str]) -> list[list[str]]:
     twice = sorted({path for path in listed if listed.count(path) > 1})
     if twice:
         raise SystemExit(f"tests/shards.py: SHARDS names {', '.join(twice)} in more than one shard")
-    pytest = [sys.executable, "-m", "pytest", "-ra", "--durations=15", *extra]
+    pytest = [sys.executable, "-m", "pytest", "-raR", "--durations=15", *extra]
     # sorted: pytest's own order of the files of one directory.
     return [*([*pytest, *sorted(shard)] for shard in SHARDS),
             [*pytest, "tests", *(f"--ignore={path}" for path in listed)]]
@@ -66,12 +67,15 @@ def instances() -> list[int]:
 def _stream(number: int, proc: subprocess.Popen, lock: threading.Lock, ended: dict[int, float],
             failures: list[str]) -> None:
     assert proc.stdout is not None
+    reruns = False  # in the rerun summary, which also names each rerun's final outcome
     for line in proc.stdout:
         with lock:
             sys.stdout.write(f"[{number}] {line}")
             sys.stdout.flush()
-        # -ra's short summary, one line a failure; "tests/" keeps a captured log line out
-        if line.startswith(("FAILED tests/", "ERROR tests/")):
+        if line.startswith("=") and "summary info" in line:
+            reruns = "rerun test summary" in line
+        # The summaries: one line a rerun, a failure; "tests/" keeps a captured log line out
+        if line.startswith("RERUN tests/") or (not reruns and line.startswith(("FAILED tests/", "ERROR tests/"))):
             failures.append(f"[{number}] {line.rstrip()}")
     ended[number] = time.monotonic()  # its output closes as it exits
 
