@@ -109,11 +109,23 @@ def explain(exc: BaseException, repo: str, revision: str, endpoint: str) -> str 
         return f"{endpoint} refused the HF token (HTTP {status}) — set a valid hf_token, or none for public repos"
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return "the disk that holds hf_home is full — free space there, or set hf_home to a larger disk"
-    if names & {"LocalEntryNotFoundError", "ConnectError", "ConnectionError", "TimeoutException", "Timeout",
-                "ReadTimeout", "ConnectTimeout", "RemoteProtocolError"} or status in (500, 502, 503, 504):
+    if unanswered(exc):
         return (f"{endpoint} did not answer ({type(exc).__name__}) — check the host's network and proxy "
                 "(with the mirror: that it runs); a re-run resumes")
     return None
+
+
+#: What a source that did not answer raises: a connection refused or reset, a timeout.
+UNANSWERED = {"LocalEntryNotFoundError", "ConnectError", "ConnectionError", "TimeoutException", "Timeout",
+              "ReadTimeout", "ConnectTimeout", "RemoteProtocolError", "ReadError", "NetworkError",
+              "ChunkedEncodingError"}
+
+
+def unanswered(exc: BaseException) -> bool:
+    """A source that did not answer, or answered 5xx: worth asking again, later."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    return bool(names & UNANSWERED) or status in (500, 502, 503, 504)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--also-endpoint", action="append", default=[],
                         help="where the same files are when the endpoint fails mid-way (a relay that died: "
                              "the mirrors above it), tried in turn")
+    # A fleet's mirror that many hosts ask at once can drop a connection, and a relay can
+    # restart: every source once more, after a pause, before the deploy fails the host
+    # (16 hosts on one mirror lost 2 that way). The partial files resume.
+    parser.add_argument("--round-waits", default="15,60",
+                        help="seconds to wait before each further round of every source, comma-separated")
     args = parser.parse_args(argv)
 
     from huggingface_hub import snapshot_download
@@ -142,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             repo_id=args.repo_id, revision=args.revision, allow_patterns=args.allow, max_workers=4, **elsewhere,
         ))
 
-    def fetch_first() -> Path:
+    def fetch_round() -> Path:
         """From HF_ENDPOINT, else (it fails, not refusing the revision) each --also-endpoint."""
         sources = [None, *args.also_endpoint]
         for i, where in enumerate(sources):
@@ -154,6 +171,20 @@ def main(argv: list[str] | None = None) -> int:
                 # "report: " lines reach the deploy's output (sparkfleet/tasks.py).
                 print(f"report: {args.repo_id} from {where or endpoint} failed ({type(exc).__name__}): "
                       f"fetching from {sources[i + 1]}", flush=True)
+        raise AssertionError("unreachable")
+
+    def fetch_first() -> Path:
+        """A round of the sources, again after each of --round-waits while none answered."""
+        waits = [float(w) for w in args.round_waits.split(",") if w.strip()]
+        for wait in [*waits, None]:
+            try:
+                return fetch_round()
+            except Exception as exc:
+                if wait is None or not unanswered(exc):
+                    raise
+                print(f"report: {args.repo_id}: no source answered ({type(exc).__name__}): "
+                      f"every source again in {wait:g} s", flush=True)
+                time.sleep(wait)
         raise AssertionError("unreachable")
 
     def download() -> Path:

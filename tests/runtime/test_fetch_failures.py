@@ -20,20 +20,24 @@ REPO, GATED, REV = "acme/tiny", "acme/locked", "1" * 40
 TOKEN = "hf_testbed_secret"
 
 
-@pytest.fixture(scope="module")
-def hub(tmp_path_factory):
-    root = tmp_path_factory.mktemp("repos")
+def repos(root: Path) -> Path:
     for repo in (REPO, GATED):
         (root / repo / REV).mkdir(parents=True)
         (root / repo / REV / "config.json").write_text("{}")
         (root / repo / "refs.json").write_text(json.dumps({"main": REV}))
     (root / GATED / ".gated").touch()
-    with HubServer(root, "127.0.0.1", 0, token=TOKEN) as server:
+    return root
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    with HubServer(repos(tmp_path_factory.mktemp("repos")), "127.0.0.1", 0, token=TOKEN) as server:
         yield server
 
 
 def fetch(endpoint: str, tmp_path: Path, repo: str, revision: str, token: str | None = None,
-          fallback: str | None = None, also: tuple[str, ...] = ()):
+          fallback: str | None = None, also: tuple[str, ...] = (), round_waits: str = "0.1,0.1",
+          start: bool = False):
     env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_DISABLE_XET": "1",
            "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_ETAG_TIMEOUT": "3", "HF_HUB_DOWNLOAD_TIMEOUT": "3"}
     env.pop("HF_TOKEN", None)
@@ -41,8 +45,11 @@ def fetch(endpoint: str, tmp_path: Path, repo: str, revision: str, token: str | 
         env["HF_TOKEN"] = token
     more = ["--fallback-endpoint", fallback] if fallback else []
     more += [arg for each in also for arg in ("--also-endpoint", each)]
-    return subprocess.run([sys.executable, str(FETCH), repo, "--revision", revision, *more], env=env,
-                          capture_output=True, text=True, timeout=120)
+    more += ["--round-waits", round_waits]
+    argv = [sys.executable, str(FETCH), repo, "--revision", revision, *more]
+    if start:  # running, its output read as it comes
+        return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
 
 
 def closed_port() -> int:
@@ -116,3 +123,25 @@ def test_a_revision_refused_is_not_asked_of_the_relays_above(hub, tmp_path):
     done = fetch(hub.url, tmp_path, REPO, "v9", also=(f"http://127.0.0.1:{closed_port()}",))
     assert done.returncode == 2 and "has no revision 'v9'" in done.stdout
     assert "report: " not in done.stdout  # the same bytes above it: asking there changes nothing
+
+
+def test_a_source_back_after_a_pause_is_asked_again(tmp_path):
+    """No source answers (the mirror restarting; huggingface_hub's own retries spent): every
+    source again after a pause, and the download completes once one answers."""
+    port = closed_port()
+    cmd = fetch(f"http://127.0.0.1:{port}", tmp_path, REPO, REV, round_waits="5,5", start=True)
+    server = None
+    try:
+        for line in cmd.stdout:  # the first round failed: the source comes back during the pause
+            if "no source answered" in line:
+                server = HubServer(repos(tmp_path / "repos"), "127.0.0.1", port, token=TOKEN).start()
+                break
+        out = line + cmd.stdout.read()
+        assert cmd.wait(timeout=120) == 0, out
+    finally:
+        cmd.kill()
+        if server is not None:
+            server.stop()
+    assert "every source again in 5 s" in out and out.count("no source answered") == 1, out
+    assert "complete: acme/tiny@" in out
+    assert (tmp_path / "hf" / "hub" / "models--acme--tiny" / "snapshots" / REV / "config.json").exists()
