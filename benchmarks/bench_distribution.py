@@ -60,6 +60,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench_scale import write_json  # noqa: E402 - benchmarks/ is this script's own directory
+
 INVENTORY = "inventory/testbed.py"  # reads this instance's hosts.json
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 OP_START = re.compile(r"^--> Starting (?:[a-z ,]+ )?operation: (.*?)(?: \(.*\))?\s*$")
@@ -227,13 +229,6 @@ def summary_line(sizes: list[dict[str, Any]]) -> str:
     egress = max(r["max_egress_wire_copies"] for r in sizes)  # copies on the wire, as derive() says
     return (f"distribution: first deploy 8/1 = {ratio(8)}, 16/1 = {ratio(16)}, WAN = {wan:.2f}× one copy, "
             f"max host egress = {egress:.2f}× one copy")
-
-
-def write_json(path: Path, doc: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
-    tmp.replace(path)
 
 
 def main() -> int:
