@@ -127,6 +127,14 @@ def test_back_to_the_fleet_key_and_port(testbed, run_pyinfra):
     assert all(server.endswith(":8000") for server in servers(testbed))
 
 
+def _converged(testbed, run_pyinfra) -> None:
+    """The fleet on the defaults, every member up: what the test changes from, whatever an
+    earlier test (or this one's first try) left."""
+    result = run_pyinfra("deploy.py", *DATA)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert traffic.Endpoint(testbed, ROUTER, testbed.api_key_file).states() == {n: "UP" for n in testbed.names}
+
+
 def _deploy_until(pattern: str, *args: str) -> tuple[subprocess.Popen, list[str]]:
     """A deploy whose output is read until a line matches ``pattern``; the rest is kept."""
     run = subprocess.Popen(["pyinfra", "-y", INVENTORY, "deploy.py", *args], cwd=REPO_ROOT, text=True,
@@ -170,8 +178,11 @@ def test_a_host_that_dies_in_its_turn_stops_the_rollout(testbed, run_pyinfra):
     lines (no page of SSH errors, no traceback), spark-3 is neither drained nor restarted,
     and once spark-2 is back a run with the defaults converges the fleet."""
     second, third = testbed.names[1], testbed.names[2]
+    _converged(testbed, run_pyinfra)
     before = started_at(testbed, second), started_at(testbed, third)
     run, lines = _deploy_until(rf"\[{shown(testbed, second)}\] drained", *DATA, "--data", "profile=dflash")
+    # The turn to cut: the run must still be in it (else it ended before the kill could land).
+    assert run.poll() is None and lines and "drained" in lines[-1], "".join(lines)[-4000:]
     deadline = time.monotonic() + 120
     while started_at(testbed, second) == before[0] and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -203,6 +214,7 @@ def test_with_the_endpoint_host_unreachable_a_change_rolls_without_draining(test
     endpoint does not answer and roll without draining, with no traceback; `sparkfleet
     status` shows the hosts that answer and names the one that does not."""
     first, *others = testbed.names
+    _converged(testbed, run_pyinfra)
     with testbed.unreachable(first):
         result = run_pyinfra("deploy.py", *DATA, "--data", "profile=dflash")
         status = subprocess.run(["sparkfleet", "status", INVENTORY, *DATA], cwd=REPO_ROOT, capture_output=True,
