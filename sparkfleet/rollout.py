@@ -44,6 +44,9 @@ from sparkfleet.pairs import PairMember
 
 # How long a host put back in rotation may take to pass the endpoint's checks (rise 2 at 1 s).
 BACK_TIMEOUT_S = 30
+# Queries of the endpoint's members before a turn rolls without draining, and the pause between.
+ENDPOINT_TRIES = 3
+ENDPOINT_RETRY_S = 5
 # Tokens of the gate's decode request: enough drafts for an acceptance length.
 GATE_DECODE_TOKENS = 128
 GATE_DECODE_PROMPT = "Write a short paragraph about the history of Paris."
@@ -319,11 +322,17 @@ def _endpoint(state, host):
     ep = endpoint.endpoint_host(state)
     if ep is None:
         return None
-    try:
-        members = haproxy.members_of(ep)
-    except OperationError as exc:
-        host.log(f"the fleet endpoint does not answer ({exc}): rolling without draining", logger.warning)
-        return None
+    # A loaded endpoint host can miss one query: asked again before the turn rolls without
+    # draining (its in-flight requests would fail); one the run cannot reach is not.
+    for attempt in range(ENDPOINT_TRIES):
+        try:
+            members = haproxy.members_of(ep)
+            break
+        except OperationError as exc:
+            if attempt + 1 == ENDPOINT_TRIES or not ep.connected:
+                host.log(f"the fleet endpoint does not answer ({exc}): rolling without draining", logger.warning)
+                return None
+            gevent.sleep(ENDPOINT_RETRY_S)
     return ep if haproxy.server_name(host.name) in members else None
 
 

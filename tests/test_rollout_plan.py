@@ -347,3 +347,28 @@ def test_the_gate_asks_the_api_where_the_controller_reaches_it(data, url):
 def test_a_gate_cannot_reach_an_api_bound_to_loopback():
     with fake_state([S1]) as state, pytest.raises(OperationError, match="--data rollout=all"):
         rollout.api_url(state.inventory.get_host(S1), settings(bind_address="127.0.0.1"))
+
+
+def test_a_missed_query_of_the_endpoint_is_asked_again_before_rolling_without_draining(monkeypatch):
+    from types import SimpleNamespace
+
+    calls = []
+
+    def members_of(ep):  # the first query is missed (a loaded host), the next answers
+        calls.append(ep.name)
+        if len(calls) == 1:
+            raise OperationError("spark-1: the HAProxy runtime API did not answer `show stat`")
+        return {rollout.haproxy.server_name("spark-2"): None}
+
+    ep = SimpleNamespace(name="spark-1", connected=True)
+    said = []
+    spark2 = SimpleNamespace(name="spark-2", log=lambda text, how: said.append(text))
+    monkeypatch.setattr(rollout.haproxy, "members_of", members_of)
+    monkeypatch.setattr(rollout.endpoint, "endpoint_host", lambda state: ep)
+    monkeypatch.setattr(rollout, "ENDPOINT_RETRY_S", 0)
+    assert rollout._endpoint(None, spark2) is ep and calls == ["spark-1", "spark-1"] and said == []
+    # A host the run cannot reach is not asked again: the turn rolls without draining at once.
+    calls.clear()
+    ep.connected = False
+    assert rollout._endpoint(None, spark2) is None and calls == ["spark-1"]
+    assert "rolling without draining" in said[-1]
