@@ -13,6 +13,7 @@ import json
 import re
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -40,33 +41,30 @@ def hub(tb, method: str, path: str, body: dict | None = None):
     return response.json()
 
 
-def repo_files(tb, repo: str) -> dict[str, str]:
-    """The hub's files of the pinned revision: {path: sha256}."""
+def repo_root(tb, repo: str) -> Path:
+    """The hub's directory of the pinned revision of ``repo``."""
     from sparkfleet.testbed.hubservice import REPOS_DIR
 
-    root = REPOS_DIR / repo / tb.data["model_revisions"][repo]
+    return REPOS_DIR / repo / tb.data["model_revisions"][repo]
+
+
+def repo_files(tb, repo: str) -> dict[str, str]:
+    """The hub's files of the pinned revision: {path: sha256}."""
+    root = repo_root(tb, repo)
     return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def files_bytes(tb, repo: str, path: str) -> bytes:
-    from sparkfleet.testbed.hubservice import REPOS_DIR
-
-    return (REPOS_DIR / repo / tb.data["model_revisions"][repo] / path).read_bytes()
+    return (repo_root(tb, repo) / path).read_bytes()
 
 
-def largest_file(tb, repo: str) -> int:
-    from sparkfleet.testbed.hubservice import REPOS_DIR
-
-    root = REPOS_DIR / repo / tb.data["model_revisions"][repo]
-    return max(p.stat().st_size for p in root.rglob("*") if p.is_file())
+def file_sizes(tb, repo: str) -> list[int]:
+    return [p.stat().st_size for p in repo_root(tb, repo).rglob("*") if p.is_file()]
 
 
 def repo_size(tb, repo: str) -> int:
-    from sparkfleet.testbed.hubservice import REPOS_DIR
-
-    root = REPOS_DIR / repo / tb.data["model_revisions"][repo]
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    return sum(file_sizes(tb, repo))
 
 
 def snapshot(tb, name: str, repo: str) -> dict[str, str]:
@@ -165,7 +163,7 @@ def test_the_fleet_takes_each_artifact_from_upstream_once(fleet4, deploy_run):
     stats = hub(tb, "GET", "stats")
     for repo in (HYBRID, DFLASH):
         assert repo_size(tb, repo) * 0.99 <= stats["by_repo"][repo] <= repo_size(tb, repo) * 1.01 + \
-            largest_file(tb, repo), stats
+            max(file_sizes(tb, repo)), stats
     assert set(stats["by_client"]) == {mirror.address}
     # The mirror fetched them while the image crossed, and the deploy read what it started:
     # no task is left loaded on any host.
