@@ -59,7 +59,8 @@ def _on_stacks(signum, frame):
 
 def _print_stacks():
     # Where each greenlet is (its repr names the host it runs for), innermost frames last;
-    # code, never values: no secret is printed.
+    # code, never values: no secret is printed. Not gevent.util.print_run_info: its "spawned
+    # at" stacks and greenlet locals bury the 3 host frames under a few hundred lines.
     print("* Greenlets", file=sys.stderr)
     for g in gc.get_objects():
         if isinstance(g, greenlet.greenlet) and g.gr_frame is not None:
