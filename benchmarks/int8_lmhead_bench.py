@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
 import int8_lmhead as m  # noqa: E402
+import int8_lmhead_kernels as kern  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -128,7 +129,7 @@ def ptx_summary() -> list[str]:
     for cc in (90, 121):
         counts = {}
         for b in (1, 16, 32, 64):
-            p = m.compile_ptx(cc, b, K, V)
+            p = kern.compile_ptx(cc, b, K, V)
             for op in ("mma.sync", "wgmma", "cp.async.bulk", "setmaxnreg"):
                 counts[op] = counts.get(op, 0) + p.count(op)
         target = "sm_90a (H200)" if cc == 90 else "sm_121a (GB10)"
@@ -179,7 +180,7 @@ def main() -> int:
         ok &= good
         print(f"{b:>3} | {t_bf16 * 1e6:>7.1f} | {t_k * 1e6:>7.1f} | {t_floor * 1e6:>8.1f} | {t_k / t_floor:>10.3f} | "
               f"{t_bf16 / t_k:>6.2f}x | {'ok' if good else 'MISS':>4} | {err:>5.2f} ulp | "
-              f"{f'{n - lm_bad}/{n} same':>14} | {f'{iid_bad} diff, {iid_beyond} real':>16} | {m.pick_config(b)!r}")
+              f"{f'{n - lm_bad}/{n} same':>14} | {f'{iid_bad} diff, {iid_beyond} real':>16} | {kern.pick_config(b)!r}")
     print()
     print("# goals: int8/floor <= 1.10 and >= 1.9x bf16 at B in {1, 4, 13, 16}; <= 1.25 at B in {32, 64};")
     print("#        max err <= 1 bf16 ulp of the fp32 reference on the dequantized weight; LM-like argmax identical.")

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "runtime"), str(ROOT / "benchmarks")]
 
 import int8_lmhead as m  # noqa: E402
+import int8_lmhead_kernels as kern  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 from int8_lmhead_bench import read_floor, time_gpu, ulps  # noqa: E402
@@ -34,7 +35,7 @@ class Probe:
         defines = f"#define NB {nb}\n#define WARPS {warps}\n#define MT {mt}\n#define STAGES {stages}\n#define BK {bk}\n"
         self.kernel = torch.cuda._compile_kernel(defines + SOURCE, "int8_lmhead_wa")
         self.kernel.set_shared_memory_config(self.smem)
-        self.to_f16 = m._get_kernels()[3]
+        self.to_f16 = kern.get_kernels()[3]
 
     def __call__(self, x: torch.Tensor, tiles: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> None:
         b = x.shape[0]
@@ -61,7 +62,7 @@ def main() -> int:
         ref = x.float() @ deq.t()
         out = m.int8_logits(x, tiles, s)
         t = time_gpu(lambda: m.int8_logits(x, tiles, s), 40)  # noqa: B023
-        print(f"{b:>3} | {'triton ' + repr(m.pick_config(b)):<34} | {t * 1e6:6.1f} | {t / floor:7.3f} | "
+        print(f"{b:>3} | {'triton ' + repr(kern.pick_config(b)):<34} | {t * 1e6:6.1f} | {t / floor:7.3f} | "
               f"{ulps(out, ref):4.2f} ulp | {int((out.float().argmax(1) == ref.argmax(1)).sum())}/{b} same")
         for warps, mt, stages, bk in CONFIGS:
             probe = Probe(64 if b > 32 else 32, warps, mt, stages, bk)

@@ -20,6 +20,7 @@ RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
 sys.path.insert(0, str(RUNTIME))
 
 import int8_lmhead as m  # noqa: E402  (must import without torch/triton)
+import int8_lmhead_kernels as kern  # noqa: E402
 
 try:
     import torch
@@ -117,7 +118,7 @@ def test_f16_path_exact_over_any_row_magnitude(b):
         x[6] = 0  # an all-zero row
     ref = x.float() @ m.dequantize_rows(q, s).t()
     for cfg in ("V64_K32_w4_s1_f16", "V64_K32_w4_s1_wa_f16"):  # both tensor-core kernels
-        y = m.int8_logits(x, m.pack_tiles(q), s, config=m.KernelConfig.parse(cfg))
+        y = m.int8_logits(x, m.pack_tiles(q), s, config=kern.KernelConfig.parse(cfg))
         assert torch.isfinite(y.float()).all()
         if b > 6:
             assert not y[6].any()
@@ -183,20 +184,20 @@ def test_lmhead_cache_quantizes_once_and_keeps_bf16_weight():
 
 
 def test_config_parse_and_env_override(monkeypatch):
-    c = m.KernelConfig.parse("V64_K128_w4_s3")
+    c = kern.KernelConfig.parse("V64_K128_w4_s3")
     assert (c.block_v, c.block_k, c.num_warps, c.num_stages, c.fast_cvt, c.gemv) == (64, 128, 4, 3, True, False)
-    assert repr(m.KernelConfig.parse("V128_K64_w8_s2_cvt")) == "V128_K64_w8_s2_cvt"
-    assert m.KernelConfig.parse("V32_K256_w4_s3_gemv").gemv
-    assert repr(m.KernelConfig.parse("V32_K256_w4_s3_gemv")) == "V32_K256_w4_s3_gemv"
-    assert m.KernelConfig.parse("V128_K128_w4_s3_f16").f16
-    assert repr(m.KernelConfig.parse("V128_K128_w4_s3_f16")) == "V128_K128_w4_s3_f16"
-    c = m.KernelConfig.parse("V128_K128_w4_s3_wa_f16")
+    assert repr(kern.KernelConfig.parse("V128_K64_w8_s2_cvt")) == "V128_K64_w8_s2_cvt"
+    assert kern.KernelConfig.parse("V32_K256_w4_s3_gemv").gemv
+    assert repr(kern.KernelConfig.parse("V32_K256_w4_s3_gemv")) == "V32_K256_w4_s3_gemv"
+    assert kern.KernelConfig.parse("V128_K128_w4_s3_f16").f16
+    assert repr(kern.KernelConfig.parse("V128_K128_w4_s3_f16")) == "V128_K128_w4_s3_f16"
+    c = kern.KernelConfig.parse("V128_K128_w4_s3_wa_f16")
     assert c.wa and c.f16 and not c.gemv and repr(c) == "V128_K128_w4_s3_wa_f16"
     for bad in ("V256_K128_w4_s3", "V128_K96_w4_s3", "V64_K128_w8_s3_wa"):  # > a tile; not tile-aligned; 8-row slices
         with pytest.raises(ValueError):
-            m.KernelConfig.parse(bad)
+            kern.KernelConfig.parse(bad)
     monkeypatch.setenv("SF_INT8_LMHEAD_CONFIG", "V32_K32_w4_s1")
-    assert repr(m.pick_config(13)) == "V32_K32_w4_s1"
+    assert repr(kern.pick_config(13)) == "V32_K32_w4_s1"
     w = _weight(100, 40)
     q, s = m.quantize_rows(w)
     x = _hidden(3, 40)
@@ -209,15 +210,15 @@ def test_config_parse_and_env_override(monkeypatch):
 
 
 def test_dispatch_by_batch():
-    tiles = {b: m.batch_tile(b) for b in (1, 2, 13, 16, 17, 32, 33, 64, 70)}
+    tiles = {b: kern.batch_tile(b) for b in (1, 2, 13, 16, 17, 32, 33, 64, 70)}
     assert tiles == {1: 1, 2: 16, 13: 16, 16: 16, 17: 32, 32: 32, 33: 64, 64: 64, 70: 64}
-    assert m._TUNED[1].gemv and not any(m._TUNED[t].gemv for t in (16, 32, 64))
+    assert kern._TUNED[1].gemv and not any(kern._TUNED[t].gemv for t in (16, 32, 64))
     # fp16 activations where the decode, not DRAM, sets the time; not at
     # B <= 16, where the extra cast launch costs more than it saves
-    assert [m._TUNED[t].f16 for t in (1, 16, 32, 64)] == [False, False, True, True]
+    assert [kern._TUNED[t].f16 for t in (1, 16, 32, 64)] == [False, False, True, True]
     # the weight as the A operand from 17 rows up; x as A at B <= 16
-    assert [m._TUNED[t].wa for t in (1, 16, 32, 64)] == [False, False, True, True]
-    assert [m._wa_columns(b) for b in (5, 17, 32, 33, 64, 70)] == [16, 32, 32, 64, 64, 64]
+    assert [kern._TUNED[t].wa for t in (1, 16, 32, 64)] == [False, False, True, True]
+    assert [kern.wa_columns(b) for b in (5, 17, 32, 33, 64, 70)] == [16, 32, 32, 64, 64, 64]
 
 
 def test_same_source_compiles_for_gb10_without_hopper_instructions():
@@ -227,10 +228,10 @@ def test_same_source_compiles_for_gb10_without_hopper_instructions():
     # replaces @triton.jit), hence a subprocess.
     code = (
         f"import sys; sys.path.insert(0, {str(RUNTIME)!r})\n"
-        "import int8_lmhead as m\n"
+        "import int8_lmhead_kernels as kern\n"
         "for cc in (121, 90):\n"
         "    for b in (1, 16, 32, 64):\n"
-        "        p = m.compile_ptx(cc, b)\n"
+        "        p = kern.compile_ptx(cc, b)\n"
         "        assert f'.target sm_{cc}' in p, (cc, b)\n"
         "        for op in ('wgmma', 'cp.async.bulk', 'setmaxnreg'):\n"
         "            assert op not in p, (cc, b, op)\n"
