@@ -9,6 +9,9 @@ is a repo id).  Usage:
 
     build_hybrid.py --int4 DIR --donor DIR_or_repo_id [--donor-revision R] --out DIR [--verify]
 
+Which tensors are swapped is decided by ``hybrid_plan`` (beside this file); here the
+plan is written out, published and verified, and the command line is read.
+
 Guarantees:
 * byte-level streaming, shard by shard, through a bounded buffer: memory stays
   at a few tens of MiB whatever the shard size (the contract is "largest output
@@ -31,302 +34,56 @@ Exit codes: 0 ok / already complete / verified, 1 verification failed,
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
-import re
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 try:  # imported as runtime.build_hybrid (controller, tests)
+    from . import hybrid_plan as hp
     from . import safetensors_io as stio
 except ImportError:  # run as /host/build_hybrid.py: its directory is sys.path[0]
+    import hybrid_plan as hp
     import safetensors_io as stio
 
 INFO_KEY = "sparkfleet_hybrid"
 INFO_VERSION = 1
-INDEX_NAME = "model.safetensors.index.json"
-SCALE_SUFFIX = "_scale_inv"
-FP8_DTYPE = "F8_E4M3"
-FLOAT_DTYPES = {"BF16", "F16", "F32"}
-SCALE_DTYPES = {"F32", "BF16", "F16"}
-DEFAULT_BLOCK = (128, 128)
 # Fault injection for the tests of the atomic-publish guarantee: exit hard after
 # writing this many output shards (simulates a kill / power loss mid-build).
 _CRASH_ENV = "SF_BUILD_HYBRID_CRASH_AFTER_SHARDS"
-_HEX40 = re.compile(r"^[0-9a-f]{40}$")
-
-
-class BuildError(Exception):
-    """Bad input: reported with exit code 2."""
-
-
-def log(msg: str) -> None:
-    print(f"[build_hybrid] {msg}", flush=True)
-
-
-# --------------------------------------------------------------------------- inputs
-
-
-def is_expert(name: str) -> bool:
-    """Routed-expert tensors stay INT4 (`...mlp.experts.<E>...`, also the fused
-    `mlp.experts.gate_up_proj` layout).  The shared expert is `mlp.shared_expert.`."""
-    return ".mlp.experts." in name
-
-
-def is_mtp(name: str) -> bool:
-    # MTP tensors are kept as they are in the INT4 checkpoint: the reference recipe's builder
-    # dropped them (breaking the `mtp` profile on the hybrid), and swapping them
-    # would need an FP8 dispatch for the MTP module that the serve patch lacks.
-    return name.startswith("mtp.")
-
-
-def revision_from_path(p: Path) -> str | None:
-    """A HF cache snapshot dir is .../snapshots/<commit>; report that commit."""
-    for part in (p.name, p.parent.name):
-        if _HEX40.match(part):
-            return part
-    return None
-
-
-def repo_from_path(p: Path) -> str | None:
-    """`.../models--org--name/snapshots/<commit>` (the HF cache layout) -> org/name."""
-    if p.parent.name == "snapshots" and p.parent.parent.name.startswith("models--"):
-        return p.parent.parent.name[len("models--"):].replace("--", "/", 1)
-    return None
-
-
-def fingerprint(*files: Path) -> str:
-    """Identity of an input checkpoint from its small metadata files.  Paths and
-    times are deliberately left out so the output (and its hash) is reproducible."""
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f.name.encode() + b"\0")
-        h.update(f.read_bytes() if f.is_file() else b"<missing>")
-    return h.hexdigest()
-
-
-@dataclass
-class Donor:
-    """The FP8 donor: a local directory, or a hub repo fetched shard by shard."""
-
-    spec: str
-    revision: str | None
-    local_dir: Path | None = None
-    resolved_revision: str | None = None
-    fetched: list[str] = field(default_factory=list)
-    _weight_map: dict[str, str] | None = None
-    _config: dict | None = None
-
-    @property
-    def is_local(self) -> bool:
-        return self.local_dir is not None
-
-    def _hub_file(self, filename: str) -> Path:
-        try:
-            from huggingface_hub import hf_hub_download
-        except ImportError as exc:  # pragma: no cover - depends on the image
-            raise BuildError(
-                f"donor {self.spec!r} is not a local directory and huggingface_hub is not installed"
-            ) from exc
-        path = Path(hf_hub_download(repo_id=self.spec, filename=filename, revision=self.revision))
-        rev = revision_from_path(path.parent)
-        if rev:
-            self.resolved_revision = rev
-        return path
-
-    def file(self, filename: str) -> Path:
-        if self.local_dir is not None:
-            p = self.local_dir / filename
-            if not p.is_file():
-                raise BuildError(f"donor file missing: {p}")
-            return p
-        p = self._hub_file(filename)
-        if filename.endswith(".safetensors") and filename not in self.fetched:
-            self.fetched.append(filename)
-        return p
-
-    def weight_map(self) -> dict[str, str]:
-        if self._weight_map is None:
-            if self.local_dir is not None:
-                self._weight_map, _ = stio.load_index(self.local_dir)
-            else:
-                try:
-                    idx = self.file(INDEX_NAME)
-                except Exception as exc:  # single-file donors are not a thing at 122B
-                    raise BuildError(f"cannot fetch {INDEX_NAME} of {self.spec}: {exc}") from exc
-                self._weight_map = dict(json.loads(idx.read_text())["weight_map"])
-        return self._weight_map
-
-    def config(self) -> dict:
-        if self._config is None:
-            try:
-                self._config = json.loads(self.file("config.json").read_text())
-            except (BuildError, OSError, ValueError):
-                self._config = {}
-        return self._config
-
-    def fingerprint(self) -> str | None:
-        # Local donors are identified by their index (paths are not reproducible);
-        # hub donors by repo id + commit, so only the index is hashed when local.
-        if self.local_dir is None:
-            return None
-        return fingerprint(self.local_dir / INDEX_NAME)
-
-    def block_size(self) -> tuple[int, int]:
-        cfg = self.config()
-        qc = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config") or {}
-        bs = qc.get("weight_block_size")
-        if isinstance(bs, list) and len(bs) == 2:
-            return int(bs[0]), int(bs[1])
-        return DEFAULT_BLOCK
-
-
-def open_donor(spec: str, revision: str | None) -> Donor:
-    p = Path(spec)
-    if p.is_dir():
-        return Donor(spec=str(p), revision=revision, local_dir=p, resolved_revision=revision or revision_from_path(p))
-    if p.exists() or spec.startswith((".", "/")) or spec.count("/") != 1:
-        raise BuildError(f"--donor {spec!r} is neither a directory nor a repo id (org/name)")
-    return Donor(spec=spec, revision=revision, resolved_revision=revision if revision and _HEX40.match(revision) else None)
-
-
-# --------------------------------------------------------------------------- plan
-
-
-@dataclass
-class Swap:
-    name: str
-    orig: stio.TensorInfo
-    fp8: stio.TensorInfo
-    fp8_path: Path
-    scale: stio.TensorInfo
-    scale_path: Path
-
-
-@dataclass
-class Plan:
-    int4_dir: Path
-    shards: dict[str, stio.FileHeader]  # output file name -> input header (same name)
-    swaps: dict[str, Swap]
-    skipped: dict[str, str]  # name -> why a donor tensor was not swapped
-    donor: Donor
-    block: tuple[int, int]
-
-    def sources(self, shard: str) -> list[stio.TensorSource]:
-        """The output shard's tensors, in the input shard's order; a swapped
-        tensor is followed directly by its block scales."""
-        hdr = self.shards[shard]
-        out: list[stio.TensorSource] = []
-        for name, info in hdr.tensors.items():
-            sw = self.swaps.get(name)
-            if sw is None:
-                out.append(stio.TensorSource.from_file(info, hdr.path))
-            else:
-                out.append(stio.TensorSource.from_file(sw.fp8, sw.fp8_path))
-                out.append(stio.TensorSource.from_file(sw.scale, sw.scale_path))
-        return out
-
-    def n_mtp(self) -> int:
-        return sum(1 for h in self.shards.values() for n in h.tensors if is_mtp(n))
-
-
-def read_int4(int4_dir: Path) -> dict[str, stio.FileHeader]:
-    try:
-        weight_map, _ = stio.load_index(int4_dir)
-    except FileNotFoundError as exc:
-        raise BuildError(str(exc)) from exc
-    shards: dict[str, stio.FileHeader] = {}
-    for fname in sorted(set(weight_map.values())):
-        p = int4_dir / fname
-        if not p.is_file():
-            raise BuildError(f"index names {fname} but {p} is missing")
-        shards[fname] = stio.read_header(p)
-    for name, fname in weight_map.items():
-        if name not in shards[fname].tensors:
-            raise BuildError(f"index maps {name} to {fname}, whose header lacks it")
-    return shards
-
-
-def make_plan(int4_dir: Path, donor: Donor) -> Plan:
-    shards = read_int4(int4_dir)
-    dmap = donor.weight_map()
-    block = donor.block_size()
-
-    # Candidates are decided from the two indexes alone, so only the donor
-    # shards that hold them are ever fetched (routed-expert shards never are).
-    candidates: dict[str, tuple[stio.TensorInfo, str]] = {}
-    for fname, hdr in shards.items():
-        for name, info in hdr.tensors.items():
-            if is_expert(name) or is_mtp(name) or not name.endswith(".weight"):
-                continue
-            if name in dmap and name + SCALE_SUFFIX in dmap:
-                candidates[name] = (info, fname)
-    needed = sorted({dmap[n] for n in candidates} | {dmap[n + SCALE_SUFFIX] for n in candidates})
-    log(f"{len(candidates)} candidate tensors; donor shards needed: {len(needed)} of {len(set(dmap.values()))}")
-    donor_headers: dict[str, stio.FileHeader] = {}
-    for fname in needed:
-        donor_headers[fname] = stio.read_header(donor.file(fname))
-
-    swaps: dict[str, Swap] = {}
-    skipped: dict[str, str] = {}
-    for name, (orig, _fname) in sorted(candidates.items()):
-        dh = donor_headers[dmap[name]]
-        sh = donor_headers[dmap[name + SCALE_SUFFIX]]
-        fp8 = dh.tensors.get(name)
-        scale = sh.tensors.get(name + SCALE_SUFFIX)
-        if fp8 is None or scale is None:
-            raise BuildError(f"donor index lists {name} but its shard header lacks it")
-        if fp8.dtype != FP8_DTYPE:
-            skipped[name] = f"donor dtype {fp8.dtype}"
-            continue
-        if orig.dtype not in FLOAT_DTYPES:
-            skipped[name] = f"int4 checkpoint holds it as {orig.dtype}, not a float original"
-            continue
-        if fp8.shape != orig.shape or len(orig.shape) != 2:
-            raise BuildError(f"{name}: donor shape {list(fp8.shape)} != original {list(orig.shape)}")
-        want = (-(-orig.shape[0] // block[0]), -(-orig.shape[1] // block[1]))
-        if scale.shape != want or scale.dtype not in SCALE_DTYPES:
-            raise BuildError(
-                f"{name}{SCALE_SUFFIX}: {scale.dtype}{list(scale.shape)}, expected float {list(want)} "
-                f"for block {list(block)}"
-            )
-        swaps[name] = Swap(name, orig, fp8, dh.path, scale, sh.path)
-    return Plan(int4_dir, shards, swaps, skipped, donor, block)
 
 
 # --------------------------------------------------------------------------- output
 
 
-def info_block(plan: Plan, int4_dir: Path) -> dict:
+def info_block(plan: hp.Plan, int4_dir: Path) -> dict:
     donor = plan.donor
     return {
         "version": INFO_VERSION,
         "builder": "sparkfleet runtime/build_hybrid.py",
         "int4": {
-            "repo": repo_from_path(int4_dir),
-            "revision": revision_from_path(int4_dir),
+            "repo": hp.repo_from_path(int4_dir),
+            "revision": hp.revision_from_path(int4_dir),
             "fingerprint": int4_fingerprint(int4_dir),
         },
         "donor": {
-            "source": repo_from_path(donor.local_dir) if donor.local_dir else donor.spec,
+            "source": hp.repo_from_path(donor.local_dir) if donor.local_dir else donor.spec,
             "revision": donor.resolved_revision or donor.revision,
             "fingerprint": donor.fingerprint(),
             "shards_read": sorted({Path(s.fp8_path).name for s in plan.swaps.values()}
                                   | {Path(s.scale_path).name for s in plan.swaps.values()}),
         },
         "swapped": len(plan.swaps),
-        "swapped_dtype": FP8_DTYPE,
+        "swapped_dtype": hp.FP8_DTYPE,
         "weight_block_size": list(plan.block),
         "mtp_tensors_kept": plan.n_mtp(),
     }
 
 
 def int4_fingerprint(int4_dir: Path) -> str:
-    return fingerprint(int4_dir / "config.json", int4_dir / INDEX_NAME)
+    return hp.fingerprint(int4_dir / "config.json", int4_dir / hp.INDEX_NAME)
 
 
 def copy_aux_files(int4_dir: Path, dst: Path) -> None:
@@ -336,7 +93,7 @@ def copy_aux_files(int4_dir: Path, dst: Path) -> None:
         rel = src.relative_to(int4_dir)
         if rel.parts[0] in (".cache", ".git") or src.is_dir():
             continue
-        if rel.suffix == ".safetensors" or rel.name in (INDEX_NAME, "config.json"):
+        if rel.suffix == ".safetensors" or rel.name in (hp.INDEX_NAME, "config.json"):
             continue
         (dst / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, dst / rel)  # follows HF-cache symlinks; bounded buffer
@@ -368,7 +125,7 @@ def clean_stale_partials(out: Path) -> None:
             except PermissionError:
                 alive = True
         if not alive:
-            log(f"removing stale partial build {p}")
+            hp.log(f"removing stale partial build {p}")
             shutil.rmtree(p, ignore_errors=True)
 
 
@@ -376,14 +133,14 @@ def existing_info(out: Path) -> dict | None:
     """The info block of a complete output, or None if OUT is not one of ours."""
     try:
         cfg = json.loads((out / "config.json").read_text())
-        if not (out / INDEX_NAME).is_file():
+        if not (out / hp.INDEX_NAME).is_file():
             return None
         return cfg.get(INFO_KEY)
     except (OSError, ValueError):
         return None
 
 
-def same_inputs(info: dict, int4_dir: Path, donor: Donor) -> bool:
+def same_inputs(info: dict, int4_dir: Path, donor: hp.Donor) -> bool:
     """Is a complete OUT built from these inputs?  Decided from metadata only,
     so a no-op re-run fetches nothing."""
     if (info.get("int4") or {}).get("fingerprint") != int4_fingerprint(int4_dir):
@@ -394,28 +151,28 @@ def same_inputs(info: dict, int4_dir: Path, donor: Donor) -> bool:
     if d.get("source") != donor.spec:
         return False
     # A pinned commit must match; a branch name cannot be checked offline.
-    return not (donor.revision and _HEX40.match(donor.revision)) or d.get("revision") == donor.revision
+    return not (donor.revision and hp.HEX40.match(donor.revision)) or d.get("revision") == donor.revision
 
 
-def build(int4_dir: Path, donor: Donor, out: Path) -> int:
+def build(int4_dir: Path, donor: hp.Donor, out: Path) -> int:
     if out.exists():
         info = existing_info(out)
         if info is None:
-            raise BuildError(f"{out} exists and is not a hybrid checkpoint built by this tool")
+            raise hp.BuildError(f"{out} exists and is not a hybrid checkpoint built by this tool")
         if not same_inputs(info, int4_dir, donor):
-            log(f"{out} was built from other inputs (int4 {info.get('int4')}, donor {info.get('donor')}); "
+            hp.log(f"{out} was built from other inputs (int4 {info.get('int4')}, donor {info.get('donor')}); "
                 f"remove it or choose another --out")
             return 3
-        log(f"{out} is already complete ({info.get('swapped')} tensors swapped); nothing to do")
+        hp.log(f"{out} is already complete ({info.get('swapped')} tensors swapped); nothing to do")
         return 0
 
     out.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_partials(out)
-    plan = make_plan(int4_dir, donor)
+    plan = hp.make_plan(int4_dir, donor)
     if not plan.swaps:
-        raise BuildError("the donor has no FP8 tensor matching a float tensor of the INT4 checkpoint")
+        raise hp.BuildError("the donor has no FP8 tensor matching a float tensor of the INT4 checkpoint")
     for name, why in sorted(plan.skipped.items()):
-        log(f"not swapped: {name} ({why})")
+        hp.log(f"not swapped: {name} ({why})")
 
     partial = out.parent / f"{out.name}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
@@ -432,12 +189,12 @@ def build(int4_dir: Path, donor: Donor, out: Path) -> int:
         for s in sources:
             weight_map[s.name] = fname
             total += s.nbytes
-        log(f"wrote {fname} ({i}/{len(plan.shards)})")
+        hp.log(f"wrote {fname} ({i}/{len(plan.shards)})")
         if crash_after and i >= crash_after:
             os._exit(17)
 
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (partial / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    (partial / hp.INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     copy_aux_files(int4_dir, partial)
     cfg = json.loads((int4_dir / "config.json").read_text())
     cfg[INFO_KEY] = info_block(plan, int4_dir)
@@ -448,14 +205,14 @@ def build(int4_dir: Path, donor: Donor, out: Path) -> int:
     # is atomic, so OUT either does not exist or is complete.
     if out.exists():
         shutil.rmtree(partial, ignore_errors=True)
-        raise BuildError(f"{out} appeared while building (concurrent build?)")
+        raise hp.BuildError(f"{out} appeared while building (concurrent build?)")
     try:
         os.rename(partial, out)
     except OSError as exc:  # lost a race with a concurrent build of the same OUT
         shutil.rmtree(partial, ignore_errors=True)
-        raise BuildError(f"cannot publish {out}: {exc}") from exc
+        raise hp.BuildError(f"cannot publish {out}: {exc}") from exc
     fsync_dir(out.parent)
-    log(f"done: {len(plan.swaps)} tensors swapped to FP8, {plan.n_mtp()} MTP tensors kept, "
+    hp.log(f"done: {len(plan.swaps)} tensors swapped to FP8, {plan.n_mtp()} MTP tensors kept, "
         f"{len(weight_map)} tensors, {total / 2**30:.2f} GiB in {time.monotonic() - t0:.1f}s -> {out}")
     return 0
 
@@ -463,14 +220,14 @@ def build(int4_dir: Path, donor: Donor, out: Path) -> int:
 # --------------------------------------------------------------------------- verify
 
 
-def verify(int4_dir: Path, donor: Donor, out: Path) -> int:
+def verify(int4_dir: Path, donor: hp.Donor, out: Path) -> int:
     def fail(msg: str) -> int:
         print(f"[build_hybrid] VERIFY FAILED: {msg}", flush=True)
         return 1
 
     if not out.is_dir():
         return fail(f"{out} does not exist")
-    plan = make_plan(int4_dir, donor)
+    plan = hp.make_plan(int4_dir, donor)
     try:
         cfg = json.loads((out / "config.json").read_text())
         in_cfg = json.loads((int4_dir / "config.json").read_text())
@@ -483,7 +240,7 @@ def verify(int4_dir: Path, donor: Donor, out: Path) -> int:
     if cfg[INFO_KEY].get("swapped") != len(plan.swaps):
         return fail(f"info block says {cfg[INFO_KEY].get('swapped')} swapped, inputs give {len(plan.swaps)}")
     try:
-        wmap = json.loads((out / INDEX_NAME).read_text())["weight_map"]
+        wmap = json.loads((out / hp.INDEX_NAME).read_text())["weight_map"]
     except (OSError, ValueError, KeyError) as exc:
         return fail(f"index: {exc}")
 
@@ -516,7 +273,7 @@ def verify(int4_dir: Path, donor: Donor, out: Path) -> int:
         extra = sorted(set(wmap) - set(expected_map))
         wrong = sorted(n for n in set(wmap) & set(expected_map) if wmap[n] != expected_map[n])
         return fail(f"index differs: missing {missing[:3]}, extra {extra[:3]}, wrong file {wrong[:3]}")
-    log(f"verified {checked} tensors ({len(plan.swaps)} swapped) in {out}")
+    hp.log(f"verified {checked} tensors ({len(plan.swaps)} swapped) in {out}")
     return 0
 
 
@@ -535,12 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out.absolute()
     try:
         if not int4_dir.is_dir():
-            raise BuildError(f"--int4 {int4_dir} is not a directory")
-        donor = open_donor(args.donor, args.donor_revision)
+            raise hp.BuildError(f"--int4 {int4_dir} is not a directory")
+        donor = hp.open_donor(args.donor, args.donor_revision)
         if args.verify:
             return verify(int4_dir, donor, out)
         return build(int4_dir, donor, out)
-    except (BuildError, stio.SafetensorsError, OSError) as exc:  # OSError: disk, hub download
+    except (hp.BuildError, stio.SafetensorsError, OSError) as exc:  # OSError: disk, hub download
         print(f"[build_hybrid] error: {exc}", file=sys.stderr, flush=True)
         return 2
 

@@ -546,7 +546,7 @@ def pad_repo(d: Path, repo: str, artifact_scale: float | None) -> None:
 
 
 def donor_read(name: str, names: set[str]) -> bool:
-    """Whether a hybrid build reads the donor tensor *name* (build_hybrid.make_plan: a
+    """Whether a hybrid build reads the donor tensor *name* (hybrid_plan.make_plan: a
     non-expert, non-MTP ``.weight`` the INT4 checkpoint holds unquantized, with its block
     scales in the donor; or those scales)."""
     if name.endswith("_scale_inv"):

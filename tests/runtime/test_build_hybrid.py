@@ -294,7 +294,7 @@ builder, args = sys.argv[1], sys.argv[2:]
 sys.argv = [builder] + args
 sys.path.insert(0, builder.rsplit('/', 1)[0])
 import argparse, hashlib, shutil, struct  # what the builder imports anyway
-import safetensors_io
+import hybrid_plan, safetensors_io
 
 def status(key):
     for line in open('/proc/self/status'):
