@@ -29,7 +29,7 @@ from pyinfra import host, logger
 from pyinfra.api import FactBase, operation
 
 from runtime import serve_args
-from sparkfleet import remote
+from sparkfleet import remote, snapshot
 from sparkfleet.config import Settings
 from sparkfleet.hostpaths import RUNTIME_DIR
 from sparkfleet.mirror import local_image
@@ -208,8 +208,21 @@ def _check(state, host, reference: str, patches: list[str], env: dict[str, str],
     return True
 
 
+def checked(name: str, settings: Settings, member: PairMember | None = None):
+    """:func:`verified`, its cached verdict declared while the deploy plans: the host's
+    snapshot reads it with the rest instead of in a command (and a sudo) of its own."""
+    snapshot.expect(facts=[(CachedVerdict, _verdict_of(settings, member))])
+    return verified(name=name, settings=settings, member=member)
+
+
+def _verdict_of(settings: Settings, member: PairMember | None) -> dict[str, str]:
+    """The image and the plan key whose verdict this host's settings need."""
+    argv = serve_args.build_serve_argv(settings.serve_env(member))
+    return {"reference": local_image(settings), "key": plan_key(",".join(settings.patch_plan), argv)}
+
+
 @operation()
-def checked(settings: Settings, member: PairMember | None = None):
+def verified(settings: Settings, member: PairMember | None = None):
     """
     Check the patch plan and the serving command against the pinned image before the
     unit is installed or restarted.
@@ -223,9 +236,9 @@ def checked(settings: Settings, member: PairMember | None = None):
     """
     patches = settings.patch_plan
     env = settings.serve_env(member)
-    reference = local_image(settings)
-    key = plan_key(",".join(patches), serve_args.build_serve_argv(env))
-    cached = host.get_fact(CachedVerdict, reference=reference, key=key)
+    verdict_of = _verdict_of(settings, member)
+    reference, key = verdict_of["reference"], verdict_of["key"]
+    cached = snapshot.fact(CachedVerdict, **verdict_of)
     argv = serve_args.build_serve_argv(env)
 
     def pair_check(verdict: dict) -> str | None:

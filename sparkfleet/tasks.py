@@ -35,7 +35,7 @@ from pyinfra import host, logger
 from pyinfra.api import FunctionCommand, operation
 from pyinfra.api.exceptions import OperationError
 
-from sparkfleet import remote
+from sparkfleet import remote, snapshot
 from sparkfleet.facts import NewLines
 from sparkfleet.hostpaths import TASK_UNIT_PREFIX
 
@@ -211,8 +211,15 @@ def started(name: str, command: str) -> FunctionCommand:
     return remote.callback(_start)
 
 
+def events_reported(name: str, log: str, reported: str, prefix: str, nothing: str):
+    """:func:`events_said`, its log declared while the deploy plans: the host's snapshot
+    reads it with the rest instead of in a command (and a sudo) of its own."""
+    snapshot.expect(facts=[(NewLines, {"log": log, "reported": reported})])
+    return events_said(name=name, log=log, reported=reported, prefix=prefix, nothing=nothing)
+
+
 @operation()
-def events_reported(log: str, reported: str, prefix: str, nothing: str):
+def events_said(log: str, reported: str, prefix: str, nothing: str):
     """
     Say on the deploy's output the lines a host-side event log (``log``) gained since the
     last deploy, once: the host keeps how many it has shown in ``reported``.
@@ -220,7 +227,7 @@ def events_reported(log: str, reported: str, prefix: str, nothing: str):
     + prefix: what each line is said as (``watchdog: ``)
     + nothing: the noop's words when there is nothing new
     """
-    events = host.get_fact(NewLines, log=log, reported=reported)
+    events = snapshot.fact(NewLines, log=log, reported=reported)
     if not events["lines"]:
         host.noop(nothing)
         return

@@ -115,7 +115,7 @@ DynamicUser=false
 def boot_reported():
     """Say when the host booted since the last deploy (a reboot, or a hard reset under
     memory pressure), with the previous boot's last kernel and GPU errors (e.g. Xid)."""
-    report = host.get_fact(BootReport)
+    report = snapshot.fact(BootReport)
     if report["boot"] == report["seen"]:
         host.noop("the host has not rebooted since the last deploy")
         return
@@ -151,6 +151,7 @@ def configured(settings: Settings) -> None:
     tasks.events_reported(name="watchdog events since the last deploy", log=WATCHDOG_LOG,
                           reported=WATCHDOG_REPORTED, prefix="watchdog: ",
                           nothing="the watchdog saw no wedge and no memory pressure since the last deploy")
+    snapshot.expect(facts=[(BootReport, {})])  # read with the snapshot, not in a command of its own
     boot_reported(name="reboots since the last deploy, and why")
 
 
