@@ -153,11 +153,13 @@ def dev_char_symlinks():
     yield "nvidia-ctk system create-dev-char-symlinks --create-all"
 
 
+snapshot.expect_first(files=[NVIDIA_DEV_CHAR_RULE], texts=[UNIT_PATH], units=[UNIT])
+
+
 @deploy("NVIDIA container runtime")
 def configured(settings: Settings) -> None:
     """GPU access as the host gives it; toolkit, docker configuration and a docker restart
     only where no GPU container works; the /dev/char links everywhere."""
-    snapshot.expect(files=[NVIDIA_DEV_CHAR_RULE], texts=[UNIT_PATH], units=[UNIT])
     works = gpu_flag(settings) is not None
     toolkit = toolkit_installed(name="NVIDIA container toolkit installed",
                                 apt_repo=settings.nvidia_apt_repo, apt_key_url=settings.nvidia_apt_key_url,

@@ -255,15 +255,17 @@ def key_written(api_key: SecretStr, key_file: Path):
 # --- the state --------------------------------------------------------------------------------
 
 
+snapshot.expect_first(files=[NODE_EXPORTER_DEFAULTS, PROMETHEUS_DEFAULTS, PROMETHEUS_KEY, PROMETHEUS_RULES,
+                             PROMETHEUS_CONFIG], texts=[NODE_EXPORTER_DEFAULTS, PROMETHEUS_DEFAULTS, PROMETHEUS_CONFIG],
+                      units=[NODE_EXPORTER_UNIT, PROMETHEUS_UNIT], programs=["prometheus-node-exporter", "prometheus"])
+
+
 @deploy("Fleet monitor")
 def configured(settings: Settings) -> None:
     """A node exporter on this host when the fleet has a monitor, and Prometheus with the
     alert rules on the monitor host; a former monitor's Prometheus and the exporters of a
     fleet without one stopped."""
     name = monitor_name(host.state)
-    snapshot.expect(files=[NODE_EXPORTER_DEFAULTS, PROMETHEUS_DEFAULTS, PROMETHEUS_KEY, PROMETHEUS_RULES,
-                           PROMETHEUS_CONFIG], texts=[NODE_EXPORTER_DEFAULTS, PROMETHEUS_DEFAULTS, PROMETHEUS_CONFIG],
-                    units=[NODE_EXPORTER_UNIT, PROMETHEUS_UNIT], programs=["prometheus-node-exporter", "prometheus"])
     if name is None:
         if MARKER in (snapshot.text(NODE_EXPORTER_DEFAULTS) or ""):
             snapshot.service(NODE_EXPORTER_UNIT, running=False, enabled=False, name="node exporter stopped (no monitor)")

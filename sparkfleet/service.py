@@ -195,6 +195,10 @@ def serving(revision: str, restart: bool, rolling: Settings | None = None, membe
 # --- the state ----------------------------------------------------------------------------
 
 
+# What the rollout's decision reads while planning (running, below; stack.py's too).
+snapshot.expect_first(texts=[STARTED_FILE, f"{LAST_GOOD_DIR}/serving.rev"], units=[UNIT])
+
+
 @deploy("Host files")
 def host_files(settings: Settings) -> tuple:
     """The runtime/ copy and the 0600 secrets, which downloads and builds need too.
@@ -239,8 +243,7 @@ def running(settings: Settings, also_restart_for: tuple = (), member: PairMember
         gpu_flag=container_runtime.unit_gpu_flag(settings),  # --gpus all, or CDI's --device
         rdma_devices=RDMA_DEVICES if member is not None else None,  # a pair member: NCCL's RoCE
     )
-    snapshot.expect(texts=[f"{settings.hf_home}/.vllm_cache/{COMPILE_SIGNATURE}", STARTED_FILE,
-                           f"{LAST_GOOD_DIR}/serving.rev"], units=[UNIT])
+    snapshot.expect(texts=[f"{settings.hf_home}/.vllm_cache/{COMPILE_SIGNATURE}"])
     env = snapshot.file(SERVE_ENV, env_text, name="serving settings (serve.env)")
     unit = snapshot.file(UNIT_PATH, unit_text, name=f"systemd unit {UNIT}")
     compile_cache = compile_cache_matches(name="torch.compile cache matches the profile",

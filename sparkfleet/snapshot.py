@@ -131,8 +131,25 @@ class _Wanted:
                            "sizes": sorted(self.sizes), "facts": self.facts, "props": list(UNIT_PROPERTIES)})
 
 
+#: Constant paths that steps read while the deploy plans, declared as their modules load
+#: (:func:`expect_first`): every host's first read takes them along.
+_FIRST = _Wanted()
+
+
 def _wanted(name: str) -> _Wanted:
-    return once(("snapshot wanted", name), _Wanted)
+    return once(("snapshot wanted", name), lambda: _Wanted(
+        *(set(getattr(_FIRST, k)) for k in ("files", "texts", "trees", "units", "programs", "sizes"))))
+
+
+def expect_first(*, files=(), texts=(), units=(), programs=()) -> None:
+    """Declare, when a step's module loads, constant paths and units that step reads
+    while the deploy plans. The first step to read (preflight) reads them too, so a later
+    step's planning finds them read rather than running a command of its own: one sudo
+    each on a host, its password's hash checked again."""
+    _FIRST.files.update(files)
+    _FIRST.texts.update(texts)
+    _FIRST.units.update(units)
+    _FIRST.programs.update(programs)
 
 
 def expect(*, files=(), texts=(), trees=(), units=(), programs=(), sizes=(), facts=()) -> None:
