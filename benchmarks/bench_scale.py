@@ -24,7 +24,9 @@ open at once, channels the host refused, and the controller process's CPU second
 children; for status also ``getrusage(RUSAGE_CHILDREN)`` around it). The simulated hosts'
 own CPU time over a run is the sum over hosts of their cgroups' usage (``cpuacct.usage``
 on cgroup v1, ``cpu.stat`` ``usage_usec`` on v2): on this machine the hosts share the
-controller's cores, which a real fleet does not. A converged run must change nothing: the
+controller's cores, which a real fleet does not. Before its rounds, each size's fleet is
+watched idle for ``IDLE_S``: the hosts' background (timers, daemons), which a run's hosts'
+CPU includes for its whole wall time, is shown beside it. A converged run must change nothing: the
 ``changed`` column is the Success column of pyinfra's ``Grand total`` row (its columns are
 op-hosts / success (= changed) / error / no change); the serving unit's InvocationID is
 compared before and after the rounds (``restarted``). After the runs of a size, each host's
@@ -235,6 +237,20 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else math.nan
 
 
+#: How long each size's fleet is watched idle, after its first deploy.
+IDLE_S = 20.0
+
+
+def idle_cores(names: list[str]) -> float:
+    """The hosts' own CPU while no run asks them anything, in cores: their background
+    (timers, daemons, the mirrors), which every run's "hosts' CPU" includes for its
+    whole wall time and which real Sparks spend on their own cores."""
+    before, started = host_cpu_s(names), time.monotonic()
+    time.sleep(IDLE_S)
+    after = host_cpu_s(names)
+    return sum(after[n] - before[n] for n in names) / (time.monotonic() - started)
+
+
 def summarize(size: dict[str, Any]) -> dict[str, Any]:
     n = size["hosts"]
     rounds = size["rounds"]
@@ -264,6 +280,8 @@ def summarize(size: dict[str, Any]) -> dict[str, Any]:
         "dry_controller_cpu_s": median([r["controller_cpu_s"] for r in dry]),
         "status_controller_cpu_s": median([r["controller_cpu_s"] for r in stat]),
         "converged_hosts_cpu_s": median([r["hosts_cpu_s"] for r in conv]),
+        "idle_hosts_cores": size.get("idle_hosts_cores", math.nan),
+        "converged_hosts_background_s": size.get("idle_hosts_cores", math.nan) * median([r["wall_s"] for r in conv]),
         "dry_hosts_cpu_s": median([r["hosts_cpu_s"] for r in dry]),
         "status_hosts_cpu_s": median([r["hosts_cpu_s"] for r in stat]),
         "restarted": size.get("restarted"),
@@ -299,6 +317,7 @@ def one_size(n: int, repeats: int, logs: Path) -> dict[str, Any]:
             "cgroup_mib": cgroup_mem, "cgroup_per_host_mib": median(list(cgroup_mem.values())),
         }
         size["no_more_sessions_after_first"] = refused_sessions(tb)
+        size["idle_hosts_cores"] = idle_cores(tb.names)
         invocations = serve_invocations(tb)
         for i in range(repeats):
             print(f"... {n} host(s), round {i + 1}/{repeats}", file=sys.stderr, flush=True)
@@ -407,6 +426,17 @@ def memory_line(sizes: list[dict[str, Any]], total_kib: int) -> str:
                    "the cgroup counts the host's page cache and its share of the state tmpfs)")
 
 
+def background_line(sizes: list[dict[str, Any]]) -> str:
+    """How much of a converged run's hosts' CPU is their background, size by size."""
+    parts = []
+    for size in sizes:
+        s = size["summary"]
+        parts.append(f"{s['hosts']} hosts {num(s.get('idle_hosts_cores', math.nan), 2)} cores idle, "
+                     f"{num(s.get('converged_hosts_background_s', math.nan))} of {num(s['converged_hosts_cpu_s'])} s")
+    return ("the hosts' background (their CPU while idle, times a converged run's wall), of a converged run's "
+            "hosts' CPU: " + "; ".join(parts))
+
+
 def write_json(path: Path, doc: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -460,6 +490,7 @@ def main() -> int:
     write_json(args.out, doc)
     print(text)
     print("\n" + memory_line(done, doc["mem_total_kib"]))
+    print(background_line(done))
     print(f"sshd on the hosts: {done[0].get('sshd') or '?'}; JSON: {args.out}; logs: {logs}")
     print(line)
     return 0
