@@ -225,9 +225,11 @@ def test_a_host_interrupted_mid_download_resumes_without_refetching_complete_fil
     victim = tb.hosts[3]
     slow = "model-00009-of-00014.safetensors"
     hub(tb, "POST", "reset")
-    # The hub trickles one file of the Intel checkpoint over a minute (a piece a second, so
-    # olah's 15 s read timeout does not cut it); the victim is cut off meanwhile.
-    hub(tb, "POST", "fault", {"repo": INTEL, "path": slow, "delay_s": 60, "times": 1})  # the window to kill in
+    # The hub trickles one file of the Intel checkpoint over three minutes (a piece a second,
+    # so olah's 15 s read timeout does not cut it); the victim is cut off meanwhile. The
+    # mirror's prefetch asks for it as the run starts: the window must outlast the victim's
+    # planning and preflight under CI's load, which took past a minute.
+    hub(tb, "POST", "fault", {"repo": INTEL, "path": slow, "delay_s": 180, "times": 1})  # the window to kill in
     files = repo_files(tb, INTEL)
     cmd = ["pyinfra", "-y", INVENTORY, "deploy.py", "--data", "profile=base"]
     with subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
