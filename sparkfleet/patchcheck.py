@@ -211,13 +211,14 @@ def _check(state, host, reference: str, patches: list[str], env: dict[str, str],
 def checked(name: str, settings: Settings, member: PairMember | None = None):
     """:func:`verified`, its cached verdict declared while the deploy plans: the host's
     snapshot reads it with the rest instead of in a command (and a sudo) of its own."""
-    snapshot.expect(facts=[(CachedVerdict, _verdict_of(settings, member))])
+    argv = serve_args.build_serve_argv(settings.serve_env(member))
+    snapshot.expect(facts=[(CachedVerdict, _verdict_of(settings, argv))])
     return verified(name=name, settings=settings, member=member)
 
 
-def _verdict_of(settings: Settings, member: PairMember | None) -> dict[str, str]:
-    """The image and the plan key whose verdict this host's settings need."""
-    argv = serve_args.build_serve_argv(settings.serve_env(member))
+def _verdict_of(settings: Settings, argv: list[str]) -> dict[str, str]:
+    """The image and the plan key whose verdict this host's settings (``argv``: its serving
+    command) need."""
     return {"reference": local_image(settings), "key": plan_key(",".join(settings.patch_plan), argv)}
 
 
@@ -236,10 +237,10 @@ def verified(settings: Settings, member: PairMember | None = None):
     """
     patches = settings.patch_plan
     env = settings.serve_env(member)
-    verdict_of = _verdict_of(settings, member)
+    argv = serve_args.build_serve_argv(env)
+    verdict_of = _verdict_of(settings, argv)
     reference, key = verdict_of["reference"], verdict_of["key"]
     cached = snapshot.fact(CachedVerdict, **verdict_of)
-    argv = serve_args.build_serve_argv(env)
 
     def pair_check(verdict: dict) -> str | None:
         return pair_problem(verdict, reference, settings, member, argv)
