@@ -45,7 +45,9 @@ Testbed endpoints: ``GET /_testbed/stats`` (body bytes served, per repo and clie
 that file send their headers, then only ``abort_after`` body bytes, then drop the
 connection, to exercise resume; ``{"repo", "path", "delay_s", "times"}``: their body
 trickles over ``delay_s``, a piece a second, so a slow upstream is not cut by a proxy's
-read timeout; ``"times": 0`` withdraws a fault).
+read timeout; ``{"repo", "path", "release": true}``: that file's trickles, in flight or
+to come, end at once, so a test holds a transfer exactly as long as it needs;
+``"times": 0`` withdraws a fault).
 
 Stdlib only: it runs on the controller next to the registry.
 """
@@ -345,6 +347,7 @@ class _Faults:
         self._lock = threading.Lock()
         self._aborts: dict[tuple[str, str], list[int]] = {}
         self._delays: dict[tuple[str, str], list[float]] = {}
+        self._released: dict[tuple[str, str], threading.Event] = {}
 
     def add_abort(self, repo_id: str, path: str, after_bytes: int, times: int = 1) -> None:
         with self._lock:
@@ -359,16 +362,23 @@ class _Faults:
                 self._delays.pop((repo_id, path), None)
             else:
                 self._delays[(repo_id, path)] = [float(seconds), int(times)]
+                self._released[(repo_id, path)] = threading.Event()
 
-    def take_delay(self, repo_id: str, path: str) -> float:
+    def release(self, repo_id: str, path: str) -> None:
+        with self._lock:
+            self._delays.pop((repo_id, path), None)
+            self._released.pop((repo_id, path), threading.Event()).set()
+
+    def take_delay(self, repo_id: str, path: str) -> tuple[float, threading.Event]:
+        """The delay of this GET, and the event that ends it early."""
         with self._lock:
             fault = self._delays.get((repo_id, path))
             if not fault:
-                return 0.0
+                return 0.0, threading.Event()
             fault[1] -= 1
             if fault[1] <= 0:
                 del self._delays[(repo_id, path)]
-            return fault[0]
+            return fault[0], self._released[(repo_id, path)]
 
     def take_abort(self, repo_id: str, path: str) -> int | None:
         with self._lock:
@@ -384,6 +394,9 @@ class _Faults:
         with self._lock:
             self._aborts.clear()
             self._delays.clear()
+            for released in self._released.values():
+                released.set()
+            self._released.clear()
 
 
 def _iso(ts: float) -> str:
@@ -552,7 +565,9 @@ class _HubHandler(BaseHTTPRequestHandler):
                 return self._send_json(200, {"ok": True})
             if segs == ["_testbed", "fault"]:
                 spec = json.loads(body or b"{}")
-                if "delay_s" in spec:
+                if spec.get("release"):
+                    self.server.faults.release(spec["repo"], spec["path"])
+                elif "delay_s" in spec:
                     self.server.faults.add_delay(spec["repo"], spec["path"], spec["delay_s"], spec.get("times", 1))
                 else:
                     self.server.faults.add_abort(spec["repo"], spec["path"], spec["abort_after"], spec.get("times", 1))
@@ -729,7 +744,7 @@ class _HubHandler(BaseHTTPRequestHandler):
         budget = length if abort_after is None else min(length, abort_after)
         # A slow upstream: the body comes a piece a second over `delay` seconds, never silent
         # long enough for a proxy's read timeout (olah's is 15 s) to give up on it.
-        delay = self.server.faults.take_delay(repo_id, path)
+        delay, released = self.server.faults.take_delay(repo_id, path)
         pieces = math.ceil(delay)
         pause = delay / pieces if pieces else 0.0
         step = -(-budget // pieces) if pieces else _CHUNK
@@ -738,8 +753,8 @@ class _HubHandler(BaseHTTPRequestHandler):
             with f.abspath.open("rb") as fh:
                 fh.seek(start)
                 while sent < budget:
-                    if pieces:
-                        time.sleep(pause)
+                    if pieces and not released.is_set():
+                        released.wait(pause)
                         pieces -= 1
                     chunk = fh.read(min(step, budget - sent))
                     if not chunk:

@@ -41,6 +41,16 @@ def hub(tb, method: str, path: str, body: dict | None = None):
     return response.json()
 
 
+def hold(tb, repo: str, path: str) -> None:
+    """The hub's next GET of ``path`` trickles, a piece a second (no proxy's read timeout
+    cuts it), until release(): a transfer held exactly as long as a test needs it."""
+    hub(tb, "POST", "fault", {"repo": repo, "path": path, "delay_s": 900, "times": 1})
+
+
+def release(tb, repo: str, path: str) -> None:
+    hub(tb, "POST", "fault", {"repo": repo, "path": path, "release": True})
+
+
 def repo_root(tb, repo: str) -> Path:
     """The hub's directory of the pinned revision of ``repo``."""
     from sparkfleet.testbed.hubservice import REPOS_DIR
@@ -225,11 +235,11 @@ def test_a_host_interrupted_mid_download_resumes_without_refetching_complete_fil
     victim = tb.hosts[3]
     slow = "model-00009-of-00014.safetensors"
     hub(tb, "POST", "reset")
-    # The hub trickles one file of the Intel checkpoint over three minutes (a piece a second,
-    # so olah's 15 s read timeout does not cut it); the victim is cut off meanwhile. The
-    # mirror's prefetch asks for it as the run starts: the window must outlast the victim's
-    # planning and preflight under CI's load, which took past a minute.
-    hub(tb, "POST", "fault", {"repo": INTEL, "path": slow, "delay_s": 180, "times": 1})  # the window to kill in
+    # The hub holds one file of the Intel checkpoint (a piece a second, so olah's 15 s read
+    # timeout does not cut it) until the victim is cut off: the mirror's prefetch asks for
+    # it as the run starts, and under CI's load the victim's planning and preflight took
+    # past a minute to reach the weights.
+    hold(tb, INTEL, slow)
     files = repo_files(tb, INTEL)
     cmd = ["pyinfra", "-y", INVENTORY, "deploy.py", "--data", "profile=base"]
     with subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -243,6 +253,7 @@ def test_a_host_interrupted_mid_download_resumes_without_refetching_complete_fil
             run.kill()
             pytest.fail("the victim never got the fast files")
         killed = tb.exec(victim.name, "docker kill sparkfleet-fetch-intel--qwen3.5-122b-a10b-int4-autoround")
+        release(tb, INTEL, slow)
         assert killed.returncode == 0, killed.stderr
         first, _ = run.communicate(timeout=600)
     assert run.returncode != 0
@@ -361,15 +372,17 @@ def test_past_the_fanout_hosts_fetch_from_relays_and_a_dead_relay_costs_a_retry(
     for name in tb.names:  # the repository (and, below the mirror, the image) fetched again
         tb.exec(name, f"rm -rf {HF}/models--{slug} /var/lib/sparkfleet/hf/sparkfleet/complete/{slug}@*")
     # Every name of the image untagged (the running engine keeps its layers). By name: an
-    # image ID a running container uses cannot be deleted, even forced.
+    # image ID a running container uses cannot be deleted, even forced. None: a run before
+    # (this test's first try) did not get it back.
     names = "{{range .RepoTags}}{{.}} {{end}}{{range .RepoDigests}}{{.}} {{end}}"
-    tb.exec(last.name, f"docker rmi -f $(docker image inspect -f '{names}' {local_name(tb)})", check=True)
+    tb.exec(last.name, f"names=$(docker image inspect -f '{names}' {local_name(tb)} 2>/dev/null); "
+                       '[ -z "$names" ] || docker rmi -f $names', check=True)
     tb.exec(first.name, f"rm -rf /var/lib/sparkfleet/mirror/hf/repos/files/models/{DFLASH} "
                         f"/var/lib/sparkfleet/mirror/hf/repos/api/models/{DFLASH}")
     files = repo_files(tb, DFLASH)
     slow = "model-00003-of-00003.safetensors"
     hub(tb, "POST", "reset")
-    hub(tb, "POST", "fault", {"repo": DFLASH, "path": slow, "delay_s": 40, "times": 1})  # the window to kill in
+    hold(tb, DFLASH, slow)  # until the relay is dead: spark-4 cannot have the whole repository before
     since = time.time()
     time.sleep(1)
     cmd = ["pyinfra", "-y", INVENTORY, "deploy.py", "--data", "fleet_fanout=1"]
@@ -387,6 +400,7 @@ def test_past_the_fanout_hosts_fetch_from_relays_and_a_dead_relay_costs_a_retry(
         time.sleep(5)  # the fast files are in, the slow one is on its way
         # Dies, as a power cut: no graceful end for the downloads in flight, and no restart.
         stopped = tb.exec(third.name, "systemctl kill -s KILL sparkfleet-hf-mirror; systemctl stop sparkfleet-hf-mirror")
+        release(tb, DFLASH, slow)
         assert stopped.returncode == 0, stopped.stderr
         out, _ = run.communicate(timeout=900)
     assert run.returncode == 0, around_error(out)

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -165,6 +166,32 @@ def test_a_slow_file_trickles_under_a_proxy_read_timeout(hub: HubServer, repos: 
     finally:
         conn.close()
     assert body == repos[NEW]["big.safetensors"] and time.monotonic() - started >= 4.0
+
+
+def test_a_held_file_comes_at_once_when_released(hub: HubServer, repos: dict[str, Any]) -> None:
+    """A trickle far longer than a test waits, ended by a release: in flight, and for the
+    GETs it would still have slowed."""
+    def fault(spec: dict[str, Any]) -> None:
+        conn = http.client.HTTPConnection(hub.host, hub.port, timeout=10)
+        try:
+            conn.request("POST", "/_testbed/fault", body=json.dumps({"repo": REPO, "path": "big.safetensors", **spec}))
+            assert conn.getresponse().status == 200
+        finally:
+            conn.close()
+
+    fault({"delay_s": 600, "times": 2})
+    got: list[bytes] = []
+    started = time.monotonic()
+    reader = threading.Thread(target=lambda: got.append(raw(hub, "GET", f"/{REPO}/resolve/{NEW}/big.safetensors")[2]))
+    reader.start()
+    time.sleep(1.5)
+    assert got == []  # held
+    fault({"release": True})
+    reader.join(timeout=10)
+    assert got == [repos[NEW]["big.safetensors"]] and time.monotonic() - started < 12
+    started = time.monotonic()
+    raw(hub, "GET", f"/{REPO}/resolve/{NEW}/big.safetensors")  # its second time: released too
+    assert time.monotonic() - started < 5
 
 
 def test_range_and_head_headers(hub: HubServer, repos: dict[str, Any]) -> None:
