@@ -42,8 +42,7 @@ from pyinfra.operations import systemd
 
 from sparkfleet import apt, credentials, haproxy, remote
 from sparkfleet.config import Settings
-from sparkfleet.fleet import all_pairs, all_settings, chosen_endpoint, once, reached_at, ssh_address
-from sparkfleet.routes import RouteSource
+from sparkfleet.fleet import all_pairs, all_settings, chosen_endpoint, once, reached_at, source_toward, ssh_address
 
 PROJECT = Path(__file__).resolve().parents[1]
 TEMPLATE = PROJECT / "templates" / "haproxy.cfg.j2"
@@ -181,7 +180,7 @@ def _targets(settings: Settings) -> list[Target]:
             address = own
         elif own and member in state.activated_hosts and member not in state.failed_hosts:
             try:
-                address = member.get_fact(RouteSource, address=own) or None
+                address = source_toward(member, own) or None
             except Exception:  # noqa: BLE001 - an unreachable member keeps its address
                 address = None
         if not address and server in current:

@@ -291,6 +291,43 @@ def reached_at(target) -> str:
     return ssh_address(target) or target.name
 
 
+def source_toward(member, address: str) -> str:
+    """``member``'s source address on its route to ``address`` ("" when it has none).
+
+    The fleet's services ask this of every host while planning: the mirrors (whom their
+    firewall lets in), the endpoint and the monitor (where they reach each member). One
+    command per host per run answers for all of their addresses."""
+    from sparkfleet.routes import RouteSource, RouteSources
+
+    state = _current_state()
+    wanted = once("service addresses", lambda: _service_addresses(state), state)
+    if address not in wanted:
+        return member.get_fact(RouteSource, address=address)
+    routes = once(("routes", member.name), lambda: member.get_fact(RouteSources, addresses=wanted), state)
+    return routes.get(address, "")
+
+
+def _service_addresses(state) -> list[str]:
+    """Where the hosts' routes lead while planning: every mirror's fleet address, and the
+    endpoint's and the monitor's host as this run reached them. A host this run could not
+    reach, or a mirror with no address, adds none (asking for it alone then still works)."""
+    hosts = list(state.inventory)
+    up = [h for h in hosts if h in state.activated_hosts and h not in state.failed_hosts]
+    settings = all_settings()
+    found = {ssh_address(h, state) for h in up
+             if h.name in {chosen_endpoint(hosts, settings)[0], chosen_monitor(hosts, settings)[0]}}
+    mirrors = all_mirrors()
+    for current in up:
+        try:
+            mirror = located(state, current, mirrors)
+        except ConfigError:
+            continue
+        while mirror:
+            found.add(str(mirror.address))
+            mirror = mirror.upstream
+    return sorted(a for a in found if _usable(a))
+
+
 def _usable(address: str) -> bool:
     try:
         ip = ipaddress.ip_address(address)

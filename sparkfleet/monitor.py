@@ -35,7 +35,16 @@ from pyinfra.operations import systemd
 
 from sparkfleet import apt, credentials, remote, snapshot
 from sparkfleet.config import Settings
-from sparkfleet.fleet import all_pairs, all_settings, chosen_endpoint, chosen_monitor, once, reached_at, ssh_address
+from sparkfleet.fleet import (
+    all_pairs,
+    all_settings,
+    chosen_endpoint,
+    chosen_monitor,
+    once,
+    reached_at,
+    source_toward,
+    ssh_address,
+)
 from sparkfleet.hostpaths import (
     NODE_EXPORTER_DEFAULTS,
     NODE_EXPORTER_UNIT,
@@ -45,7 +54,6 @@ from sparkfleet.hostpaths import (
     PROMETHEUS_RULES,
     PROMETHEUS_UNIT,
 )
-from sparkfleet.routes import RouteSource
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
 MARKER = "# Rendered by sparkfleet (monitor.py)"
@@ -160,7 +168,7 @@ def fleet_address(member, previous: dict[str, str] | None = None) -> str:
             return toward or reached_at(member)
         if toward and reachable(member):
             try:
-                found = member.get_fact(RouteSource, address=toward)
+                found = source_toward(member, toward)
             except Exception:  # noqa: BLE001 - an unreachable host keeps how the controller names it
                 found = ""
             if found:

@@ -27,7 +27,7 @@ from pyinfra.api import operation
 from pyinfra.operations import systemd
 
 from sparkfleet import snapshot
-from sparkfleet.fleet import mirror_route
+from sparkfleet.fleet import mirror_route, source_toward
 from sparkfleet.hostpaths import (
     FIREWALL_RULES,
     FIREWALL_UNIT,
@@ -37,7 +37,6 @@ from sparkfleet.hostpaths import (
     REGISTRY_UNIT,
 )
 from sparkfleet.mirrors import Mirror
-from sparkfleet.routes import RouteSource
 
 TABLE = "sparkfleet_mirror"
 
@@ -54,7 +53,7 @@ def fleet_sources(mirror: Mirror) -> list[str]:
         # A member of the mirror's pair comes over the link, which its own link step routes
         # (after this is planned): its link address, not where its packets come from now.
         route = mirror_route(name, mirror)
-        source = route[0] if route else peer.get_fact(RouteSource, address=str(mirror.address))
+        source = route[0] if route else source_toward(peer, str(mirror.address))
         try:
             found.add(str(ipaddress.ip_address(source)))
         except ValueError:
