@@ -24,8 +24,11 @@ and the global arguments' type hints evaluated once, not per operation. Together
 were 43% of the controller's CPU (38% and 5%, cProfile) on a converged 16-host run;
 the answers are the same.
 
-It holds for every deploy file run from here (deploy.py, checks/bench.py) and imports
-nothing of sparkfleet.
+The sudo password reaches each host on sudo's stdin, never in a command line
+(:mod:`sparkfleet.remote`): for every run from here, ``pyinfra INVENTORY exec`` too.
+
+It holds for every deploy file run from here (deploy.py, checks/bench.py); of sparkfleet
+it imports only that.
 """
 
 import gc
@@ -42,6 +45,8 @@ import pyinfra
 from pyinfra import state
 from pyinfra.api import arguments, facts
 from pyinfra.api.util import PYINFRA_INSTALL_DIR
+
+import sparkfleet.remote  # noqa: F401 - installs the sudo password on stdin
 
 #: What pyinfra names its traceback file, in its working directory.
 DEBUG_LOG = "pyinfra-debug.log"

@@ -13,6 +13,13 @@ Uploads never pass through a file another user could read: pyinfra's own sudo up
 (0644 under sshd's umask 022) before it is copied; :func:`put` uploads into a 0700
 directory of the SSH user and copies into place under umask 077.
 
+The sudo password goes to sudo on its standard input (``sudo -S``), never in a command
+line: pyinfra's own way (``env SUDO_ASKPASS=... PYINFRA_SUDO_PASSWORD=<password> sudo
+-A``) puts it in the argv of ``env`` and of the login shell on the host, which any user
+there reads in ``ps`` for as long as the command runs. It also spares every host the
+two commands that make and remove pyinfra's askpass script. :func:`_sudo_reads_stdin`
+installs this for every SSH command of the process, facts and uploads included.
+
 A callback that fails as expected raises :class:`OperationError`; :func:`callback` shows
 that as one message, ``[host] step: what went wrong — what to do`` with any log tail
 below it, and no traceback (``-v`` shows it). Anything else is a bug and keeps
@@ -33,11 +40,67 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paramiko import SSHException
-from pyinfra.api import FunctionCommand, StringCommand
+from pyinfra.api import FunctionCommand, QuoteString, StringCommand
 from pyinfra.api.arguments import CONNECTOR_ARGUMENT_KEYS, pop_global_arguments
 from pyinfra.api.exceptions import OperationError
+from pyinfra.connectors import ssh as ssh_connector
 
 logger = logging.getLogger("pyinfra")
+
+
+# --- the sudo password on stdin ----------------------------------------------------------
+
+
+class _OnStdin:
+    """Stands for the sudo password in a command's arguments once it is on stdin."""
+
+    def __bool__(self) -> bool:
+        return True
+
+
+ON_STDIN = _OnStdin()
+#: Set in a host's connector data by :func:`check_sudo` (the first command of every run
+#: of the deploy) when its sudo asks no password: its commands then give none.
+SUDO_FREE = "sparkfleet_sudo_asks_no_password"
+
+
+def _sudo_reads_stdin() -> None:
+    """Route every sudo password of pyinfra's SSH connector through sudo's stdin."""
+    connector = ssh_connector.SSHConnector
+    if getattr(connector.run_shell_command, "sparkfleet", False):
+        return
+    run_shell_command = connector.run_shell_command
+    make_command = ssh_connector.make_unix_command_for_host
+
+    def run_with_password_on_stdin(self, command, print_output=False, print_input=False, **arguments):
+        password = arguments.get("_sudo_password")
+        if password and self.host.connector_data.get(SUDO_FREE):
+            arguments = {**arguments, "_sudo_password": ""}  # pyinfra's `sudo -n`
+        elif arguments.get("_sudo") and password and password is not ON_STDIN and not arguments.get("_get_pty"):
+            given = arguments.get("_stdin")
+            given = [] if given is None else given.readlines() if hasattr(given, "readlines") else (
+                list(given) if isinstance(given, (list, tuple)) else [given])
+            # sudo reads its password a byte at a time up to the newline: the rest is the command's.
+            arguments = {**arguments, "_sudo_password": ON_STDIN, "_stdin": [password, *given]}
+        return run_shell_command(self, command, print_output, print_input, **arguments)
+
+    def command_for_host(state, host, command, **arguments):
+        if arguments.get("_sudo_password") is not ON_STDIN:
+            return make_command(state, host, command, **arguments)
+        made = make_command(state, host, command, **{**arguments, "_sudo_password": ""})
+        bits = list(made.bits)
+        # pyinfra's `sudo -H -n` (no password to give) becomes `sudo -H -S -p '' -k`: the
+        # password from stdin, no prompt on stderr, no cached credential.
+        at = next(i for i in range(len(bits) - 2) if bits[i:i + 3] == ["sudo", "-H", "-n"])
+        bits[at + 2:at + 3] = ["-S", "-p", QuoteString(""), "-k"]
+        return StringCommand(*bits, _separator=made.separator)
+
+    run_with_password_on_stdin.sparkfleet = True
+    connector.run_shell_command = run_with_password_on_stdin
+    ssh_connector.make_unix_command_for_host = command_for_host
+
+
+_sudo_reads_stdin()
 
 
 #: What a step says of a host that went away under it.
@@ -223,9 +286,15 @@ def check_sudo(host) -> None:
             "inventory/sparks.py does), or run pyinfra with --same-sudo-password to type it once"
         )
     as_user = f" -u {shlex.quote(arguments['_sudo_user'])}" if arguments.get("_sudo_user") else ""
-    # -k: ask even with a cached credential; one line on stdin, then EOF: one try.
-    done = run(host, f"login=$(id -un); said=$(sudo -k -S -p ''{as_user} true 2>&1) && echo ok "
-                     '|| printf "login %s\\nsudo said: %s\\n" "$login" "$said"', as_login=True, stdin=password)
+    # -k: ask even with a cached credential; one line on stdin, then EOF: one try. A login
+    # whose sudo asks no password (NOPASSWD) is told apart first: sudo would leave the line
+    # on stdin unread, for the command to read (:data:`SUDO_FREE`).
+    done = run(host, f"login=$(id -un); if sudo -k -n{as_user} true 2>/dev/null; then echo free; "
+                     f"else said=$(sudo -k -S -p ''{as_user} true 2>&1) && echo ok "
+                     '|| printf "login %s\\nsudo said: %s\\n" "$login" "$said"; fi', as_login=True, stdin=password)
+    if done.ok and done.stdout == ["free"]:
+        host.connector_data[SUDO_FREE] = True
+        return
     if done.ok and done.stdout == ["ok"]:
         return
     login = next((line[6:] for line in done.stdout if line.startswith("login ")), "the login")

@@ -272,3 +272,70 @@ def test_a_step_whose_host_went_away_says_so_in_one_line_and_a_fault_of_ours_kee
     alive = GoneHost(alive=9)  # the host answers: the step's own fault is not hidden
     with pytest.raises(KeyError, match="a fault of the step"):
         remote.callback(step).execute(state, alive, {})
+
+
+class Channel:
+    def recv_exit_status(self) -> int:
+        return 0
+
+
+class Output(list):
+    channel = Channel()
+
+
+class Stdin:
+    def __init__(self):
+        self.data = b""
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    def close(self) -> None:
+        pass
+
+
+def connector_sent(connector_data: dict | None = None, **arguments) -> tuple[str, bytes]:
+    """What pyinfra's SSH connector sends a host for ``cat > /etc/x``: the command line
+    sshd gets, and the bytes on its stdin."""
+    from pyinfra.connectors.ssh import SSHConnector
+
+    sent: dict = {}
+
+    def exec_command(command, get_pty=False):
+        sent["command"], sent["stdin"] = command, Stdin()
+        return sent["stdin"], Output(), Output()
+
+    host = SimpleNamespace(name="spark-1", print_prefix="[spark-1] ", connector_data=connector_data or {})
+    connector = SimpleNamespace(state=None, host=host, client=SimpleNamespace(exec_command=exec_command))
+    ok, _ = SSHConnector.run_shell_command(connector, StringCommand("cat", ">", "/etc/x"), **arguments)
+    assert ok
+    return sent["command"], sent["stdin"].data
+
+
+def test_the_sudo_password_goes_on_stdin_never_in_the_command():
+    command, stdin = connector_sent(_sudo=True, _sudo_password="pa ss;word", _stdin="the file\n")
+    assert "pa ss" not in command and "ASKPASS" not in command
+    assert command == "sudo -H -S -p '' -k sh -c 'cat > /etc/x'"
+    assert stdin == b"pa ss;word\nthe file\n"  # sudo reads its line; the rest is the command's
+    command, stdin = connector_sent(_sudo=True, _sudo_password="pw", _sudo_user="serve", _stdin=["a", "b"])
+    assert (command, stdin) == ("sudo -H -S -p '' -k -u serve sh -c 'cat > /etc/x'", b"pw\na\nb\n")
+
+
+def test_without_a_password_or_sudo_the_command_is_pyinfras():
+    assert connector_sent(_sudo=True) == ("sudo -H -n sh -c 'cat > /etc/x'", b"")
+    assert connector_sent(_stdin="x") == ("sh -c 'cat > /etc/x'", b"x\n")
+
+
+def test_a_login_whose_sudo_asks_no_password_is_given_none(monkeypatch):
+    """NOPASSWD sudo reads nothing: a password on stdin would be left for the command."""
+    host, ran = sudo_login(monkeypatch, {"_sudo_password": "pw"})
+
+    def nopasswd(command, print_output=False, **arguments):
+        ran.append((str(command), arguments))
+        return True, CommandOutput([OutputLine("stdout", "free")])
+
+    host.run_shell_command = nopasswd
+    remote.check_sudo(host)
+    assert "sudo -k -n" in ran[0][0] and host.connector_data[remote.SUDO_FREE] is True
+    assert connector_sent(host.connector_data, _sudo=True, _sudo_password="pw", _stdin="x") == (
+        "sudo -H -n sh -c 'cat > /etc/x'", b"x\n")

@@ -132,6 +132,33 @@ def test_pyinfra_runs_with_sudo_through_the_generated_inventory(tb):
     assert login.password() not in out
 
 
+def test_the_sudo_password_is_in_no_command_line(tb):
+    """sshd runs each command as ``<login shell> -c COMMAND``: a login shell that logs its
+    arguments sees every command line pyinfra sends the host, sudo's included (pyinfra's
+    own way would show ``PYINFRA_SUDO_PASSWORD=<password>`` there, readable in ``ps``)."""
+    name, user = "spark-1", login.LOGIN_USER
+    shell = "/usr/local/bin/sparkfleet-logged-shell"
+    log = "/tmp/sparkfleet-logged-commands"
+    before = tb.exec(name, f"getent passwd {user} | cut -d: -f7", via="nsenter").stdout.strip()
+    logged = f'#!/bin/sh\nprintf "%s\\n" "$*" >> {log}\nexec {before} "$@"\n'
+    tb.exec(name, f"cat > {shell} <<'EOF'\n{logged}EOF\nchmod 755 {shell} && install -m 600 -o {user} /dev/null {log}"
+                  f" && usermod -s {shell} {user}", via="nsenter", check=True)
+    try:
+        inventory = str(paths.INVENTORY.relative_to(REPO_ROOT))
+        cp = subprocess.run(["pyinfra", "-y", inventory, "exec", "--limit", login.inventory_name(name, "alias"),
+                             "--", "id -u"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                            stdin=subprocess.DEVNULL)
+        out = cp.stdout + cp.stderr
+        assert cp.returncode == 0 and "] 0" in out, out[-3000:]
+        seen = tb.exec(name, f"cat {log}", via="nsenter").stdout
+    finally:
+        tb.exec(name, f"usermod -s {before} {user}; rm -f {shell} {log}", via="nsenter")
+    assert "sudo -H" in seen, seen[-2000:]  # the shell saw pyinfra's commands
+    leaked = login.password() in seen or "ASKPASS" in seen  # computed apart: a failure shows no password
+    assert not leaked, "the sudo password was in a command line"
+    assert "-c sudo -H -S -p '' -k sh -c 'id -u'" in seen, seen[-2000:]
+
+
 def test_inventory_names_resolve_on_the_controller_only(tb):
     # The controller's resolver does not know them either: only the ssh_config does.
     for h in tb.hosts:
