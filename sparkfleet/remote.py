@@ -103,6 +103,21 @@ def _sudo_reads_stdin() -> None:
 _sudo_reads_stdin()
 
 
+class _PasswordsMasked(logging.Filter):
+    """pyinfra's ``--debug`` prints each deploy's global arguments (its ``Starting deploy
+    ... (args=...)`` line), the sudo password among them: masked there, as pyinfra masks
+    it in the commands it prints."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple({**arg, **{k: "***" for k in ("_sudo_password", "_su_password") if arg.get(k)}}
+                                if isinstance(arg, dict) else arg for arg in record.args)
+        return True
+
+
+logger.addFilter(_PasswordsMasked())  # pyinfra's own logger, which pyinfra.api.host logs to
+
+
 #: What a step says of a host that went away under it.
 LOST = ("the host stopped answering over SSH (powered off, rebooted or cut off from the controller): "
         "bring it back and deploy again")

@@ -339,3 +339,12 @@ def test_a_login_whose_sudo_asks_no_password_is_given_none(monkeypatch):
     assert "sudo -k -n" in ran[0][0] and host.connector_data[remote.SUDO_FREE] is True
     assert connector_sent(host.connector_data, _sudo=True, _sudo_password="pw", _stdin="x") == (
         "sudo -H -n sh -c 'cat > /etc/x'", b"x\n")
+
+
+def test_pyinfras_debug_line_of_a_deploy_masks_the_sudo_password(caplog):
+    import logging
+
+    caplog.set_level(logging.DEBUG, logger="pyinfra")
+    logging.getLogger("pyinfra").debug("Starting deploy %s (args=%r, data=%r)", "Serving",
+                                                {"_sudo": True, "_sudo_password": "pa55"}, {})
+    assert "pa55" not in caplog.text and "'_sudo_password': '***'" in caplog.text
