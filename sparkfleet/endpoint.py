@@ -40,7 +40,7 @@ from pyinfra.api.exceptions import OperationError
 from pyinfra.facts.files import Sha256File
 from pyinfra.operations import systemd
 
-from sparkfleet import apt, credentials, haproxy, remote
+from sparkfleet import apt, credentials, haproxy, remote, snapshot
 from sparkfleet.config import Settings
 from sparkfleet.fleet import all_pairs, all_settings, chosen_endpoint, once, reached_at, source_toward, ssh_address
 
@@ -79,6 +79,10 @@ class OurConfig(FactBase["dict[str, str]"]):
         if not output or output[0].strip() != "ours":
             return None
         return dict(line.split(None, 1) for line in output[1:] if len(line.split()) == 2)
+
+
+# Every host is asked (a former endpoint stops its HAProxy): with its first read.
+snapshot.expect_first(facts=[(OurConfig, {})])
 
 
 # --- the configuration ----------------------------------------------------------------------
@@ -163,7 +167,7 @@ def _targets(settings: Settings) -> list[Target]:
     every = all_settings()
     pairs = all_pairs()
     own = ssh_address(host)
-    current = host.get_fact(OurConfig) or {}
+    current = snapshot.fact(OurConfig) or {}
     targets = []
     for member in state.inventory:
         ms = every.get(member.name)
@@ -391,7 +395,7 @@ def served(settings: Settings) -> None:
     """The fleet endpoint on the host ``fleet_endpoint`` names; stopped on a host that
     served it before; nothing elsewhere."""
     if endpoint_name(host.state) != host.name:
-        if host.get_fact(OurConfig) is not None:
+        if snapshot.fact(OurConfig) is not None:
             systemd.service(name="former fleet endpoint: haproxy stopped", service=UNIT, running=False, enabled=False)
         return
     members = _targets(settings)

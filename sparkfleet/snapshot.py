@@ -138,18 +138,21 @@ _FIRST = _Wanted()
 
 def _wanted(name: str) -> _Wanted:
     return once(("snapshot wanted", name), lambda: _Wanted(
-        *(set(getattr(_FIRST, k)) for k in ("files", "texts", "trees", "units", "programs", "sizes"))))
+        *(set(getattr(_FIRST, k)) for k in ("files", "texts", "trees", "units", "programs", "sizes")),
+        facts=dict(_FIRST.facts)))
 
 
-def expect_first(*, files=(), texts=(), units=(), programs=()) -> None:
-    """Declare, when a step's module loads, constant paths and units that step reads
-    while the deploy plans. The first step to read (preflight) reads them too, so a later
-    step's planning finds them read rather than running a command of its own: one sudo
-    each on a host, its password's hash checked again."""
+def expect_first(*, files=(), texts=(), units=(), programs=(), facts=()) -> None:
+    """Declare, when a step's module loads, constant paths, units and facts (``(fact
+    class, its arguments)`` pairs) that step reads while the deploy plans. The first step
+    to read (preflight) reads them too, so a later step's planning finds them read rather
+    than running a command of its own: one sudo each on a host, its password's hash
+    checked again."""
     _FIRST.files.update(files)
     _FIRST.texts.update(texts)
     _FIRST.units.update(units)
     _FIRST.programs.update(programs)
+    _FIRST.facts.update(_fact_entry(cls, kwargs) for cls, kwargs in facts)
 
 
 def expect(*, files=(), texts=(), trees=(), units=(), programs=(), sizes=(), facts=()) -> None:

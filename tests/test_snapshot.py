@@ -94,3 +94,18 @@ def test_pyinfra_facts_are_read_in_the_batch_as_pyinfra_reads_them():
     assert Memory().process(memory)["MemTotal"] > 0
     assert "_sudo" not in "".join(entries)  # pyinfra's own arguments are not the fact's
     assert holders is not None  # ss or its missing-command marker: never a failed command
+
+
+def test_facts_every_host_is_asked_come_with_its_first_read(monkeypatch):
+    from sparkfleet import endpoint, fleet
+    from sparkfleet.mirror import facts, tls  # noqa: F401 - declares as it loads
+
+    class Run:  # a pyinfra State, as the per-run store keys it
+        pass
+
+    monkeypatch.setattr(fleet, "_current_state", Run)
+    first = snapshot._wanted("spark-1").facts
+    for cls in (endpoint.OurConfig, facts.MirrorTrust):
+        key, command = snapshot._fact_entry(cls, {})
+        assert first[key] == command
+    assert read(facts=first)["facts"][snapshot._fact_entry(facts.MirrorTrust, {})[0]] == []  # no certs.d here

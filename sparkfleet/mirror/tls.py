@@ -25,6 +25,9 @@ from sparkfleet.hostpaths import (
 from sparkfleet.mirror.facts import MirrorTrust
 from sparkfleet.mirrors import Mirror
 
+# Every host is asked which former mirrors it still trusts: with its first read.
+snapshot.expect_first(facts=[(MirrorTrust, {})])
+
 
 def _make(state, host, tls_dir: str, mirror: Mirror) -> bool:  # pyinfra passes state, host
     credentials.mirror_tls(tls_dir, mirror)
@@ -117,7 +120,7 @@ def former_trust_removed(mirror: Mirror | None) -> None:
     address, another relay, or fleet_mirror=none) removed: a mirror address that moves on
     leaves nothing behind."""
     keep = {each.registry for each in (mirror, *mirror.fallbacks)} if mirror else set()
-    for registry in host.get_fact(MirrorTrust):
+    for registry in snapshot.fact(MirrorTrust):
         if registry not in keep:
             files.directory(name=f"trust of the former mirror registry {registry} removed",
                             path=f"{DOCKER_CERTS_DIR}/{registry}", present=False)
