@@ -388,7 +388,7 @@ def test_sigterm_before_every_node_joined_is_a_clean_stop(hf_home):
             seen = _line_matching(proc, ("waiting for 1 node(s)", "headless multiproc executor"), timeout=30)
             assert seen and proc.poll() is None
             proc.send_signal(signal.SIGTERM)
-            assert proc.wait(5) == 0
+            assert proc.wait(30) == 0  # a clean stop; 5 s was lost once to a loaded machine
             assert "Shutting down before startup completed." in proc.communicate()[0]
         finally:
             stop(proc)
