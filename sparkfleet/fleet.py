@@ -314,8 +314,8 @@ def _service_addresses(state) -> list[str]:
     hosts = list(state.inventory)
     up = [h for h in hosts if h in state.activated_hosts and h not in state.failed_hosts]
     settings = all_settings()
-    found = {ssh_address(h, state) for h in up
-             if h.name in {chosen_endpoint(hosts, settings)[0], chosen_monitor(hosts, settings)[0]}}
+    services = {chosen_endpoint(hosts, settings)[0], chosen_monitor(hosts, settings)[0]}
+    found = {ssh_address(h, state) for h in up if h.name in services}
     mirrors = all_mirrors()
     for current in up:
         try:

@@ -51,14 +51,8 @@ logger = logging.getLogger("pyinfra")
 # --- the sudo password on stdin ----------------------------------------------------------
 
 
-class _OnStdin:
-    """Stands for the sudo password in a command's arguments once it is on stdin."""
-
-    def __bool__(self) -> bool:
-        return True
-
-
-ON_STDIN = _OnStdin()
+#: Stands for the sudo password in a command's arguments once it is on stdin.
+ON_STDIN = object()
 #: Set in a host's connector data by :func:`check_sudo` (the first command of every run
 #: of the deploy) when its sudo asks no password: its commands then give none.
 SUDO_FREE = "sparkfleet_sudo_asks_no_password"
@@ -108,10 +102,13 @@ class _PasswordsMasked(logging.Filter):
     ... (args=...)`` line), the sudo password among them: masked there, as pyinfra masks
     it in the commands it prints."""
 
+    SECRETS = ("_sudo_password", "_su_password")
+
     def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.args, tuple):
-            record.args = tuple({**arg, **{k: "***" for k in ("_sudo_password", "_su_password") if arg.get(k)}}
-                                if isinstance(arg, dict) else arg for arg in record.args)
+        args = record.args if isinstance(record.args, tuple) else ()
+        if any(isinstance(arg, dict) and any(arg.get(k) for k in self.SECRETS) for arg in args):
+            record.args = tuple({**arg, **{k: "***" for k in self.SECRETS if arg.get(k)}} if isinstance(arg, dict)
+                                else arg for arg in args)
         return True
 
 
