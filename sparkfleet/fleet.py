@@ -275,10 +275,16 @@ def _addressed(state, mirror: Mirror) -> Mirror:
 
 def ssh_address(target, state=None) -> str:
     """The address ``target``'s SSH connection reached ($SSH_CONNECTION's third field), or
-    "": asked once per run, whoever asks."""
+    "": told by its sudo check (the run's first command on it), else asked once per run."""
+    from sparkfleet.remote import SSH_ADDRESS, check_sudo
     from sparkfleet.routes import SshServerAddress
 
-    return once(("ssh address", target.name), lambda: target.get_fact(SshServerAddress, _sudo=False), state)
+    def ask() -> str:
+        once(("sudo", target.name), lambda: check_sudo(target), state)
+        told = target.connector_data.get(SSH_ADDRESS)
+        return told if told is not None else target.get_fact(SshServerAddress, _sudo=False)
+
+    return once(("ssh address", target.name), ask, state)
 
 
 def reached_at(target) -> str:
@@ -302,8 +308,9 @@ def source_toward(member, address: str) -> str:
     state = _current_state()
     wanted = once("service addresses", lambda: _service_addresses(state), state)
     if address not in wanted:
-        return member.get_fact(RouteSource, address=address)
-    routes = once(("routes", member.name), lambda: member.get_fact(RouteSources, addresses=wanted), state)
+        return member.get_fact(RouteSource, address=address, _sudo=False)
+    routes = once(("routes", member.name), lambda: member.get_fact(RouteSources, addresses=wanted, _sudo=False),
+                  state)
     return routes.get(address, "")
 
 
@@ -357,7 +364,7 @@ def _fleet_address(state, mirror: Mirror) -> str:
     peers = [p for p in peers if p in state.active_hosts]
     reached = {peer.name: ssh_address(peer, state) for peer in peers}
     asked = sorted({a for a in reached.values() if _usable(a)})
-    routes = server.get_fact(RouteSources, addresses=asked) if asked else {}
+    routes = server.get_fact(RouteSources, addresses=asked, _sudo=False) if asked else {}
     seen = {name: (routes.get(a, "") if _usable(routes.get(a, "")) else "") or f"none (reached at {a or '?'})"
             for name, a in reached.items()}
     sources = Counter(a for a in seen.values() if _usable(a))

@@ -234,7 +234,7 @@ def link_problem(target, link: Link) -> str | None:
         if mtu != link.mtu:
             return f"{netdev} has MTU {mtu}, expected {link.mtu} (pair_mtu): {APPLY_FIX}"
     for address, via in link.routes:
-        source = target.get_fact(RouteSource, address=address)
+        source = target.get_fact(RouteSource, address=address, _sudo=False)
         if source != link.address:
             return (f"the fleet mirror {address} is reached from {source or 'nowhere'}, expected over "
                     f"{link.interface} via {via} from {link.address}: {APPLY_FIX}")

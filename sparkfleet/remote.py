@@ -56,6 +56,9 @@ ON_STDIN = object()
 #: Set in a host's connector data by :func:`check_sudo` (the first command of every run
 #: of the deploy) when its sudo asks no password: its commands then give none.
 SUDO_FREE = "sparkfleet_sudo_asks_no_password"
+#: Set in a host's connector data by :func:`check_sudo`: the address its SSH connection
+#: reached (``routes.SshServerAddress``), which the check's command prints along.
+SSH_ADDRESS = "sparkfleet_ssh_server_address"
 
 
 def _sudo_reads_stdin() -> None:
@@ -273,6 +276,22 @@ def sudo_password_file(host, password: str) -> str | None:
         return None
 
 
+#: The sudo check's first line: where the host's SSH connection arrived (the controller
+#: asks nothing else for it).
+_SAY_ADDRESS = 'echo "ssh ${SSH_CONNECTION:-}"'
+
+
+def _told_address(host, done: Result) -> Result:
+    """``done`` without the line of :data:`_SAY_ADDRESS`, which goes to the host's
+    connector data (:data:`SSH_ADDRESS`)."""
+    from sparkfleet.routes import SshServerAddress
+
+    said = [line for line in done.stdout if line.startswith("ssh ")]
+    if said:
+        host.connector_data[SSH_ADDRESS] = SshServerAddress().process([said[0][4:]])
+    return Result(done.ok, [line for line in done.stdout if not line.startswith("ssh ")], done.stderr)
+
+
 def check_sudo(host) -> None:
     """Raise :class:`~sparkfleet.config.ConfigError` when ``host`` is reached with sudo
     that will not work: it asks for a password nobody gave (pyinfra would prompt for it in
@@ -288,7 +307,8 @@ def check_sudo(host) -> None:
     # Exit 0 and sudo's words prefixed: pyinfra answers a failed command that printed
     # "a password is required" with a prompt of its own.
     if not password:
-        done = run(host, 'said=$(sudo -n true 2>&1) && echo ok || echo "sudo said: $said"', as_login=True)
+        done = _told_address(host, run(host, f'{_SAY_ADDRESS}; said=$(sudo -n true 2>&1) && echo ok '
+                                             '|| echo "sudo said: $said"', as_login=True))
         if done.ok and done.stdout == ["ok"]:
             return
         said = " ".join(done.stdout + done.stderr).strip() or "no answer"
@@ -301,9 +321,10 @@ def check_sudo(host) -> None:
     # -k: ask even with a cached credential; one line on stdin, then EOF: one try. A login
     # whose sudo asks no password (NOPASSWD) is told apart first: sudo would leave the line
     # on stdin unread, for the command to read (:data:`SUDO_FREE`).
-    done = run(host, f"login=$(id -un); if sudo -k -n{as_user} true 2>/dev/null; then echo free; "
-                     f"else said=$(sudo -k -S -p ''{as_user} true 2>&1) && echo ok "
-                     '|| printf "login %s\\nsudo said: %s\\n" "$login" "$said"; fi', as_login=True, stdin=password)
+    done = _told_address(host, run(
+        host, f"{_SAY_ADDRESS}; login=$(id -un); if sudo -k -n{as_user} true 2>/dev/null; then echo free; "
+              f"else said=$(sudo -k -S -p ''{as_user} true 2>&1) && echo ok "
+              '|| printf "login %s\\nsudo said: %s\\n" "$login" "$said"; fi', as_login=True, stdin=password))
     if done.ok and done.stdout == ["free"]:
         host.connector_data[SUDO_FREE] = True
         return

@@ -31,7 +31,8 @@ _SOURCE = "sed -n 's/.* src \\([^ ]*\\).*/\\1/p' | head -n 1"
 
 
 class RouteSource(FactBase[str]):
-    """This host's source address on its route to ``address`` ("" when it has none)."""
+    """This host's source address on its route to ``address`` ("" when it has none). Any
+    login may ask the kernel: run it with _sudo=False (a sudo costs a password check)."""
 
     @staticmethod
     def default():

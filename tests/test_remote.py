@@ -185,6 +185,21 @@ def test_the_right_password_passes_with_one_command(monkeypatch):
     assert len(ran) == 1
 
 
+def test_the_sudo_check_tells_where_the_ssh_connection_arrived(monkeypatch):
+    """The run's first command answers for $SSH_CONNECTION too: no command of its own."""
+    host, ran = sudo_login(monkeypatch, {"_sudo_password": "right-pw"})
+
+    def answer(command, print_output=False, **arguments):
+        ran.append((str(command), arguments))
+        return True, CommandOutput([OutputLine("stdout", "ssh 10.0.0.5 50022 10.0.0.11 22"),
+                                    OutputLine("stdout", "ok")])
+
+    host.run_shell_command = answer
+    remote.check_sudo(host)  # "ok" once the address line is taken out: passes
+    assert 'echo "ssh ${SSH_CONNECTION:-}"' in ran[0][0]
+    assert host.connector_data[remote.SSH_ADDRESS] == "10.0.0.11"
+
+
 def test_fail_names_the_problem_and_exits_non_zero():
     command = remote.fail("model_dir /x holds no checkpoint")
     assert isinstance(command, StringCommand)

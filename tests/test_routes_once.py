@@ -5,7 +5,7 @@ from __future__ import annotations
 import gevent
 import pytest
 
-from sparkfleet import fleet
+from sparkfleet import fleet, remote
 from sparkfleet.mirrors import Mirror
 from sparkfleet.routes import RouteSource, RouteSources, SshServerAddress
 
@@ -15,12 +15,14 @@ class Host:
 
     def __init__(self, name: str, ssh: str, routes: dict[str, str]):
         self.name, self.ssh, self.routes, self.asked = name, ssh, routes, []
+        self.connector_data = {}
 
     def get_fact(self, cls, **kwargs):
         self.asked.append(cls)
         gevent.sleep(0.001)  # a round trip: the other steps' greenlets run meanwhile
         if cls is SshServerAddress:
             return self.ssh
+        assert kwargs.pop("_sudo") is False  # the kernel answers any login: no sudo, no password check
         if cls is RouteSources:
             return {a: self.routes[a] for a in kwargs["addresses"] if a in self.routes}
         if cls is RouteSource:
@@ -45,6 +47,8 @@ def four(monkeypatch):
     state.failed_hosts = set()
     mirror = Mirror("spark-1", None, 8090, 5000, False, serves=("spark-2", "spark-3", "spark-4"))
     monkeypatch.setattr(fleet, "_current_state", lambda: state)
+    # The run's sudo check, each host's first command, tells its SSH address.
+    monkeypatch.setattr(remote, "check_sudo", lambda host: host.connector_data.update({remote.SSH_ADDRESS: host.ssh}))
     monkeypatch.setattr(fleet, "all_settings", lambda: {})
     monkeypatch.setattr(fleet, "chosen_endpoint", lambda hosts, settings: ("spark-2", []))
     monkeypatch.setattr(fleet, "chosen_monitor", lambda hosts, settings: ("spark-3", []))
@@ -61,7 +65,7 @@ def test_the_mirror_the_endpoint_and_the_monitor_cost_a_host_one_command(four):
     got = [gevent.spawn(fleet.source_toward, member, toward) for _, member, toward in asked]
     gevent.joinall(got, raise_error=True)
     assert [g.value for g in got] == [member.routes.get(toward, "") for _, member, toward in asked]
-    assert [c for c in last.asked if c is not SshServerAddress] == [RouteSources]  # one answers all three
+    assert last.asked == [RouteSources]  # one answers all three
     assert endpoint.asked.count(RouteSources) == 1 and monitor.asked.count(RouteSources) == 1
     # The mirror: its own address found once (toward its peers), then its own routes.
     assert first.asked.count(RouteSources) == 2 and RouteSource not in first.asked
@@ -70,4 +74,4 @@ def test_the_mirror_the_endpoint_and_the_monitor_cost_a_host_one_command(four):
 def test_an_address_no_service_has_is_asked_alone(four):
     last = four[-1]
     assert fleet.source_toward(last, "10.0.0.99") == ""
-    assert [c for c in last.asked if c is not SshServerAddress] == [RouteSource]
+    assert last.asked == [RouteSource]

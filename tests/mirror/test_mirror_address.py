@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import gevent
 import pytest
 
+from sparkfleet import remote
 from sparkfleet.config import ConfigError
 from sparkfleet.fleet import located
 from sparkfleet.mirrors import Mirror
@@ -17,8 +18,9 @@ from sparkfleet.routes import RouteSources, SshServerAddress
 class FakeHost:
     """A pyinfra host whose facts are a table: SSH address and routes {peer: source}."""
 
-    def __init__(self, name: str, ssh: str, routes: dict[str, str] | None = None):
+    def __init__(self, name: str, ssh: str, routes: dict[str, str] | None = None, told: bool = True):
         self.name, self.ssh, self.routes, self.asked = name, ssh, routes or {}, []
+        self.told, self.connector_data = told, {}
 
     def get_fact(self, cls, **kwargs):
         self.asked.append((cls, kwargs))
@@ -27,6 +29,7 @@ class FakeHost:
             assert kwargs == {"_sudo": False}  # sudo drops $SSH_CONNECTION
             return self.ssh
         if cls is RouteSources:
+            assert kwargs["_sudo"] is False  # the kernel answers any login: no password check
             return {a: self.routes[a] for a in kwargs["addresses"] if a in self.routes}
         raise AssertionError(cls)
 
@@ -41,6 +44,17 @@ class FakeState:
 
 
 fake_state = FakeState
+
+
+@pytest.fixture(autouse=True)
+def sudo_checked(monkeypatch):
+    """The run's sudo check, the first command on every host, tells its SSH address
+    (a login without sudo is checked by nothing, and tells nothing)."""
+    def check_sudo(host):
+        if host.told:
+            host.connector_data[remote.SSH_ADDRESS] = host.ssh
+
+    monkeypatch.setattr(remote, "check_sudo", check_sudo)
 
 
 def mirrors_for(names, address=None):
@@ -69,7 +83,16 @@ def test_sixteen_hosts_planning_at_once_ask_the_mirror_one_command():
     found = gevent.joinall([gevent.spawn(located, state, h, mirrors) for h in (m, *peers)], raise_error=True)
     assert {g.value.address for g in found} == {"10.0.0.11"}
     assert len(m.asked) == 1  # not one per host, nor one per peer
-    assert all(len(p.asked) == 1 for p in peers)  # each peer: its own SSH address, once
+    assert all(p.asked == [] for p in peers)  # each peer's SSH address: told by its sudo check
+
+
+def test_a_host_whose_sudo_check_told_nothing_is_asked_its_address_once():
+    m = FakeHost("spark-1", "10.0.0.11", {"10.0.0.12": "10.0.0.11"})
+    p = FakeHost("spark-2", "10.0.0.12", told=False)
+    state = fake_state(m, p)
+    mirrors = mirrors_for([m.name, p.name])
+    gevent.joinall([gevent.spawn(located, state, h, mirrors) for h in (m, p, p)], raise_error=True)
+    assert p.asked == [(SshServerAddress, {"_sudo": False})]
 
 
 def test_a_new_run_finds_the_address_again():
