@@ -214,6 +214,12 @@ def journal_tail(target_host, lines: int = 25) -> str:
     return "    " + "\n    ".join(tail.stdout or ["(journal is empty)"])
 
 
+def declared(address: str, port: int) -> None:
+    """Declare, while the deploy plans, what :func:`ready` reads (the models the API lists):
+    the host's snapshot reads it with the rest, not in a command (and a sudo) of its own."""
+    snapshot.expect(facts=[(ServedModels, {"address": address, "port": port})])
+
+
 @operation(is_idempotent=False)
 def ready(address: str, port: int, model: str, timeout_s: int, restarting: bool, hint: str):
     """
@@ -227,7 +233,7 @@ def ready(address: str, port: int, model: str, timeout_s: int, restarting: bool,
     """
     # Cheap while planning (and under --dry): the API lists the model. After a (re)start
     # the wait below asks for a real completion.
-    if model in host.get_fact(ServedModels, address=address, port=port) and not restarting:
+    if not restarting and model in snapshot.fact(ServedModels, address=address, port=port):
         host.noop(f"READY — {hint}")
         return
     yield remote.callback(wait_ready, address, port, model, timeout_s, hint, restarting)

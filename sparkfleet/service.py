@@ -261,6 +261,7 @@ def running(settings: Settings, also_restart_for: tuple = (), member: PairMember
     # A host that serves now restarts in its turn of the rollout, which waits for READY
     # and gates it itself (rollout.py); rollout=all restarts every host at once.
     address = ready.ready_address(settings, member)
+    ready.declared(address, settings.port)  # before the first read of a feed's will_change below
     rolling = rollout.applies(settings, snapshot.unit(UNIT), snapshot.first_line(STARTED_FILE),
                               snapshot.first_line(f"{LAST_GOOD_DIR}/serving.rev"))
     started = serving(

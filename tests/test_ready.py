@@ -215,10 +215,11 @@ def test_settings_already_kept_are_not_copied_again(current, monkeypatch):
 ], ids=["serving", "restarting", "not-serving", "another-model"])
 def test_ready_waits_unless_the_model_answers_and_nothing_restarts(current, monkeypatch, served, restarting, waits):
     asked = []
-    monkeypatch.setattr(current, "get_fact", lambda cls, **kw: asked.append((cls, kw)) or served)
+    monkeypatch.setattr(snapshot, "fact", lambda cls, **kw: asked.append((cls, kw)) or served)
     commands = list(ready.ready._inner(address="127.0.0.1", port=8000, model="qwen", timeout_s=900,
                                        restarting=restarting, hint="the hint"))
-    assert asked == [(ServedModels, {"address": "127.0.0.1", "port": 8000})]
+    # Read with the host's snapshot; a restart makes any answer stale: nothing to ask.
+    assert asked == ([] if restarting else [(ServedModels, {"address": "127.0.0.1", "port": 8000})])
     if not waits:
         assert commands == [] and current.noops == ["READY — the hint"]
         return
