@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -233,13 +234,76 @@ def _read(kind: str, key: str):
 
 
 def _read_unread(wanted: _Wanted, known: dict) -> None:
-    """Everything declared and not read yet, in one command, into ``known``."""
-    missing = _Wanted(*(getattr(wanted, k) - known[k].keys() for k in _KINDS if k != "facts"),
-                      facts={k: c for k, c in wanted.facts.items() if k not in known["facts"]})
+    """Everything declared and not read yet, in one command, into ``known``. The host's
+    first read of the run takes along what its later reads asked last time (:func:`_hinted`);
+    a later read means the hint fell short, and it is kept anew."""
+    reads = once(("snapshot reads", host.name), lambda: [0])
+    reads[0] += 1
+    asked = _Wanted(*(getattr(wanted, k) | getattr(_hinted(), k) for k in _KINDS if k != "facts"),
+                    facts={**_hinted().facts, **wanted.facts}) if reads[0] == 1 else wanted
+    missing = _Wanted(*(getattr(asked, k) - known[k].keys() for k in _KINDS if k != "facts"),
+                      facts={k: c for k, c in asked.facts.items() if k not in known["facts"]})
+    if reads[0] > 1:
+        _keep_hint(wanted)
     found = host.get_fact(HostState, want=missing.json())
     known["cpus"] = found.get("cpus")
     for k in _KINDS:
         known[k].update({name: found.get(k, {}).get(name) for name in getattr(missing, k)})
+
+
+# --- hints: what a host's later reads asked, kept on the controller ---------------------------
+
+#: Where the controller keeps, per host, what its reads after the first asked in the last
+#: run: the steps declare much of it after the preflight's read, so a converged run would
+#: read each host twice. A hint names paths, units and facts, never a value: every answer
+#: is still read from the host, and a missing or stale hint costs a command, not an answer.
+HINTS = Path(__file__).resolve().parents[1] / ".sparkfleet" / "snapshot-hints"
+_HINTED_MODULES = ("sparkfleet.", "pyinfra.facts.")
+
+
+def _hint_path() -> Path:
+    key = f"{host.name} {host.data.get('ssh_hostname') or ''}"  # two fleets may name hosts alike
+    return HINTS / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def _hinted() -> _Wanted:
+    """The current host's hint (empty when there is none), facts built by this code."""
+    def load() -> _Wanted:
+        try:
+            doc = json.loads(_hint_path().read_text())
+        except (OSError, ValueError):
+            return _Wanted()
+        facts = dict(filter(None, (_entry_of(key) for key in doc.get("facts", []))))
+        return _Wanted(*(set(doc.get(k, [])) for k in _KINDS if k != "facts"), facts=facts)
+
+    return once(("snapshot hint", host.name), load)
+
+
+def _entry_of(key: str) -> tuple[str, str] | None:
+    """The (key, command) of a fact named by its key, when this code still has that fact."""
+    import importlib
+
+    name, _, args = key.partition(":")
+    module, _, cls = name.rpartition(".")
+    if not module.startswith(_HINTED_MODULES):
+        return None
+    try:
+        entry = _fact_entry(getattr(importlib.import_module(module), cls), json.loads(args))
+    except (ImportError, AttributeError, ValueError, TypeError):
+        return None
+    return entry if entry[0] == key else None
+
+
+def _keep_hint(wanted: _Wanted) -> None:
+    doc = {k: sorted(getattr(wanted, k)) for k in _KINDS if k != "facts"} | {"facts": sorted(wanted.facts)}
+    path = _hint_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kept = path.with_suffix(f".{os.getpid()}.tmp")
+        kept.write_text(json.dumps(doc))
+        os.replace(kept, path)
+    except OSError:
+        pass  # a hint not kept costs the next run a command
 
 
 def file_state(path: str) -> tuple[int, str, str] | None:

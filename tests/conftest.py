@@ -28,6 +28,15 @@ def _downloads(item) -> bool:
     )
 
 
+@pytest.fixture(autouse=True)
+def _snapshot_hints_of_the_test(tmp_path_factory, monkeypatch):
+    """Hosts of a test keep their snapshot hints in a directory of the test's own, not the
+    checkout's state directory (where the deploys a test runs in a subprocess keep theirs)."""
+    from sparkfleet import snapshot
+
+    monkeypatch.setattr(snapshot, "HINTS", tmp_path_factory.mktemp("snapshot-hints"))
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if _downloads(item):

@@ -109,3 +109,42 @@ def test_facts_every_host_is_asked_come_with_its_first_read(monkeypatch):
         key, command = snapshot._fact_entry(cls, {})
         assert first[key] == command
     assert read(facts=first)["facts"][snapshot._fact_entry(facts.MirrorTrust, {})[0]] == []  # no certs.d here
+
+
+def test_a_hosts_later_reads_come_with_its_first_read_of_the_next_run(monkeypatch):
+    """The steps declare much after the preflight's read: the first converged run after
+    them reads each host once, and every value is still read from the host."""
+    from pyinfra.context import ctx_host
+    from pyinfra.facts.server import Arch
+    from support.fleetdata import fake_state
+
+    on_host = {"files": {"/a": [0o644, "root:root", "x"], "/b": None}, "texts": {"/t": "v2"}}
+
+    def run() -> list[dict]:
+        asked = []
+        with fake_state(["@fake/spark-1"]) as state:
+            target = state.inventory.get_host("@fake/spark-1")
+
+            def get_fact(cls, want):
+                asked.append(json.loads(want))
+                got = json.loads(want)
+                return {k: {name: on_host.get(k, {}).get(name, ["amd64"] if k == "facts" else None)
+                            for name in got[k]} for k in snapshot._KINDS} | {"cpus": 2}
+
+            monkeypatch.setattr(target, "get_fact", get_fact)
+            with ctx_host.use(target):
+                snapshot.expect(files=["/a"])
+                assert snapshot.file_state("/a") == (0o644, "root:root", "x")  # the preflight's read
+                snapshot.expect(files=["/b"], texts=["/t"], facts=[(Arch, {})])  # a later step's
+                assert snapshot.file_state("/b") is None and snapshot.text("/t") == on_host["texts"]["/t"]
+                assert snapshot.fact(Arch) == "amd64"
+        return asked
+
+    first = run()
+    assert len(first) == 2 and "/t" in first[1]["texts"] and "/t" not in first[0]["texts"]
+    on_host["texts"]["/t"] = "v3"  # what is read is the host's answer now, never the hint's
+    second = run()
+    [read] = second
+    assert {"/a", "/b"} <= set(read["files"]) and "/t" in read["texts"] and "pyinfra.facts.server.Arch:{}" in read["facts"]
+    on_host["texts"]["/t"] = "v4"
+    assert len(run()) == 1
