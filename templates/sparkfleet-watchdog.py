@@ -24,13 +24,11 @@ eugr/spark-vllm-docker #257). Each event is one line in the events log, which
 from __future__ import annotations
 
 import argparse
-import calendar
 import json
 import os
-import subprocess
+import socket
 import sys
 import time
-import urllib.request
 
 STATE = "/run/sparkfleet/watchdog.json"  # the last figures (tmpfs: a reboot starts afresh)
 AGENT = "/run/sparkfleet/agent"  # what sparkfleet-agent.socket answers HAProxy
@@ -129,16 +127,22 @@ def _write(path: str, text: str) -> None:
 
 
 def _get(port: int, path: str, timeout: float) -> str | None:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}")
+    """The body of a 2xx answer to GET ``path`` on the engine's loopback port, else None.
+    HTTP/1.0 on a socket: urllib's imports alone cost a look more than the look (every
+    few seconds, on every host)."""
     header = _read(AUTH_HEADER).strip()  # 0600 root: never argv, never logged
-    if header:
-        name, _, value = header.partition(":")
-        request.add_header(name.strip(), value.strip())
+    request = f"GET {path} HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\n" + (f"{header}\r\n" if header else "") + "\r\n"
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.read().decode()
-    except (OSError, ValueError):
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as conn:
+            conn.sendall(request.encode())
+            chunks = []
+            while chunk := conn.recv(65536):
+                chunks.append(chunk)
+    except OSError:
         return None
+    head, _, body = b"".join(chunks).partition(b"\r\n\r\n")
+    status = head.split(b"\r\n", 1)[0].split()
+    return body.decode(errors="replace") if len(status) > 1 and status[1].startswith(b"2") else None
 
 
 def event(kind: str, message: str) -> None:
@@ -157,6 +161,8 @@ def drained(reason: str, settle_s: float) -> None:
 
 
 def recent_restarts(window_s: float, now: float) -> int:
+    import calendar  # only when acting: each look's imports are its cost
+
     count = 0
     for line in _read(EVENTS).splitlines():
         parts = line.split(" ", 2)
@@ -170,6 +176,8 @@ def recent_restarts(window_s: float, now: float) -> int:
 
 
 def systemctl(*args: str) -> None:
+    import subprocess
+
     subprocess.run(["systemctl", *args, UNIT], check=False)
 
 

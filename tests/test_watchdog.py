@@ -115,3 +115,40 @@ def test_a_new_boot_is_reported_with_the_previous_boots_gpu_errors():
     report = fact.process(["boot 2222", "seen 1111", xid])
     assert report == {"boot": "2222", "seen": "1111", "errors": [xid]}
     assert fact.process(["boot 2222", "seen 2222"])["errors"] == []
+
+
+def test_the_look_reads_the_engine_with_the_key_and_only_a_2xx_counts(tmp_path, monkeypatch):
+    import http.server
+    import threading
+
+    seen = []
+
+    class Engine(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            seen.append((self.path, self.headers.get("Authorization")))
+            ok = self.headers.get("Authorization") == "Bearer k-1" and self.path == "/metrics"
+            body = b"vllm:num_requests_running 1.0\n" if ok else b"{}"
+            self.send_response(200 if ok else 401)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Engine)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    header = tmp_path / "api-auth.header"
+    header.write_text("Authorization: Bearer k-1\n")
+    monkeypatch.setattr(program, "AUTH_HEADER", str(header))
+    try:
+        port = server.server_address[1]
+        assert program.parse_metrics(program._get(port, "/metrics", timeout=5))["running"] == 1.0
+        assert program._get(port, "/v1/models", timeout=5) is None  # 401: not an answer
+        header.write_text("")
+        assert program._get(port, "/metrics", timeout=5) is None
+        assert seen == [("/metrics", "Bearer k-1"), ("/v1/models", "Bearer k-1"), ("/metrics", None)]
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert program._get(port, "/metrics", timeout=1) is None  # nothing listens: no answer
