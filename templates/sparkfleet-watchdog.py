@@ -141,8 +141,30 @@ def _get(port: int, path: str, timeout: float) -> str | None:
     except OSError:
         return None
     head, _, body = b"".join(chunks).partition(b"\r\n\r\n")
-    status = head.split(b"\r\n", 1)[0].split()
-    return body.decode(errors="replace") if len(status) > 1 and status[1].startswith(b"2") else None
+    status, *headers = head.split(b"\r\n")
+    if not status.split()[1:2] or not status.split()[1].startswith(b"2"):
+        return None
+    # uvicorn chunks an answer that has no Content-Length (vLLM's /metrics), to HTTP/1.0 too.
+    if any(h.replace(b" ", b"").lower() == b"transfer-encoding:chunked" for h in headers):
+        body = _dechunked(body)
+    return None if body is None else body.decode(errors="replace")
+
+
+def _dechunked(body: bytes) -> bytes | None:
+    """A chunked body's bytes (None when it is cut short or malformed)."""
+    pieces = []
+    while True:
+        size, _, body = body.partition(b"\r\n")
+        try:
+            n = int(size.split(b";", 1)[0], 16)
+        except ValueError:
+            return None
+        if n == 0:
+            return b"".join(pieces)
+        if len(body) < n + 2:
+            return None
+        pieces.append(body[:n])
+        body = body[n + 2:]
 
 
 def event(kind: str, message: str) -> None:

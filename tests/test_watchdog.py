@@ -127,8 +127,15 @@ def test_the_look_reads_the_engine_with_the_key_and_only_a_2xx_counts(tmp_path, 
         def do_GET(self):  # noqa: N802 - http.server's name
             seen.append((self.path, self.headers.get("Authorization")))
             ok = self.headers.get("Authorization") == "Bearer k-1" and self.path == "/metrics"
-            body = b"vllm:num_requests_running 1.0\n" if ok else b"{}"
+            body = b"# HELP x\nvllm:num_requests_running 1.0\nvllm:generation_tokens_total 12345.0\n" if ok else b"{}"
             self.send_response(200 if ok else 401)
+            if ok:  # as uvicorn sends vLLM's /metrics: chunked, the pieces cutting lines
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                for piece in (body[:20], body[20:47], body[47:]):
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                self.wfile.write(b"0\r\n\r\n")
+                return
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -143,7 +150,8 @@ def test_the_look_reads_the_engine_with_the_key_and_only_a_2xx_counts(tmp_path, 
     monkeypatch.setattr(program, "AUTH_HEADER", str(header))
     try:
         port = server.server_address[1]
-        assert program.parse_metrics(program._get(port, "/metrics", timeout=5))["running"] == 1.0
+        assert program.parse_metrics(program._get(port, "/metrics", timeout=5)) == {
+            "running": 1.0, "waiting": 0.0, "tokens": 12345.0}
         assert program._get(port, "/v1/models", timeout=5) is None  # 401: not an answer
         header.write_text("")
         assert program._get(port, "/metrics", timeout=5) is None

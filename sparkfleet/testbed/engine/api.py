@@ -241,6 +241,10 @@ class EngineHTTPServer(ThreadingHTTPServer):
         super().__init__(addr, _Handler)
 
 
+#: Bytes per chunk of /metrics: small enough that a body of vLLM's size is cut mid-line.
+METRICS_CHUNK = 1000
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: EngineHTTPServer
@@ -281,6 +285,20 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+
+    def _chunked(self, body_text: str, content_type: str) -> None:
+        """As uvicorn sends an ASGI answer without Content-Length (vLLM's /metrics is
+        prometheus_client's ASGI app): chunked, to an HTTP/1.0 client too, in pieces that
+        cut lines."""
+        body = body_text.encode()
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for start in range(0, len(body), METRICS_CHUNK):
+            piece = body[start:start + METRICS_CHUNK]
+            self.wfile.write(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+        self.wfile.write(b"0\r\n\r\n")
 
     def _authorized(self) -> bool:
         keys = self.server.engine.api_keys
@@ -323,8 +341,8 @@ class _Handler(BaseHTTPRequestHandler):
             ("GET", "/health"): lambda: self._plain(200, "", "application/json"),
             ("GET", "/ping"): lambda: self._plain(200, "", "application/json"),
             ("GET", "/version"): lambda: self._json(200, {"version": VERSION}),
-            ("GET", "/metrics"): lambda: self._plain(
-                200, self.server.engine.metrics.render(), "text/plain; version=0.0.4; charset=utf-8"),
+            ("GET", "/metrics"): lambda: self._chunked(
+                self.server.engine.metrics.render(), "text/plain; version=0.0.4; charset=utf-8"),
             ("GET", "/v1/models"): self._models,
             ("POST", "/v1/completions"): lambda: self._generate(body_bytes, chat=False),
             ("POST", "/v1/chat/completions"): lambda: self._generate(body_bytes, chat=True),
