@@ -167,18 +167,25 @@ def _fleet_lock(state, asked: dict[str, Settings]) -> tuple[fleetlock.LockRun, l
     return fleetlock.LockRun(path, planned.lock, before, planned.changes, writer), planned.problems
 
 
+def sudo_checked(target, state=None) -> None:
+    """``target``'s sudo checked (:func:`~sparkfleet.remote.check_sudo`), once per run,
+    whoever asks first: its own planning, or another host's that needs its SSH address."""
+    from sparkfleet.remote import check_sudo
+
+    once(("sudo", target.name), lambda: check_sudo(target), state)
+
+
 def _held(state, names: list[str], asked: dict[str, Settings]) -> dict[str, fleetlock.Held]:
     """What the connected hosts among ``names`` hold from before the lock (one command each)."""
     from sparkfleet.facts import HeldArtifacts
     from sparkfleet.hostpaths import local_image
-    from sparkfleet.remote import check_sudo
 
     found = {}
     for name in names:
         target = state.inventory.get_host(name)
         if target not in state.activated_hosts:
             continue
-        once(("sudo", name), lambda target=target: check_sudo(target), state)
+        sudo_checked(target, state)
         s = asked[name]
         facts = target.get_fact(HeldArtifacts, hf_home=s.hf_home, images=[local_image(s.image)])
         found[name] = fleetlock.Held(facts["markers"], facts["images"])
@@ -188,9 +195,7 @@ def _held(state, names: list[str], asked: dict[str, Settings]) -> dict[str, flee
 def _fleet(locked: bool = True) -> dict[str, Any]:
     from pyinfra import host
 
-    from sparkfleet.remote import check_sudo
-
-    once(("sudo", host.name), lambda: check_sudo(host))  # before any fact: sudo must not prompt mid-run
+    sudo_checked(host)  # before any fact: sudo must not prompt mid-run
     state = _current_state()
     if not locked:
         return once("fleet asked", lambda: _asked(state), state)
@@ -276,11 +281,11 @@ def _addressed(state, mirror: Mirror) -> Mirror:
 def ssh_address(target, state=None) -> str:
     """The address ``target``'s SSH connection reached ($SSH_CONNECTION's third field), or
     "": told by its sudo check (the run's first command on it), else asked once per run."""
-    from sparkfleet.remote import SSH_ADDRESS, check_sudo
+    from sparkfleet.remote import SSH_ADDRESS
     from sparkfleet.routes import SshServerAddress
 
     def ask() -> str:
-        once(("sudo", target.name), lambda: check_sudo(target), state)
+        sudo_checked(target, state)
         told = target.connector_data.get(SSH_ADDRESS)
         return told if told is not None else target.get_fact(SshServerAddress, _sudo=False)
 

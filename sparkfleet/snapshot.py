@@ -239,12 +239,14 @@ def _read_unread(wanted: _Wanted, known: dict) -> None:
     a later read means the hint fell short, and it is kept anew."""
     reads = once(("snapshot reads", host.name), lambda: [0])
     reads[0] += 1
-    asked = _Wanted(*(getattr(wanted, k) | getattr(_hinted(), k) for k in _KINDS if k != "facts"),
-                    facts={**_hinted().facts, **wanted.facts}) if reads[0] == 1 else wanted
-    missing = _Wanted(*(getattr(asked, k) - known[k].keys() for k in _KINDS if k != "facts"),
-                      facts={k: c for k, c in asked.facts.items() if k not in known["facts"]})
-    if reads[0] > 1:
+    if reads[0] == 1:
+        hint = _hinted()
+        wanted = _Wanted(*(getattr(wanted, k) | getattr(hint, k) for k in _KINDS if k != "facts"),
+                         facts={**hint.facts, **wanted.facts})
+    else:
         _keep_hint(wanted)
+    missing = _Wanted(*(getattr(wanted, k) - known[k].keys() for k in _KINDS if k != "facts"),
+                      facts={k: c for k, c in wanted.facts.items() if k not in known["facts"]})
     found = host.get_fact(HostState, want=missing.json())
     known["cpus"] = found.get("cpus")
     for k in _KINDS:
@@ -268,15 +270,12 @@ def _hint_path() -> Path:
 
 def _hinted() -> _Wanted:
     """The current host's hint (empty when there is none), facts built by this code."""
-    def load() -> _Wanted:
-        try:
-            doc = json.loads(_hint_path().read_text())
-        except (OSError, ValueError):
-            return _Wanted()
-        facts = dict(filter(None, (_entry_of(key) for key in doc.get("facts", []))))
-        return _Wanted(*(set(doc.get(k, [])) for k in _KINDS if k != "facts"), facts=facts)
-
-    return once(("snapshot hint", host.name), load)
+    try:
+        doc = json.loads(_hint_path().read_text())
+    except (OSError, ValueError):
+        return _Wanted()
+    facts = dict(filter(None, (_entry_of(key) for key in doc.get("facts", []))))
+    return _Wanted(*(set(doc.get(k, [])) for k in _KINDS if k != "facts"), facts=facts)
 
 
 def _entry_of(key: str) -> tuple[str, str] | None:
