@@ -1,8 +1,8 @@
 """The simulated NVIDIA container-toolkit apt repository at http://10.213.0.1:8091/.
 
 A flat repository (`deb [signed-by=...] http://10.213.0.1:8091/ /`) holding
-`nvidia-container-toolkit` (Architecture: all, no dependencies, so it installs on the
-offline hosts), built with dpkg-deb from the stand-ins in simhw, and Debian's real
+`nvidia-container-toolkit` and the driver package (Architecture: all, no dependencies, so
+they install on the offline hosts), built with dpkg-deb from the stand-ins in simhw, and Debian's real
 `docker-registry`, `skopeo`, `haproxy`, `prometheus` and `prometheus-node-exporter` (what a Spark's
 mirror, fleet endpoint and fleet monitor install
 from Ubuntu's archive; downloaded once with `apt-get download` and cached, with the libraries
@@ -41,6 +41,8 @@ REPO_DIR = paths.STATE_DIR / "apt"
 STACK_URL = f"{paths.APT_URL}stack/"
 STACK_GOOD_TOOLKIT = "1.17.9-1"
 STACK_BAD_TOOLKIT = "1.18.0-1"
+#: A later driver: installed, it leaves NVML's mismatch until the host reboots.
+STACK_GOOD_DRIVER = "580.126.09-1"
 STACK_CANARY = "sparkfleet-sim-canary"
 STACK_CANARY_VERSIONS = ("1.0", "1.1")
 BUILD_DIR = paths.STATE_DIR / "apt-build"
@@ -97,6 +99,28 @@ def build_deb(out_dir: Path, version: str = simhw.TOOLKIT_VERSION, hook: str = s
     deb = out_dir / f"{simhw.TOOLKIT_PACKAGE}_{version}_all.deb"
     run(["dpkg-deb", "--root-owner-group", "-Zgzip", "--build", stage, deb], timeout=60)
     return deb
+
+
+def build_driver_deb(out_dir: Path, version: str = simhw.DRIVER_VERSION) -> Path:
+    """The simulated NVIDIA driver package: its userspace's version (simhw.DRIVER_LIBRARY)."""
+    stage = BUILD_DIR / "driver"
+    shutil.rmtree(stage, ignore_errors=True)
+    simhw.write_files(stage, {simhw.DRIVER_LIBRARY: (version.split("-")[0] + "\n", 0o644)})
+    (stage / "DEBIAN").mkdir(parents=True)
+    (stage / "DEBIAN/control").write_text(
+        f"Package: {simhw.DRIVER_PACKAGE}\nVersion: {version}\nArchitecture: all\n"
+        "Maintainer: sparkfleet testbed <testbed@sparkfleet.invalid>\nSection: kernel\nPriority: optional\n"
+        "Description: NVIDIA driver metapackage (simulated by the sparkfleet testbed)\n"
+        " Its version is the userspace's; the kernel module's is the one of the last boot.\n")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    deb = out_dir / f"{simhw.DRIVER_PACKAGE}_{version}_all.deb"
+    run(["dpkg-deb", "--root-owner-group", "-Zgzip", "--build", stage, deb], timeout=60)
+    return deb
+
+
+def driver_deb() -> Path:
+    """The driver every host boots with, in the built repository."""
+    return REPO_DIR / f"{simhw.DRIVER_PACKAGE}_{simhw.DRIVER_VERSION}_all.deb"
 
 
 def archive_debs() -> list[Path]:
@@ -161,12 +185,14 @@ def _index(directory: Path, label: str) -> None:
 
 def build_stack_updates() -> None:
     """The vendor's later releases, at STACK_URL (REPO_DIR/stack): a good toolkit, a bad one
-    (its hook fails every GPU container) and an unheld canary in two versions. No host lists
+    (its hook fails every GPU container), a later driver (it needs a reboot) and an unheld
+    canary in two versions. No host lists
     it until a test does (an update published upstream), so the main repository stays as is."""
     stack = REPO_DIR / "stack"
     stack.mkdir(parents=True)
     build_deb(stack, STACK_GOOD_TOOLKIT)
     build_deb(stack, STACK_BAD_TOOLKIT, simhw.BROKEN_HOOK_SH)
+    build_driver_deb(stack, STACK_GOOD_DRIVER)
     for version in STACK_CANARY_VERSIONS:
         _canary_deb(stack, version)
     _index(stack, "stack updates (simulated)")
@@ -178,6 +204,7 @@ def build_repo() -> Path:
         shutil.rmtree(REPO_DIR)
     REPO_DIR.mkdir(parents=True)
     deb = build_deb(REPO_DIR)
+    build_driver_deb(REPO_DIR)
     for extra in archive_debs():
         shutil.copy2(extra, REPO_DIR / extra.name)
     _index(REPO_DIR, "nvidia-container-toolkit (simulated)")

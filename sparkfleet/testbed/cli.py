@@ -1,9 +1,10 @@
-"""`sparkfleet testbed up|down|status|exec|restart` (run as root).
+"""`sparkfleet testbed up|down|status|exec|restart|reset` (run as root).
 
     sparkfleet testbed up --hosts 3 [--switch 'spark-2:gpu=NVIDIA H100 80GB HBM3'] [--login dgx] [--names alias] ...
     sparkfleet testbed status [--json]
     sparkfleet testbed exec spark-1 -- nvidia-smi
     sparkfleet testbed restart spark-2
+    sparkfleet testbed reset spark-2 --kernel-error 'NVRM: Xid (PCI:000f:01:00): 79, GPU has fallen off the bus.'
     sparkfleet testbed down
 """
 
@@ -21,7 +22,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     """Register the `testbed` command on the main CLI's subparsers."""
     p = subparsers.add_parser("testbed", help="the simulated Spark fleet (root)",
                               description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="testbed_cmd", required=True, metavar="{up,down,status,exec,restart}")
+    sub = p.add_subparsers(dest="testbed_cmd", required=True, metavar="{up,down,status,exec,restart,reset}")
 
     up = sub.add_parser("up", help="boot a fresh simulated fleet (removes any earlier one)")
     up.add_argument("--hosts", type=int, default=3, help="number of hosts (spark-1..N), default 3")
@@ -64,6 +65,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     rs = sub.add_parser("restart", help="reboot a host (stop its container, boot it again)")
     rs.add_argument("host")
     rs.set_defaults(func=_handled(_cmd_restart))
+
+    hr = sub.add_parser("reset", help="hard-reset a host: kernel errors to its journal, power cut, boot again")
+    hr.add_argument("host")
+    hr.add_argument("--kernel-error", action="append", default=[], metavar="LINE",
+                    help="a line the kernel logs before the reset (e.g. an NVIDIA Xid); repeatable")
+    hr.set_defaults(func=_handled(_cmd_reset))
     p.set_defaults(func=lambda a: p.print_help() or 2)
     return p
 
@@ -152,6 +159,13 @@ def _cmd_restart(args: argparse.Namespace) -> int:
     from . import fleet
 
     fleet.load().restart_host(args.host)
+    return 0
+
+
+def _cmd_reset(args: argparse.Namespace) -> int:
+    from . import fleet
+
+    fleet.load().hard_reset(args.host, kernel_errors=args.kernel_error)
     return 0
 
 

@@ -11,14 +11,15 @@ the same overlay again, like a reboot.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import signal
 import subprocess
 import time
 from pathlib import Path
 
-from . import cgroups, hostkinds, login, paths, simhw
-from .proc import TestbedError, kill_wait, log, pid_alive, pid_matches, run, start_detached, wait_until
+from . import aptrepo, cgroups, hostkinds, login, paths, simhw
+from .proc import TestbedError, cmdline, kill_wait, log, pid_alive, pid_matches, run, start_detached, wait_until
 from .state import HostState
 
 SSHD_LIMITS = "etc/ssh/sshd_config.d/00-sparkfleet-sim-limits.conf"
@@ -142,6 +143,12 @@ def provision(h: HostState, rootfs: Path, pubkey: str, toolkit_deb: Path, login_
     if not h.switches.get("no_nvidia_runtime"):
         run(["chroot", root, "dpkg", "-i", "/usr/lib/sparkfleet-sim/nvidia-container-toolkit.deb"],
             timeout=120, env={"DEBIAN_FRONTEND": "noninteractive"})
+    # The driver as DGX OS has it: a package, so the stack holds it and an upgrade moves it.
+    driver = root / "var/cache/apt/archives" / aptrepo.driver_deb().name
+    driver.write_bytes(aptrepo.driver_deb().read_bytes())
+    run(["chroot", root, "dpkg", "-i", f"/var/cache/apt/archives/{driver.name}"], timeout=120,
+        env={"DEBIAN_FRONTEND": "noninteractive"})
+    driver.unlink()
     hostkinds.provision(root, h.switches)
 
 
@@ -171,16 +178,46 @@ def nspawn_argv(h: HostState) -> list[str]:
 NSPAWN_ENV = {"SYSTEMD_NSPAWN_API_VFS_WRITABLE": "network"}
 
 
+#: The host's power: nspawn exits 133 when the host reboots itself (`systemctl reboot`, a
+#: stack upgrade), and a Spark comes back on its own; this loop boots it again, as
+#: systemd-nspawn@.service does with RestartForceExitStatus=133. SIGTERM (an orderly
+#: poweroff) goes to nspawn; any other end of the container ends the loop.
+POWER_SH = """\
+trap 'kill -TERM "$c" 2>/dev/null; wait "$c"; exit $?' TERM
+while :; do
+    "$@" & c=$!
+    wait "$c"; rc=$?
+    [ "$rc" -eq 133 ] || exit "$rc"
+done
+"""
+#: The loop's $0: how cleanup and nspawn_pid() tell it from nspawn.
+POWER_NAME = "sparkfleet-testbed-power"
+
+
 def boot(h: HostState) -> int:
-    """Start the host's nspawn container detached; returns (and sets) its PID."""
+    """Start the host's power loop (nspawn under it) detached; returns (and sets) its PID,
+    the process group of both."""
     if h.pid and pid_matches(h.pid, "systemd-nspawn"):
         raise TestbedError(f"{h.name} is already running (pid {h.pid})")
     dirs = cgroups.create(h.name)
     h.pid = start_detached(
-        nspawn_argv(h), h.dir / "console.log", env=NSPAWN_ENV, cwd=Path("/"),
-        preexec_fn=lambda: cgroups.join(dirs),
+        ["/bin/sh", "-c", POWER_SH, POWER_NAME, *nspawn_argv(h)], h.dir / "console.log", env=NSPAWN_ENV,
+        cwd=Path("/"), preexec_fn=lambda: cgroups.join(dirs),
     )
     return h.pid
+
+
+def nspawn_pid(h: HostState) -> int | None:
+    """The host's systemd-nspawn now (a reboot starts a new one under the power loop)."""
+    if not h.pid or not pid_alive(h.pid):
+        return None
+    if cmdline(h.pid)[:1] == ["systemd-nspawn"]:
+        return h.pid  # booted before the power loop
+    try:
+        children = Path(f"/proc/{h.pid}/task/{h.pid}/children").read_text().split()
+    except OSError:
+        return None
+    return next((int(c) for c in children if cmdline(int(c))[:1] == ["systemd-nspawn"]), None)
 
 
 def ssh_argv(h: HostState, key: Path, command: str) -> list[str]:
@@ -237,7 +274,25 @@ def shutdown(h: HostState, grace: float = 60) -> None:
     """Stop the host's container: SIGTERM makes nspawn power the container off in order;
     SIGKILL after *grace* seconds. Processes left in its netns are then killed."""
     if h.pid and pid_matches(h.pid, "systemd-nspawn"):
-        kill_wait(h.pid, sig=signal.SIGTERM, grace=grace)
+        try:
+            os.kill(h.pid, signal.SIGTERM)
+            wait_until(lambda: not pid_alive(h.pid), grace, interval=0.1, what=f"{h.name} to power off")
+        except (ProcessLookupError, TestbedError):
+            pass
+    power_cut(h)
+
+
+def power_cut(h: HostState) -> None:
+    """SIGKILL the power loop and nspawn (one process group) and what runs in the host's netns."""
+    if h.pid and pid_matches(h.pid, "systemd-nspawn"):
+        nspawn = nspawn_pid(h)
+        try:
+            os.killpg(h.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for pid in (h.pid, nspawn):
+            if pid:
+                kill_wait(pid, sig=signal.SIGKILL)
     h.pid = None
     kill_netns_processes(h.netns)
 
@@ -254,10 +309,11 @@ def kill_netns_processes(ns: str) -> None:
 
 def container_init_pid(h: HostState) -> int:
     """PID (in the controller's namespace) of the host's PID 1 (systemd)."""
-    if not h.pid or not pid_alive(h.pid):
+    nspawn = nspawn_pid(h)
+    if not nspawn:
         raise TestbedError(f"{h.name} is not running")
     try:
-        children = Path(f"/proc/{h.pid}/task/{h.pid}/children").read_text().split()
+        children = Path(f"/proc/{nspawn}/task/{nspawn}/children").read_text().split()
     except OSError:
         children = []
     for c in children:
@@ -268,7 +324,7 @@ def container_init_pid(h: HostState) -> int:
         for line in status.splitlines():
             if line.startswith("NSpid:") and line.split()[-1] == "1":
                 return int(c)
-    raise TestbedError(f"{h.name}: no container init found under nspawn pid {h.pid}")
+    raise TestbedError(f"{h.name}: no container init found under nspawn pid {nspawn}")
 
 
 def nsenter_exec(h: HostState, command: str, timeout: float = 60, check: bool = False) -> subprocess.CompletedProcess[str]:

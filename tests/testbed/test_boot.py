@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import time
@@ -168,6 +169,64 @@ def test_reboot_keeps_the_host(tb):
     assert sh(tb, "cat /root/marker").strip() == "kept"
     assert tb.image["digest"] in sh(tb, "docker image ls --digests --format '{{.Repository}}@{{.Digest}}'")
     assert sh(tb, "systemctl is-active docker").strip() == "active"
+
+
+def boot_id(tb) -> str:
+    return sh(tb, "cat /proc/sys/kernel/random/boot_id").strip()
+
+
+def test_a_host_that_reboots_itself_comes_back_on_a_new_boot(tb):
+    """`systemctl reboot` inside (a stack upgrade's): nspawn exits 133 and the host's power
+    loop boots it again, as a Spark comes back by itself; `testbed` needs no call."""
+    before, power = boot_id(tb), tb.host(HOST).pid
+    tb.exec(HOST, "(sleep 1; systemctl reboot) >/dev/null 2>&1 &", timeout=30)
+
+    def new_boot() -> bool:
+        try:
+            cp = tb.exec(HOST, "systemctl is-system-running; cat /proc/sys/kernel/random/boot_id", timeout=15)
+        except Exception:  # noqa: BLE001 - not answering yet
+            return False
+        lines = cp.stdout.split()
+        return len(lines) == 2 and lines[0] in ("running", "degraded") and lines[1] != before
+
+    deadline = time.monotonic() + 180
+    while not new_boot():
+        assert time.monotonic() < deadline, "no new boot within 180 s"
+        time.sleep(2)
+    assert fleet.load().host(HOST).pid == power  # the same power loop: nobody booted it from outside
+    assert sh(tb, "systemctl is-active docker").strip() == "active"
+
+
+def test_a_driver_installed_without_a_reboot_is_a_mismatch_until_the_reboot(tb):
+    """The driver's package moves the userspace; the kernel module is the boot's: NVML's
+    mismatch (nvidia-smi exit 18, every GPU container refused) until the host reboots."""
+    from sparkfleet.testbed import aptrepo, simhw
+
+    assert sh(tb, f"dpkg-query -W -f='${{Version}}' {simhw.DRIVER_PACKAGE}") == simhw.DRIVER_VERSION
+    deb = f"/tmp/{simhw.DRIVER_PACKAGE}.deb"
+    sh(tb, f"curl -fsS -o {deb} {aptrepo.STACK_URL}{simhw.DRIVER_PACKAGE}_{aptrepo.STACK_GOOD_DRIVER}_all.deb "
+           f"&& dpkg -i {deb} >/dev/null && rm {deb}")
+    try:
+        cp = tb.exec(HOST, "nvidia-smi", timeout=30)
+        assert cp.returncode == 18 and "Driver/library version mismatch" in cp.stdout, cp.stdout
+        gpu = tb.exec(HOST, f"docker run --rm --gpus all {tb.data['image']} true", timeout=120)
+        assert gpu.returncode != 0 and "version mismatch" in gpu.stderr, gpu.stderr
+        tb.restart_host(HOST)
+        new = aptrepo.STACK_GOOD_DRIVER.split("-")[0]
+        assert sh(tb, "nvidia-smi --query-gpu=driver_version --format=csv,noheader").strip() == new
+    finally:
+        sh(tb, f"curl -fsS -o {deb} {paths.APT_URL}{simhw.DRIVER_PACKAGE}_{simhw.DRIVER_VERSION}_all.deb "
+               f"&& dpkg -i {deb} >/dev/null && rm {deb}")
+        tb.restart_host(HOST)
+    assert sh(tb, "nvidia-smi --query-gpu=driver_version --format=csv,noheader").strip() == "580.95.05"
+
+
+def test_a_hard_reset_keeps_the_kernel_errors_of_the_boot_before(tb):
+    before = boot_id(tb)
+    tb.hard_reset(HOST, kernel_errors=["NVRM: Xid (PCI:000f:01:00): 79, GPU has fallen off the bus."])
+    assert boot_id(tb) != before
+    last = sh(tb, "journalctl -b -1 -p err --no-pager -q -o short-iso | tail -n 3")
+    assert re.search(r" kernel(\[\d+\])?: NVRM: Xid \(PCI:000f:01:00\): 79", last), last
 
 
 def test_unreachable_and_stopped(tb):

@@ -161,3 +161,19 @@ def test_switch_specs():
 def test_bad_switch_specs(spec):
     with pytest.raises(ValueError):
         switches.parse_specs([spec], ["spark-1", "spark-2"])
+
+
+def test_the_reset_command_hard_resets_the_host_with_its_kernel_lines(monkeypatch):
+    from sparkfleet.testbed import cli, fleet
+
+    asked = []
+
+    class Bed:
+        def hard_reset(self, name, kernel_errors=()):
+            asked.append((name, list(kernel_errors)))
+
+    monkeypatch.setattr(fleet, "load", Bed)
+    xid = "NVRM: Xid (PCI:000f:01:00): 79, GPU has fallen off the bus."
+    assert cli.main(["reset", "spark-2", "--kernel-error", xid]) == 0
+    assert cli.main(["reset", "spark-3"]) == 0
+    assert asked == [("spark-2", [xid]), ("spark-3", [])]

@@ -24,18 +24,30 @@ HERE = Path(__file__).resolve().parent
 TOOLKIT_PACKAGE = "nvidia-container-toolkit"
 TOOLKIT_VERSION = "1.17.8-1"
 
+#: The driver as a package (DGX OS 7: NVIDIA's 580 branch). It carries the userspace's
+#: version; the kernel module loaded at boot is the one installed then (apply_switches.py
+#: notes it in /run), so an install without a reboot leaves NVML's version mismatch, which
+#: nvidia-smi and the toolkit's hook answer until the host reboots.
+DRIVER_PACKAGE = "nvidia-driver-580-open"
+DRIVER_VERSION = "580.95.05-1"
+DRIVER_LIBRARY = "usr/lib/sparkfleet-sim/nvidia-driver.version"
+DRIVER_MODULE = "/run/sparkfleet-sim/nvidia-module.version"
+
 #: dockerd registers its `--gpus` device driver only if it finds this in PATH at start;
 #: runc then runs it as an OCI prestart hook with the container state on stdin.
 HOOK_SH = """#!/bin/sh
 # Simulated nvidia-container-runtime-hook (sparkfleet testbed): a real one would mount
 # the GPU devices and driver libraries into the container. There is no GPU here, so it
 # only records the call (for tests), copies nvidia-smi into the container as the real
-# hook mounts it, and succeeds; with the `driver_mismatch` switch it fails as the real
-# one does after a driver update without a reboot.
+# hook mounts it, and succeeds; after a driver update without a reboot (or with the
+# `driver_mismatch` switch) it fails as the real one does.
 state=$(cat 2>/dev/null)
 mkdir -p /run/sparkfleet-sim 2>/dev/null
 echo "$(date +%s) $*" >> /run/sparkfleet-sim/hook.log 2>/dev/null
-if grep -q '"driver_mismatch": *true' /etc/sparkfleet-sim/switches.json 2>/dev/null; then
+lib=$(cat /usr/lib/sparkfleet-sim/nvidia-driver.version 2>/dev/null)
+mod=$(cat /run/sparkfleet-sim/nvidia-module.version 2>/dev/null)
+if grep -q '"driver_mismatch": *true' /etc/sparkfleet-sim/switches.json 2>/dev/null \
+        || { [ -n "$lib" ] && [ -n "$mod" ] && [ "$lib" != "$mod" ]; }; then
     echo "nvidia-container-cli: initialization error: nvml error: driver/library version mismatch" >&2
     exit 1
 fi

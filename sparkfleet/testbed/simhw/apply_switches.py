@@ -3,7 +3,9 @@
 
 Installed as /usr/lib/sparkfleet-sim/apply-switches and run by the
 `sparkfleet-sim-switches.service` unit before docker at every boot, and by the
-controller after it flips a switch. Only `disk_full` needs action here: it mounts a tiny
+controller after it flips a switch. At boot it notes the driver's version as the
+loaded kernel module's (a later install leaves NVML's mismatch until a reboot). Of the
+switches only `disk_full` needs action here: it mounts a tiny
 tmpfs at /var/lib/sparkfleet and fills it to ~95%, so a deploy sees a nearly full disk.
 `desktop` makes graphical.target the default once (DGX OS boots to the desktop; the
 fix, `systemctl set-default multi-user.target` and a reboot, then sticks), for the next
@@ -25,6 +27,8 @@ SOURCE = "sparkfleet-sim-disk"  # the tmpfs "device" name: how we recognise our 
 SIZE_MIB = 16
 FILL_FRACTION = 0.95
 FILL_FILE = ".sparkfleet-sim-fill"
+DRIVER_LIBRARY = "/usr/lib/sparkfleet-sim/nvidia-driver.version"  # simhw/__init__.py
+DRIVER_MODULE = "/run/sparkfleet-sim/nvidia-module.version"
 
 
 def switches() -> dict:
@@ -57,7 +61,23 @@ def set_desktop() -> None:
     print("desktop: graphical.target is the default (from the next boot)")
 
 
+def load_driver() -> None:
+    """The driver's kernel module of this boot: the one installed now (kept in /run, so
+    only a reboot loads another; a later run of this program leaves it)."""
+    if os.path.exists(DRIVER_MODULE):
+        return
+    try:
+        with open(DRIVER_LIBRARY) as f:
+            version = f.read().strip()
+    except OSError:
+        return  # no driver package: nvidia-smi answers its built-in version
+    os.makedirs(os.path.dirname(DRIVER_MODULE), exist_ok=True)
+    with open(DRIVER_MODULE, "w") as f:
+        f.write(version + "\n")
+
+
 def main() -> int:
+    load_driver()
     sw = switches()
     if sw.get("desktop"):
         set_desktop()

@@ -33,8 +33,13 @@ GB10 = {
     "memory": None,  # unified memory: reported as [N/A]
 }
 
-#: The userspace a driver update without a reboot leaves beside the loaded kernel module.
+#: The userspace a driver update without a reboot leaves beside the loaded kernel module
+#: (the `driver_mismatch` switch).
 UPDATED_LIBRARY = "580.126.09"
+#: The simulated driver package's userspace version, and the module's loaded at boot
+#: (simhw/__init__.py): they differ after an install without a reboot.
+LIBRARY_FILE = "/usr/lib/sparkfleet-sim/nvidia-driver.version"
+MODULE_FILE = "/run/sparkfleet-sim/nvidia-module.version"
 #: nvidia-smi's status for NVML_ERROR_LIB_RM_VERSION_MISMATCH.
 MISMATCH_STATUS = 18
 
@@ -55,8 +60,23 @@ def load_switches() -> dict:
         return {}
 
 
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def driver() -> tuple[str, str]:
+    """(kernel module, library) versions: the package's and the one loaded at boot."""
+    library = _read(LIBRARY_FILE) or GB10["driver_version"]
+    return _read(MODULE_FILE) or library, library
+
+
 def gpu_info() -> dict:
     info = dict(GB10)
+    info["driver_version"] = driver()[0]
     sw = load_switches()
     if sw.get("gpu"):
         info["name"] = str(sw["gpu"])
@@ -162,16 +182,20 @@ def table() -> str:
     return "\n".join(lines)
 
 
-def mismatch() -> int:
+def mismatch(library: str) -> int:
     """What nvidia-smi prints when the library is newer than the kernel module."""
     print("Failed to initialize NVML: Driver/library version mismatch")
-    print(f"NVML library version: {UPDATED_LIBRARY.rsplit('.', 1)[0]}")
+    print(f"NVML library version: {library.rsplit('.', 1)[0]}")
     return MISMATCH_STATUS
 
 
 def main(argv: list[str]) -> int:
-    if load_switches().get("driver_mismatch") and not {"-h", "--help"} & set(argv):
-        return mismatch()
+    if not {"-h", "--help"} & set(argv):
+        module, library = driver()
+        if load_switches().get("driver_mismatch"):
+            return mismatch(UPDATED_LIBRARY)
+        if module != library:
+            return mismatch(library)
     fields: list[str] | None = None
     fmt: set[str] = set()
     args = list(argv)
