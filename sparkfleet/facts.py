@@ -343,6 +343,12 @@ class NewLines(FactBase["dict"]):
         return {"lines": [line.strip() for line in output[1:] if line.strip()], "total": total}
 
 
+#: Note the boot the host runs as the one a deploy saw (read when it runs: a deploy's own
+#: reboot, a stack upgrade's, is seen by that deploy and reported by no later one).
+NOTE_BOOT = (f"mkdir -p {hostpaths.BOOT_SEEN.rsplit('/', 1)[0]} && "
+             f"cat /proc/sys/kernel/random/boot_id > {hostpaths.BOOT_SEEN}")
+
+
 class BootReport(FactBase["dict"]):
     """This boot's id, the one the last deploy saw, and when they differ the previous boot's
     last kernel and GPU errors (NVIDIA's Xid lines, driver faults) from the journal:

@@ -35,6 +35,17 @@ def local_image(image: str) -> str:
     tag = digest.replace(":", "-") if digest else "ref-" + hashlib.sha256(image.encode()).hexdigest()[:20]
     return f"{LOCAL_IMAGE_REPOSITORY}:{tag}"
 
+
+def digest_of(reference: str) -> str | None:
+    """The image digest a reference names: ``name@sha256:...``, or a :func:`local_image` name
+    made from one; None for any other (a tag, a hashed reference)."""
+    if "@" in reference:
+        return reference.partition("@")[2] or None
+    repository, _, tag = reference.rpartition(":")
+    if repository == LOCAL_IMAGE_REPOSITORY and tag.startswith("sha256-"):
+        return tag.replace("-", ":", 1)
+    return None
+
 # --- one operator at a time (every host of a deploy) ----------------------------------
 OPERATOR_LOCK = "/run/sparkfleet-operator.lock"  # which deploy changes the fleet now; /run: a reboot frees it
 

@@ -3,7 +3,9 @@
 One table, per host: profile, image digest, model revision, the serving unit's state and
 uptime, READY (the API lists the served model with the fleet key), endpoint membership,
 and from the engine's ``/metrics`` the requests running and waiting, KV-cache use and the
-mean acceptance length since the engine started; then the fleet endpoint's state.
+mean acceptance length since the engine started; then what needs a look (a reboot since
+the last deploy with the boot before's last kernel and GPU errors, the watchdog's events,
+stack drift, the alerts that fire) and the fleet endpoint's state.
 ``--json`` prints the same as one JSON document.
 
 It reads over SSH through pyinfra's API with the inventory's own connection data and
@@ -28,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sparkfleet import endpoint, haproxy, monitor, oplock, remote, stack
 from sparkfleet.config import ConfigError, Settings
+from sparkfleet.facts import BootReport
 from sparkfleet.fleet import reached_at, validate_fleet
 from sparkfleet.hostpaths import (
     AGENT_ANSWER,
@@ -40,6 +43,7 @@ from sparkfleet.hostpaths import (
     STARTED_FILE,
     UNIT,
     WATCHDOG_LOG,
+    digest_of,
 )
 from sparkfleet.pairs import fleet_pairs
 
@@ -176,8 +180,12 @@ def _host_command(s: Settings, alerts: bool = False) -> str:
     metric_names = "|".join(re.escape(name) for name in METRICS)
     api = "http://$addr:$port"
     return "; ".join([
-        f"run=$(mktemp); docker inspect -f '{{{{range .Config.Env}}}}{{{{println .}}}}{{{{end}}}}' {CONTAINER} "
+        # One docker call: the container's environment and the image it runs (the reference it
+        # was started by, pinned by digest as the deploy runs it; its id, for any other).
+        f"run=$(mktemp); docker inspect -f '{{{{range .Config.Env}}}}{{{{println .}}}}{{{{end}}}}"
+        f"#image {{{{.Config.Image}}}} {{{{.Image}}}}' {CONTAINER} "
         f">$run 2>/dev/null && grep -q '^SF_PORT=' $run || cp {SERVE_ENV} $run 2>/dev/null",
+        "image=$(sed -n 's/^#image //p' $run)",
         f"auth={AUTH_HEADER}; started=$(cat {STARTED_FILE} 2>/dev/null)",
         f'[ -n "$started" ] && [ "$started" = "$(cat {lg}/serving.rev 2>/dev/null)" ] && [ -f {lg}/api-auth.header ] '
         f"&& auth={lg}/api-auth.header",
@@ -192,9 +200,9 @@ def _host_command(s: Settings, alerts: bool = False) -> str:
         f"grep -E '^(SF|HF)_' {SERVE_ENV} >$run.disk 2>/dev/null; grep -E '^(SF|HF)_' $run | cmp -s - $run.disk "
         f"|| grep '^SF_PROFILE=' {SERVE_ENV} 2>/dev/null || echo changed",
         "rm -f $run $run.disk",
-        "echo '== image'",
-        f"docker image inspect --format '{{{{range .RepoDigests}}}}{{{{println .}}}}{{{{end}}}}' "
-        f"$(docker inspect --format '{{{{.Image}}}}' {CONTAINER} 2>/dev/null) 2>/dev/null",
+        "echo '== image'", 'echo "$image"',
+        'case "${image%% *}" in *@sha256:*|*:sha256-*) ;; *) [ -n "$image" ] && '
+        "docker image inspect --format '{{range .RepoDigests}}{{println .}}{{end}}' \"${image##* }\" 2>/dev/null;; esac",
         "echo '== models'",
         f'curl -s -m 5 -H @$auth "{api}/v1/models" 2>/dev/null; echo',
         "echo '== metrics'",
@@ -203,6 +211,7 @@ def _host_command(s: Settings, alerts: bool = False) -> str:
         "echo '== link'", f"cat {LINK_CHECK} 2>/dev/null; echo",
         "echo '== watchdog'", f"tail -n 1 {WATCHDOG_LOG} 2>/dev/null; cat {AGENT_ANSWER} 2>/dev/null",
         "echo '== stack'", stack.status_command(s),
+        "echo '== boot'", BootReport().command(),
         "echo '== refs'",
         f"for f in {q(s.hf_home)}/hub/models--*/refs/*; do [ -f \"$f\" ] && echo \"$f $(cat \"$f\")\"; done 2>/dev/null",
         *(["echo '== alerts'", f"curl -s -m 5 {q(alerts_url(s))} 2>/dev/null; echo"] if alerts else []),
@@ -239,8 +248,10 @@ def parse_host(lines: list[str], s: Settings) -> dict[str, Any]:
     on_disk = dict(line.split("=", 1) for line in sec.get("on disk", []) if "=" in line)
     pending = on_disk.get("SF_PROFILE") or ("changed" if sec.get("on disk") else None)
     row["pending"] = "other settings" if pending in ("changed", row["profile"]) else pending
-    digests = [d.strip() for d in sec.get("image", []) if "@sha256:" in d]
-    row["image_digest"] = digests[0].split("@", 1)[1] if digests else None
+    # The reference the container was started by (pinned: the digest is in it), else the
+    # image's digests as Docker lists them.
+    image = [line.split()[0] for line in sec.get("image", []) if line.split()]
+    row["image_digest"] = next((d for d in map(digest_of, image) if d), None)
     model, revision = env.get("SF_MODEL"), env.get("SF_REVISION") or None
     row["model"], row["revision"] = model, revision
     commit = revision if revision and re.fullmatch(r"[0-9a-f]{40}", revision) else None
@@ -283,6 +294,10 @@ def parse_host(lines: list[str], s: Settings) -> dict[str, Any]:
     # Mean acceptance length = 1 + accepted / drafts (the token the target adds each step).
     row["acceptance_length"] = round(1 + values.get("accepted", 0.0) / drafts, 2) if drafts else None
     row.update(stack.status_of(sec.get("stack", []), s))
+    boot = BootReport().process(sec.get("boot", []))
+    # A boot the last deploy did not see: a reboot or a hard reset, with the last kernel and
+    # GPU errors of the boot before (None: the same boot, or no deploy has seen one yet).
+    row["rebooted"] = boot if boot["seen"] and boot["boot"] != boot["seen"] else None
     if "alerts" in sec:
         row["alerts"] = parse_alerts("\n".join(sec["alerts"]).strip())
     return row
@@ -420,6 +435,13 @@ def table(doc: dict[str, Any]) -> str:
             agent = r.get("agent") or "up"
             held = f" — out of rotation: {agent.partition('#')[2] or 'down'}" if agent != "up" else ""
             out.append(f"\nwatchdog on {r['host']}: {r.get('watchdog') or '-'}{held}")
+    for r in doc["hosts"]:
+        boot = r.get("rebooted")
+        if boot:
+            out.append(f"\nrebooted: {r['host']} since the last deploy (boot {boot['seen'][:8]} -> {boot['boot'][:8]}); "
+                       + ("the boot before ended after these kernel/GPU errors:" if boot["errors"] else
+                          "no kernel or GPU error in the boot before (a clean reboot?)"))
+            out.extend(f"    {line}" for line in boot["errors"])
     for r in doc["hosts"]:
         if r.get("reachable") and (r.get("stack") or r.get("stack_drift")):
             versions = ", ".join(f"{p} {v['version']}" for p, v in r["stack"].items())

@@ -24,12 +24,11 @@ from pyinfra.operations import systemd
 
 from sparkfleet import snapshot, tasks
 from sparkfleet.config import Settings
-from sparkfleet.facts import BootReport
+from sparkfleet.facts import NOTE_BOOT, BootReport
 from sparkfleet.hostpaths import (
     AGENT_ANSWER,
     AGENT_SERVICE,
     AGENT_SOCKET,
-    BOOT_SEEN,
     UNIT,
     WATCHDOG_LOG,
     WATCHDOG_PROGRAM,
@@ -127,7 +126,7 @@ def boot_reported():
                           "the previous boot's journal has no kernel or GPU error (a clean reboot?)"))
         for line in errors:
             logger.warning(f"{host.print_prefix}    {line}")
-    yield f"mkdir -p {BOOT_SEEN.rsplit('/', 1)[0]} && echo {report['boot']} > {BOOT_SEEN}"
+    yield NOTE_BOOT
 
 
 @deploy("Watchdog")

@@ -103,8 +103,10 @@ def test_a_host_is_asked_where_and_with_the_key_its_engine_runs(tmp_path, monkey
     bin_dir.mkdir()
     stubs = {
         # The running container: started with dflash, bound to one address, on 8000.
-        "docker": "[ \"$1\" = inspect ] && printf 'PATH=/usr/bin\\nSF_PROFILE=dflash\\nSF_HOST=10.0.0.5\\n"
-                  "SF_PORT=8000\\n' || exit 1",
+        # One inspect answers the environment and the image (its local name, made from the digest).
+        "docker": f"echo \"$@\" >> {tmp_path}/docker.log; [ \"$1\" = inspect ] && printf 'PATH=/usr/bin\\n"
+                  "SF_PROFILE=dflash\\nSF_HOST=10.0.0.5\\nSF_PORT=8000\\n#image localhost/sparkfleet/serve:sha256-abc "
+                  "sha256:0123\\n' || exit 1",
         "curl": f'echo "$@" >> {tmp_path}/curl.log',
         "systemctl": "echo ActiveState=active",
     }
@@ -119,6 +121,8 @@ def test_a_host_is_asked_where_and_with_the_key_its_engine_runs(tmp_path, monkey
     assert f"-H @{lg}/api-auth.header http://10.0.0.5:8000/v1/models" in asked, asked
     row = st.parse_host(done.stdout.splitlines(), s)
     assert (row["profile"], row["pending"]) == ("dflash", "dense")
+    assert row["image_digest"] == "sha256:abc" and "#image" not in "".join(done.stdout.split("== env")[1:2])
+    assert (tmp_path / "docker.log").read_text().count("\n") == 1  # one docker call for the whole row
 
 
 def test_a_host_row_shows_the_watchdogs_last_event_and_a_member_it_keeps_out():
@@ -136,6 +140,25 @@ def test_a_host_row_shows_the_watchdogs_last_event_and_a_member_it_keeps_out():
     quiet = parse_host(["== unit", "ActiveState=active", "== watchdog"], s)
     assert quiet["watchdog"] is None and "watchdog on" not in table(
         {"hosts": [{**quiet, "host": "spark-1", "reachable": True}], "endpoint": None})
+
+
+def test_a_host_row_names_a_reboot_since_the_last_deploy_and_the_errors_before_it():
+    from support.fleetdata import defaults
+
+    from sparkfleet.config import validate_host_data
+    from sparkfleet.status import parse_host, table
+
+    s = validate_host_data("spark-1", defaults())
+    xid = "2026-12-04T06:00:01+00:00 spark-1 kernel: NVRM: Xid (PCI:000f:01:00): 79, GPU has fallen off the bus."
+    row = parse_host(["== unit", "ActiveState=active", "== boot", "boot 22222222-b", "seen 11111111-a", xid], s)
+    assert row["rebooted"] == {"boot": "22222222-b", "seen": "11111111-a", "errors": [xid]}
+    shown = table({"hosts": [{**row, "host": "spark-1", "reachable": True}], "endpoint": None})
+    assert "rebooted: spark-1 since the last deploy (boot 11111111 -> 22222222); the boot before ended after" in shown
+    assert f"    {xid}" in shown
+    for same in (["boot 1-a", "seen 1-a"], ["boot 1-a", "seen "]):  # the same boot; no deploy saw one yet
+        quiet = parse_host(["== unit", "ActiveState=active", "== boot", *same], s)
+        assert quiet["rebooted"] is None
+        assert "rebooted:" not in table({"hosts": [{**quiet, "host": "spark-1", "reachable": True}], "endpoint": None})
 
 
 #: Prometheus 2.42's /api/v1/alerts answer: one firing, one pending (not yet past its `for:`).
@@ -171,3 +194,13 @@ def test_the_monitor_hosts_row_carries_the_alerts_that_fire_and_the_table_shows_
     assert parse_alerts("") is None and parse_alerts("<html>") is None
     assert "Prometheus 127.0.0.1:9090): not answering" in table({**doc, "monitor": {**doc["monitor"], "alerts": None}})
     assert "no alert firing" in table({**doc, "monitor": {**doc["monitor"], "alerts": []}})
+
+
+def test_the_digest_is_read_from_a_pinned_or_a_local_name_only():
+    from sparkfleet.hostpaths import digest_of, local_image
+
+    pinned = "10.0.0.1:5000/sparkfleet/vllm-sim:0.23.0@sha256:" + "a" * 64
+    assert digest_of(pinned) == "sha256:" + "a" * 64
+    assert digest_of(local_image(pinned)) == "sha256:" + "a" * 64  # the name hosts run it by
+    for other in ("10.0.0.1:5000/sparkfleet/vllm-sim:0.23.0", local_image("ghcr.io/x/y:latest"), "sha256:0123"):
+        assert digest_of(other) is None, other
