@@ -273,6 +273,11 @@ drain_timeout_s = 600
 # The gate's floor for a speculative profile's acceptance length (tokens per step, from
 # /metrics): a drafter that does not match its model accepts ~1 and only costs time.
 rollout_min_acceptance = 1.5
+# The gate's floor for one stream's decode rate (tokens/s of its decode request, prefill
+# included): a GB10 decodes 28.2 tok/s with no speculation and 36-81 with it on every
+# profile (the reference recipe's tables); half the slowest is a host that is broken, not
+# slow (a driver or toolkit upgrade that lost the GPU path, a throttled GPU). 0: no floor.
+rollout_min_decode_tok_s = 14.0
 
 # --- The stack: what the host runs under the engine (sparkfleet/stack.py) --------------------
 # The NVIDIA driver and its userspace, the NVIDIA Container Toolkit, Docker (engine and

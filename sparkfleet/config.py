@@ -221,6 +221,7 @@ class Settings(BaseModel):
     rollout_batch: int = Field(ge=1, le=1024)
     drain_timeout_s: int = Field(ge=0, le=86400)
     rollout_min_acceptance: float = Field(ge=1.0, le=17.0)
+    rollout_min_decode_tok_s: float = Field(ge=0, le=1000)
     # Host preparation
     stack_versions: StackVersions
 

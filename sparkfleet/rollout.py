@@ -8,8 +8,9 @@ from the fleet endpoint (no new requests; its in-flight ones finish, up to
 ``drain_timeout_s``), restart, wait for READY, gate, back in rotation.
 
 The gate, from the controller against the host's API: the smoke check (Paris), a tool-call
-round trip (bench/onhost/checks.py) and, for a speculative profile, the acceptance length
-those requests got (from ``/metrics``) at or above ``rollout_min_acceptance``.
+round trip (bench/onhost/checks.py) and a decode request, whose rate must reach
+``rollout_min_decode_tok_s``; for a speculative profile, the acceptance length those
+requests got (from ``/metrics``) must reach ``rollout_min_acceptance``.
 
 A host whose new settings do not get READY or fail the gate is rolled back to its last good
 settings (service.py keeps them on the host), gated again and put back; the rollout then
@@ -40,7 +41,7 @@ from sparkfleet.bench.onhost.workloads import SMOKE_EXPECT, SMOKE_MAX_TOKENS, SM
 from sparkfleet.config import Settings
 from sparkfleet.fleet import once, reached_at
 from sparkfleet.hostpaths import LAST_GOOD_DIR, REVISION_FILE, STARTED_FILE, UNIT
-from sparkfleet.pairs import PairMember
+from sparkfleet.pairs import Pair
 
 # How long a host put back in rotation may take to pass the endpoint's checks (rise 2 at 1 s).
 BACK_TIMEOUT_S = 30
@@ -91,10 +92,12 @@ class Rollout:
     workers: dict[str, dict[str, gevent.event.Event]] = field(default_factory=dict)
     restarted: set[str] = field(default_factory=set)  # heads whose pair was restarted
     begun: set[str] = field(default_factory=set)  # hosts whose turn began: waited for until it ends
+    #: A headless member's change, made in its head's turn (a stack upgrade of a pair).
+    changes: dict[str, Change] = field(default_factory=dict)
 
-    def register(self, name: str, member: PairMember | None = None) -> int:
-        slot = member.pair.head if member is not None else name
-        if member is not None and member.pair.headless:
+    def register(self, name: str, pair: Pair | None = None) -> int:
+        slot = pair.head if pair is not None else name
+        if pair is not None and pair.headless:
             self.workers.setdefault(slot, {}).setdefault(name, gevent.event.Event())
         if slot not in self.ended:
             self.names.append(slot)
@@ -128,14 +131,14 @@ def rollout_of(state, settings: Settings, kind: str | None = None) -> Rollout:
     return once(key, lambda: Rollout(batch=settings.rollout_batch), state)
 
 
-def planned(settings: Settings, member: PairMember | None = None, change: Change | None = None) -> None:
+def planned(settings: Settings, pair: Pair | None = None, change: Change | None = None) -> None:
     """Register the current host for a rolling restart. While planning (pyinfra plans every
     host at once, in no fixed order), wait until every host has planned this far or ended,
     then say once which hosts roll in which batch (what --dry shows). A pair member rolls
     in its head's turn."""
     state = current_host.state
     ro = rollout_of(state, settings, change and change.kind)
-    ro.register(current_host.name, member)
+    ro.register(current_host.name, pair)
     if state.is_executing:  # the generator runs again to execute: planned already
         return
     ro.planning += 1
@@ -159,19 +162,23 @@ def planned(settings: Settings, member: PairMember | None = None, change: Change
 # --- one host's turn (controller side, in the host's greenlet) -------------------------------
 
 
-def _worker_rolled(state, host, ro: Rollout, member: PairMember, revision: str) -> bool:
-    """A headless pair member's turn is its head's: it is restarted (and, if need be, rolled
-    back) with the head, which drains, waits for READY and gates the pair."""
-    head = member.pair.head
-    remote.run(host, f"echo {revision} > {REVISION_FILE}")
+def _worker_rolled(state, host, ro: Rollout, pair: Pair, revision: str | None, change: Change | None) -> bool:
+    """A headless pair member's turn is its head's: it is restarted, or makes its ``change``
+    (and, if need be, rolled back or goes back) with the head, which drains, waits for READY
+    and gates the pair."""
+    head = pair.head
+    if change is None:
+        remote.run(host, f"echo {revision} > {REVISION_FILE}")
+    else:
+        ro.changes[host.name] = change
     ro.workers[head][host.name].set()
     head_host = state.inventory.get_host(head)
     while not ro.ended[head].wait(timeout=2):
         if head_host in state.failed_hosts:  # failed before its turn
             break
     if head not in ro.restarted:
-        kept = _keep_running_settings(host)
-        raise OperationError(f"rollout: not changed — {head}, the head of {member.pair.group}, did not roll "
+        kept = _keep_running_settings(host) if change is None else f"its {change.kind} untouched"
+        raise OperationError(f"rollout: not changed — {head}, the head of {pair.group}, did not roll "
                              f"({ro.stopped or 'it failed first'}); this host serves what it ran ({kept}). "
                              "Fix the data and deploy again: the rollout resumes here.")
     if ro.stopped and ro.stopped.startswith(f"{head} "):
@@ -193,19 +200,19 @@ def _pair_workers(state, ro: Rollout, host) -> tuple:
     return tuple(workers)
 
 
-def rolled(state, host, settings: Settings, revision: str | None, member: PairMember | None = None,
+def rolled(state, host, settings: Settings, revision: str | None, pair: Pair | None = None,
            change: Change | None = None) -> bool:
     """Wait for this host's turn, then drain, restart (or make ``change``), gate and put it
-    back. A pair rolls as one: its head drains, restarts every member, waits for READY and
-    gates."""
+    back. A pair rolls as one: its head drains, restarts every member (or makes each
+    member's change), waits for READY and gates."""
     ro = rollout_of(state, settings, change and change.kind)
-    if member is not None and member.pair.headless:
-        return _worker_rolled(state, host, ro, member, revision)
+    if pair is not None and pair.headless:
+        return _worker_rolled(state, host, ro, pair, revision, change)
     ro.wait_turn(state, host.name)
     step = "drain"
     try:
         ro.begun.add(host.name)
-        peers = _pair_workers(state, ro, host) if member is not None else ()
+        peers = _pair_workers(state, ro, host) if pair is not None else ()
         if ro.stopped:
             kept = _keep_running_settings(host) if change is None else f"its {change.kind} untouched"
             raise OperationError(
@@ -219,7 +226,8 @@ def rolled(state, host, settings: Settings, revision: str | None, member: PairMe
                      + (f" ({left} request(s) still in flight after drain_timeout_s)" if left else ""), logger.info)
         if change is not None:
             step = change.what
-            _changed(ep, host, settings, change)
+            ro.restarted.add(host.name)
+            _changed(ep, host, settings, [(host, change), *((p, ro.changes[p.name]) for p in peers)])
             return True
         step = "restart"
         ro.restarted.add(host.name)
@@ -272,12 +280,28 @@ def rolled(state, host, settings: Settings, revision: str | None, member: PairMe
         ro.ended[host.name].set()
 
 
-def _changed(ep, host, settings: Settings, change: Change) -> None:
-    """A change's turn once drained: the change, READY, the gate, back in rotation; where
-    any fails, the change is undone, the host gated again and put back (or, when it cannot
-    go back, left drained with its engine stopped), and the rollout stops."""
+def _each(made: list[tuple[object, Change]], undo: bool = False) -> str | None:
+    """Every host's change (or its undo): a pair's members at once, as they reboot together.
+    None, or what failed where; an error raised on any (a host lost) is raised here."""
+    if len(made) == 1:
+        target, change = made[0]
+        return change.undo(target) if undo else change.apply(target)
+    jobs = [gevent.spawn(change.undo if undo else change.apply, target) for target, change in made]
+    gevent.joinall(jobs)
+    for job in jobs:
+        if not job.successful():
+            raise job.exception
+    return "; ".join(f"{target.name}: {job.value}" for (target, _), job in zip(made, jobs) if job.value) or None
+
+
+def _changed(ep, host, settings: Settings, made: list[tuple[object, Change]]) -> None:
+    """A change's turn once drained: the change (on every member of a pair at once), READY,
+    the gate, back in rotation; where any fails, the change is undone, the host gated again
+    and put back (or, when it cannot go back, left drained with its engine stopped), and the
+    rollout stops."""
+    change = made[0][1]
     out_since = time.monotonic()
-    step, problem = change.what, change.apply(host)
+    step, problem = change.what, _each(made)
     if problem is None:
         step, problem = "READY", ready.await_ready(host, *ready.ready_for(settings, host))
     if problem is None:
@@ -290,13 +314,14 @@ def _changed(ep, host, settings: Settings, change: Change) -> None:
         return
     journal = ready.journal_tail(host)
     host.log(f"{step} failed ({problem}): going back to {change.back}", logger.warning)
-    why_not = change.undo(host)
+    why_not = _each(made, undo=True)
     again = why_not or ready.await_ready(host, *ready.ready_for(settings, host))
     if again is None:
         _after_rollback(ep, host, settings, True)
         outcome = f"went back: {change.back} serves again"
     else:
-        remote.run(host, f"systemctl stop {UNIT}")
+        for target, _ in made:  # a pair's members all: a worker alone would restart into a missing head
+            remote.run(target, f"systemctl stop {UNIT}")
         outcome = f"could not go back ({again}): left drained, {UNIT} stopped"
     raise Stopped(host.name, step, f"{problem}; {outcome}. Fix the declared versions and deploy again\n"
                                    f"    last lines of journalctl -u {UNIT}:\n{journal}")
@@ -379,7 +404,10 @@ def _is_ip(text: str) -> bool:
 
 
 def gate(host, settings: Settings, acceptance_floor: bool = True) -> str | None:
-    """Smoke, tool-call round trip and (speculative profiles) acceptance: None, or what failed."""
+    """Smoke, tool-call round trip, then one decode request: its rate at or above
+    ``rollout_min_decode_tok_s`` and (speculative profiles) its acceptance length at or above
+    ``rollout_min_acceptance``. None, or what failed. ``acceptance_floor=False`` (a rollback's
+    gate): smoke and tools only."""
     client = Client(api_url(host, settings), settings.served_model_name, credentials.api_key(settings), timeout=120)
     speculative = acceptance_floor and settings.speculative_method is not None
     try:
@@ -391,17 +419,25 @@ def gate(host, settings: Settings, acceptance_floor: bool = True) -> str | None:
         tools = tool_call_round_trip(client)
         if not tools["passed"]:
             return f"tools check: {tools['reason']}"
+        if not acceptance_floor:
+            host.log("gate: smoke, tools", logger.info)
+            return None
+        data, elapsed = client.complete(GATE_DECODE_PROMPT, GATE_DECODE_TOKENS)
+        tokens = int((data.get("usage") or {}).get("completion_tokens") or 0)
+        rate = tokens / elapsed if elapsed > 0 else 0.0
+        if rate < settings.rollout_min_decode_tok_s:
+            return (f"decode rate {rate:.1f} tok/s ({tokens} tokens in {elapsed:.1f} s) is below "
+                    f"rollout_min_decode_tok_s {settings.rollout_min_decode_tok_s:g} (a GB10 decodes 28+ tok/s)")
+        said = f"gate: smoke, tools, decode {rate:.1f} tok/s"
         if speculative:
-            client.complete(GATE_DECODE_PROMPT, GATE_DECODE_TOKENS)
             acc = acceptance(parse_spec_counters(client.metrics_text()) - before)
             if acc is None:
                 return f"acceptance: {settings.profile} is speculative but /metrics counted no drafts"
             if acc["mean_length"] < settings.rollout_min_acceptance:
                 return (f"acceptance length {acc['mean_length']:.2f} is below rollout_min_acceptance "
                         f"{settings.rollout_min_acceptance} (is the drafter the one for this model?)")
-            host.log(f"gate: smoke, tools, acceptance length {acc['mean_length']:.2f}", logger.info)
-        else:
-            host.log("gate: smoke, tools", logger.info)
+            said += f", acceptance length {acc['mean_length']:.2f}"
+        host.log(said, logger.info)
     except BenchError as exc:
         return f"the API at {client.base_url} failed a gate request: {exc}"
     except OSError as exc:

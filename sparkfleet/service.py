@@ -184,8 +184,9 @@ def serving(revision: str, restart: bool, rolling: Settings | None = None, membe
         host.noop(f"{UNIT} runs these settings")
         return
     if rolling is not None:
-        rollout.planned(rolling, member)
-        yield remote.callback(rollout.rolled, rolling, revision, member)
+        pair = member.pair if member is not None else None
+        rollout.planned(rolling, pair)
+        yield remote.callback(rollout.rolled, rolling, revision, pair)
         return
     yield StringCommand("echo", revision, ">", REVISION_FILE)
     # A crash loop's start limit must not block the deploy's own start.

@@ -19,14 +19,16 @@ import time
 from functools import partial
 
 import gevent
-from pyinfra import host, logger
+from pyinfra import host, logger, state
 from pyinfra.api import FactBase, deploy, operation
 from pyinfra.api.exceptions import OperationError
 
-from sparkfleet import remote, rollout, snapshot
+from sparkfleet import endpoint, remote, rollout, snapshot
 from sparkfleet.config import Settings
+from sparkfleet.facts import NOTE_BOOT
 from sparkfleet.gpu import NVML_MISMATCH, Gpu
 from sparkfleet.hostpaths import LAST_GOOD_DIR, STARTED_FILE, UNIT
+from sparkfleet.pairs import Pair
 from sparkfleet.preflight import GB10_NAME
 
 #: Components whose new version runs only after a reboot: a new kernel boots, and a new
@@ -149,6 +151,7 @@ def _rebooted(target) -> str | None:
     while time.monotonic() < deadline:
         target.connect(show_errors=False)
         if target.connected and _boot_id(target) not in ("", before):
+            remote.run(target, NOTE_BOOT, timeout=30)  # this deploy's reboot: no later one reports it
             return None
         gevent.sleep(5)
     return f"no new boot answered SSH within {REBOOT_TIMEOUT_S} s"
@@ -207,35 +210,32 @@ def _in_place(state, host_, change: rollout.Change) -> bool:  # pyinfra passes s
 
 
 @operation()
-def versions_declared(settings: Settings, have: dict[str, dict[str, object]], rolling: bool, paired: bool = False):
+def versions_declared(settings: Settings, have: dict[str, dict[str, object]], rolling: bool, pair: Pair | None = None):
     """
     The host runs the declared versions of the stack: a serving host in its turn of the
     rollout (drain, upgrade, reboot when the driver or kernel moved, READY, gate, back in
-    rotation; a failure goes back to the previous versions and stops the rollout).
+    rotation; a failure goes back to the previous versions and stops the rollout). A pair's
+    members change together in its head's turn: its engine spans them.
 
     + settings: the host's settings
     + have: the stack's packages the host has (:class:`StackPackages`)
     + rolling: the host serves and rolls (rollout.applies)
-    + paired: the host is a pair's member, whose engine spans both hosts
+    + pair: the host's pair, if any
     """
     moved = moves(settings, have)
     if not moved:
         host.noop("the stack runs the declared versions")
         return
-    if paired:  # one member's turn would take the pair's engine down: not rolled yet
-        yield remote.fail(f"stack_versions moves {', '.join(moved)}, but a pair's stack is not rolled yet: "
-                          "upgrade both members by hand, or declare no versions for the pair's group")
-        return
     change = change_of(settings, moved)
     if rolling:  # its turn was planned with the deploy (upgraded)
-        yield remote.callback(rollout.rolled, settings, None, None, change)
+        yield remote.callback(rollout.rolled, settings, None, pair, change)
         return
     logger.info(f"{host.print_prefix}{change.what} (not serving: no drain, no gate)")
     yield remote.callback(_in_place, change)
 
 
 @deploy("Stack")
-def upgraded(settings: Settings, pair=None) -> None:
+def upgraded(settings: Settings, pair: Pair | None = None) -> None:
     """The declared versions, rolled through the gate (nothing to do while none is declared)."""
     if not declared(settings):
         return
@@ -244,12 +244,16 @@ def upgraded(settings: Settings, pair=None) -> None:
     rolling = settings.serving and rollout.applies(settings, snapshot.unit(UNIT), snapshot.first_line(STARTED_FILE),
                                                    snapshot.first_line(f"{LAST_GOOD_DIR}/serving.rev"))
     moved = moves(settings, have)
-    if rolling and moved and pair is None:
+    if rolling and moved:
+        if needs_reboot(settings, list(moved)) and endpoint.endpoint_name(state) == host.name:
+            logger.warning(f"{host.print_prefix}serves the fleet endpoint: its reboot takes the endpoint down until "
+                           "it is back (a Spark: ~2 min); upgrade it at a quiet time, or give the endpoint a host "
+                           "of its own (fleet_endpoint)")
         # While the deploy is prepared, every host that rolls registers: with `-y` pyinfra
         # runs no planning pass, and a turn must know every host of the batches before it.
-        rollout.planned(settings, change=change_of(settings, moved))
+        rollout.planned(settings, pair, change=change_of(settings, moved))
     versions_declared(name="the stack runs the declared versions", settings=settings, have=have, rolling=rolling,
-                      paired=pair is not None)
+                      pair=pair)
 
 
 # --- sparkfleet status --------------------------------------------------------------------

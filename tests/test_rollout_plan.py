@@ -19,7 +19,7 @@ from sparkfleet import remote, rollout
 from sparkfleet.config import Settings, validate_host_data
 from sparkfleet.fleet import validate_fleet
 from sparkfleet.hostpaths import LAST_GOOD_DIR, REVISION_FILE, STARTED_FILE, UNIT
-from sparkfleet.pairs import PairMember, fleet_pairs
+from sparkfleet.pairs import Pair, fleet_pairs
 from sparkfleet.ready import restore_command
 from sparkfleet.rollout import Rollout, applies
 
@@ -32,10 +32,9 @@ def settings(**data) -> Settings:
     return validate_host_data("spark-1", {**defaults(), **data})
 
 
-def members(state) -> dict[str, PairMember]:
-    """Each pair member's place in its pair, as service.running gets it."""
-    pairs = fleet_pairs(state.inventory, validate_fleet(state.inventory))[0]
-    return {name: PairMember(pair, "enp1s0f1np1", "rocep1s0f1") for name, pair in pairs.items()}
+def members(state) -> dict[str, Pair]:
+    """Each pair member's pair, as the rollout gets it."""
+    return fleet_pairs(state.inventory, validate_fleet(state.inventory))[0]
 
 
 @pytest.fixture()
@@ -372,3 +371,111 @@ def test_a_missed_query_of_the_endpoint_is_asked_again_before_rolling_without_dr
     ep.connected = False
     assert rollout._endpoint(None, spark2) is None and calls == ["spark-1"]
     assert "rolling without draining" in said[-1]
+
+
+class _GateClient:
+    """The host's API as the gate sees it: Paris, a tool call, a decode request of ``rate``."""
+
+    base_url = "http://spark-1:8000"
+
+    def __init__(self, rate: float, drafts: tuple[int, int] = (0, 0)):
+        self.rate, self.drafts, self.asked = rate, drafts, 0
+
+    def metrics_text(self) -> str:
+        self.asked += 1
+        drafts, accepted = self.drafts if self.asked > 1 else (0, 0)
+        return (f"vllm:spec_decode_num_drafts_total {drafts}\nvllm:spec_decode_num_accepted_tokens_total {accepted}\n"
+                "vllm:spec_decode_num_draft_tokens_total 0\n")
+
+    def complete(self, prompt: str, max_tokens: int):
+        if max_tokens == rollout.GATE_DECODE_TOKENS:
+            return {"choices": [{"text": "..."}], "usage": {"completion_tokens": 128}}, 128 / self.rate
+        return {"choices": [{"text": "Paris."}], "usage": {"completion_tokens": 2}}, 0.1
+
+
+@pytest.mark.parametrize("profile,rate,drafts,problem", [
+    ("base", 28.0, (0, 0), None),
+    ("base", 9.0, (0, 0), "decode rate 9.0 tok/s (128 tokens in 14.2 s) is below rollout_min_decode_tok_s 14"),
+    ("dense", 48.0, (40, 52), None),
+    ("dense", 48.0, (100, 10), "acceptance length 1.10 is below rollout_min_acceptance 1.5"),
+], ids=["base-ok", "base-slow", "dense-ok", "dense-low-acceptance"])
+def test_the_gate_holds_a_decode_rate_floor_and_an_acceptance_floor(monkeypatch, profile, rate, drafts, problem):
+    from types import SimpleNamespace
+
+    client = _GateClient(rate, drafts)
+    said = []
+    monkeypatch.setattr(rollout, "Client", lambda *a, **k: client)
+    monkeypatch.setattr(rollout, "api_url", lambda host, s: client.base_url)
+    monkeypatch.setattr(rollout, "tool_call_round_trip", lambda c: {"passed": True})
+    host = SimpleNamespace(name=S1, log=lambda text, how: said.append(text))
+    got = rollout.gate(host, settings(profile=profile))
+    if problem is None:
+        assert got is None and f"decode {rate:.1f} tok/s" in said[-1], (got, said)
+    else:
+        assert got and got.startswith(problem), got
+    # A rollback's gate asks no decode request: the settings it restores were served before.
+    assert rollout.gate(host, settings(profile=profile), acceptance_floor=False) is None
+
+
+def roll_change(state, s: Settings, names: list[str], failing: str | None = None,
+                stuck: bool = False) -> tuple[dict, list]:
+    """A stack change's turns (pair_a's members change in its head's turn): what each turn
+    returned, and every apply and undo in order (``failing``: that host's apply fails;
+    ``stuck``: its undo too)."""
+    pairs, made = members(state), []
+
+    def change(name):
+        def apply(target):
+            made.append(("apply", target.name))
+            gevent.sleep(0.01)  # a reboot: the other member's change runs meanwhile
+            made.append(("applied", target.name))
+            return "apt-get install failed" if target.name == failing else None
+
+        return rollout.Change(kind="stack", what="upgrade the stack", back="the previous versions", apply=apply,
+                              undo=lambda target: made.append(("undo", target.name)) or (
+                                  "the old version is gone" if stuck and target.name == failing else None))
+
+    ro = rollout.rollout_of(state, s, "stack")
+    for name in names:
+        ro.register(name, pairs.get(name))
+
+    def turn(name):
+        try:
+            return rollout.rolled(state, state.inventory.get_host(name), s, None, pairs.get(name), change(name))
+        except OperationError as exc:
+            return exc
+
+    greenlets = {name: gevent.spawn(turn, name) for name in reversed(names)}
+    gevent.joinall(list(greenlets.values()), timeout=10, raise_error=True)
+    return {name: g.value for name, g in greenlets.items()}, made
+
+
+def test_a_pairs_stack_change_is_made_on_both_members_at_once_in_its_heads_turn(five, monkeypatch):
+    hosts = Hosts(monkeypatch)
+    monkeypatch.setattr(rollout.ready, "await_ready", lambda host, *a: hosts.log.append((host.name, "READY")))
+    got, made = roll_change(five, settings(rollout_batch=1), [S1, S2, S3])
+    assert got == {S1: True, S2: True, S3: True}
+    assert made[:2] == [("apply", S1), ("applied", S1)]  # S1 alone, then the pair as one
+    assert set(made[2:4]) == {("apply", S2), ("apply", S3)} and set(made[4:]) == {("applied", S2), ("applied", S3)}
+    assert hosts.log == [(S1, "READY"), (S2, "READY")]  # the pair is READY and gated at its head
+
+
+def test_a_pairs_stack_change_that_fails_on_its_member_goes_back_on_both_and_stops(five, monkeypatch):
+    hosts = Hosts(monkeypatch)
+    monkeypatch.setattr(rollout.ready, "await_ready", lambda host, *a: hosts.log.append((host.name, "READY")))
+    monkeypatch.setattr(rollout.ready, "journal_tail", lambda host: "")
+    got, made = roll_change(five, settings(rollout_batch=1), [S2, S3, S4], failing=S3)
+    assert str(got[S2]).startswith(f"rollout stopped at {S2}, step upgrade the stack: {S3}: apt-get install failed; "
+                                   "went back: the previous versions"), got[S2]
+    assert str(got[S3]).startswith(f"rollout: rolled with its head {S2}, which stopped at {S2}"), got[S3]
+    assert str(got[S4]).startswith(f"rollout: not changed — the rollout stopped at {S2}"), got[S4]
+    assert {("undo", S2), ("undo", S3)} <= set(made) and ("apply", S4) not in made
+
+
+def test_a_pair_that_cannot_go_back_is_left_drained_with_both_engines_stopped(five, monkeypatch):
+    hosts = Hosts(monkeypatch)
+    monkeypatch.setattr(rollout.ready, "await_ready", lambda host, *a: hosts.log.append((host.name, "READY")))
+    monkeypatch.setattr(rollout.ready, "journal_tail", lambda host: "")
+    got, _ = roll_change(five, settings(rollout_batch=1), [S2, S3], failing=S3, stuck=True)
+    assert f"could not go back ({S3}: the old version is gone): left drained" in str(got[S2]), got[S2]
+    assert {(S2, f"systemctl stop {UNIT}"), (S3, f"systemctl stop {UNIT}")} <= set(hosts.log), hosts.log

@@ -79,11 +79,11 @@ def test_a_serving_host_restarts_in_its_turn_of_the_rollout(spark, monkeypatch):
     pair = fleet_pairs(spark.state.inventory, validate_fleet(spark.state.inventory))[0]["@fake/spark-1"]
     member = PairMember(pair, "enp1s0f1np1", "rocep1s0f1")
     commands = serving(monkeypatch, ACTIVE, "an-older-revision", rolling=s, member=member)
-    assert spark.planned == [(s, member)]  # it takes a turn, planned with the others
+    assert spark.planned == [(s, pair)]  # it takes a turn, planned with the others
     [command] = commands  # no restart of its own: the turn restarts it
     assert isinstance(command, FunctionCommand)
     assert inspect.getclosurevars(command.function).nonlocals["function"] is rollout.rolled
-    assert command.args == (s, REV, member) and command.kwargs == {}
+    assert command.args == (s, REV, pair) and command.kwargs == {}
 
 
 def test_a_serving_host_that_runs_the_wanted_revision_takes_no_turn(spark, monkeypatch):

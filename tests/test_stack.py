@@ -169,3 +169,27 @@ def test_the_stacks_packages_are_read_with_the_hosts_snapshot_not_asked_apart():
     planned = [state.get_op_meta(h).names for h in state.get_op_order()]
     assert planned == [{"Stack | driver, toolkit, Docker, kernel held (apt-mark hold)"},
                        {"Stack | the stack runs the declared versions"}], planned
+
+
+@pytest.mark.parametrize("endpoint_host, driver_moves, warned", [
+    ("@fake/spark-1", True, True), ("@fake/spark-2", True, False), ("@fake/spark-1", False, False)])
+def test_a_reboot_of_the_endpoints_own_host_is_said_while_planning(monkeypatch, caplog, endpoint_host, driver_moves,
+                                                                    warned):
+    from sparkfleet import endpoint, rollout
+
+    component = "driver" if driver_moves else "toolkit"
+    package = {"driver": "nvidia-driver-580-open", "toolkit": "nvidia-container-toolkit"}[component]
+    s = settings(stack_versions={component: {package: "2.0-1"}})
+    key, _ = snapshot._fact_entry(stack.StackPackages, {"packages": stack.packages(s)})
+    responses = {"python3 -c": json.dumps({"facts": {key: [f"hi |{package}|1.0-1"]}})}
+    inventory = Inventory((["@fake/spark-1"], {"fake_responses": responses, "fake_delay": 0, "fake_delay_jitter": 0}))
+    state = State(inventory, Config())
+    monkeypatch.setattr(rollout, "applies", lambda *a, **k: True)  # a serving host that rolls
+    monkeypatch.setattr(rollout, "planned", lambda *a, **k: None)
+    monkeypatch.setattr(endpoint, "endpoint_name", lambda *a, **k: endpoint_host)
+    with ctx_state.use(state):
+        connect_all(state)
+        with ctx_host.use(inventory.get_host("@fake/spark-1")):
+            stack.upgraded(s)
+    said = "serves the fleet endpoint: its reboot takes the endpoint down" in caplog.text
+    assert said == warned, caplog.text

@@ -59,7 +59,7 @@ def test_a_rolling_switch_keeps_the_fleet_in_rotation_and_restarts_each_host_onc
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     for name in testbed.names:
-        assert re.search(rf"\[{name}(?:\.local)?\] gate: smoke, tools, acceptance length \d", out), out[-4000:]
+        assert re.search(rf"\[{name}(?:\.local)?\] gate: smoke, tools, decode [\d.]+ tok/s, acceptance length \d", out), out[-4000:]
         assert re.search(rf"\[{name}(?:\.local)?\] gate passed; back in rotation", out), out[-4000:]
         assert "dflash" in serve_env(testbed, name)
         assert started_at(testbed, name) != before[name]

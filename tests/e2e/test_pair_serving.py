@@ -5,7 +5,8 @@ spark-1 + spark-2 are pair_1 (spark-1 the head), spark-3 + spark-4 pair_2. The t
 file order on one booted fleet: a mismatched pair is refused before anything changes; the
 deploy brings both heads READY with the checks run on the heads and the endpoint over two
 members; a converged re-run changes nothing; a worker's engine killed brings its pair back
-without a deploy; a rolling change moves each pair as one while the other serves.
+without a deploy; a rolling change, and a stack upgrade, move each pair as one while the
+other serves.
 
 The fleet replaces the session's (same testbed instance), so this module sorts after every
 module on the session's fleet.
@@ -20,8 +21,9 @@ import time
 
 import pytest
 
+from sparkfleet.config import project_defaults
 from sparkfleet.hostpaths import CONTAINER, LINK_CHECK
-from sparkfleet.testbed import paths, traffic
+from sparkfleet.testbed import aptrepo, paths, simhw, traffic
 from tests.e2e.conftest import module_fleet
 
 pytestmark = pytest.mark.e2e
@@ -231,3 +233,37 @@ def test_a_rolling_change_moves_each_pair_as_one(pairs4, deploy_run):
         assert any(s[head] != "UP" for s in full), f"{head} never left the rotation"
     # Back to the defaults for whatever runs next.
     assert deploy_run("deploy.py", *data(pairs4)).returncode == 0
+
+
+def test_a_stack_upgrade_moves_each_pair_as_one(pairs4, deploy_run):
+    """The vendor's good toolkit declared: each pair changes in its head's turn, both members
+    at once (its engine spans them), READY and gated at its head while the other pair
+    serves; no client request through the endpoint fails."""
+    keyring, sources = "/etc/apt/keyrings/sparkfleet-sim-stack.asc", "/etc/apt/sources.list.d/sparkfleet-sim-stack.list"
+    url, toolkit, good = aptrepo.STACK_URL, simhw.TOOLKIT_PACKAGE, aptrepo.STACK_GOOD_TOOLKIT
+    wanted = project_defaults()["stack_versions"]
+    wanted["toolkit"] = {**wanted["toolkit"], toolkit: good}
+    for name in pairs4.names:  # the vendor's later releases reach every host's apt sources
+        done = pairs4.exec(name, f"install -d /etc/apt/keyrings && curl -fsSL {url}gpgkey -o {keyring} && "
+                           f"echo 'deb [signed-by={keyring}] {url} /' > {sources} && apt-get update -qq && echo ok",
+                           timeout=120)
+        assert done.stdout.strip().endswith("ok"), done.stdout + done.stderr
+    before = {n: started_at(pairs4, n) for n in pairs4.names}
+    ep = traffic.Endpoint(pairs4, "spark-1", pairs4.api_key_file)
+    try:
+        with watcher(pairs4) as watch, traffic.Load(ep, workers=2) as load:
+            proc = deploy_run("deploy.py", *data(pairs4), "--data", f"stack_versions={json.dumps(wanted)}")
+        out = full(proc)
+        assert proc.returncode == 0, out_of(proc)
+        for head, workers in PAIRS.items():
+            assert f"[{pairs4.inventory_name(workers[0])}] rolled with its head" in out, out_of(proc)
+            for name in (head, *workers):
+                have = pairs4.exec(name, f"dpkg-query -W -f='${{Version}}' {toolkit}").stdout.strip()
+                assert have == good and started_at(pairs4, name) != before[name], (name, have)
+        both = [s for _, s in watch.samples if len(s) == 2]
+        assert both and all("UP" in s.values() for s in both), [s for s in both if "UP" not in s.values()]
+        print(f"pairs' stack upgrade: {load.ok} requests ok, {len(load.failed)} failed")
+        assert load.ok > 0 and load.failed == [], load.failed[:5]
+    finally:
+        for name in pairs4.names:
+            pairs4.exec(name, f"rm -f {sources} {keyring}; apt-get update -qq", timeout=180)

@@ -156,3 +156,62 @@ def test_a_bad_upgrade_stops_at_its_first_host_which_goes_back_and_serves(testbe
     finally:
         for name in testbed.names:
             testbed.exec(name, f"rm -f {UPDATES} {KEYRING}; apt-get update -qq", timeout=180)
+
+
+DRIVER = simhw.DRIVER_PACKAGE
+
+
+def declared_driver(version: str) -> tuple[str, str]:
+    """--data stack_versions: the defaults, with the driver's version declared."""
+    wanted = project_defaults()["stack_versions"]
+    wanted["driver"] = {**wanted["driver"], DRIVER: version}
+    return ("--data", f"stack_versions={json.dumps(wanted)}")
+
+
+def boot_of(testbed, name: str) -> str:
+    return testbed.exec(name, "cat /proc/sys/kernel/random/boot_id", via="nsenter").stdout.strip()
+
+
+def driver_of(testbed, name: str) -> str:
+    return testbed.exec(name, "nvidia-smi --query-gpu=driver_version --format=csv,noheader").stdout.strip()
+
+
+def test_a_driver_upgrade_reboots_each_host_in_its_turn_with_no_failed_request(testbed, run_pyinfra):
+    """A later driver declared: its kernel module loads only at boot (installed alone, NVML
+    answers a mismatch and every GPU container fails), so each serving host in its turn is
+    drained, upgraded, rebooted, checked on its new boot, gated and put back; no client
+    request through the endpoint fails, and the reboot a deploy made is not reported later.
+
+    The endpoint's own host runs the new driver already (upgraded and rebooted by hand): its
+    reboot takes the endpoint down with it, which no drain can hide (README)."""
+    new = aptrepo.STACK_GOOD_DRIVER
+    members = [n for n in testbed.names if n != ROUTER]
+    for name in testbed.names:
+        publish_updates(testbed, name)
+    try:
+        done = testbed.exec(ROUTER, f"DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "
+                            f"--allow-change-held-packages {DRIVER}={new} && apt-mark hold {DRIVER}", timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        testbed.restart_host(ROUTER)
+        ep = traffic.Endpoint(testbed, ROUTER, testbed.api_key_file)
+        for name in testbed.names:
+            ep.wait_state(name, {"UP"}, timeout=180)
+        assert driver_of(testbed, ROUTER) == new.split("-")[0]
+        boots = {n: boot_of(testbed, n) for n in testbed.names}
+        with traffic.Load(ep, workers=3) as load:
+            result = run_pyinfra("deploy.py", *DATA, *declared_driver(new))
+        out = result.stdout + result.stderr
+        assert result.returncode == 0, out[-4000:]
+        assert out.count("gate passed; back in rotation") == len(members), out[-4000:]
+        for name in members:
+            assert versions(testbed, name, DRIVER)[DRIVER] == f"hi {new}"
+            assert boot_of(testbed, name) != boots[name], name  # rebooted in its turn
+            assert driver_of(testbed, name) == new.split("-")[0], name  # the new module loaded
+        assert boot_of(testbed, ROUTER) == boots[ROUTER]  # nothing moved: not rebooted
+        print(f"driver upgrade: {load.ok} requests ok, {len(load.failed)} failed")
+        assert load.ok > 0 and load.failed == [], load.failed[:5]
+        shown = status_json()  # the deploy saw its own reboots: none to report
+        assert all(r["rebooted"] is None and r["stack_drift"] == [] for r in shown["hosts"]), shown["hosts"]
+    finally:
+        for name in testbed.names:
+            testbed.exec(name, f"rm -f {UPDATES} {KEYRING}; apt-get update -qq", timeout=180)
