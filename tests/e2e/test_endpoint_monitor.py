@@ -1,7 +1,10 @@
 """The fleet monitor on the session's simulated fleet (issue 29): after a deploy, Prometheus on
 the endpoint's host scrapes every engine (with the fleet key), HAProxy's exporter and every
 host's node exporter; each listens only where it should; an engine that stops fires its
-alert, `sparkfleet status` shows it, and a converged re-run changes nothing."""
+alerts (engine down, out of the endpoint's rotation), `sparkfleet status` shows them, a node
+exporter that stops fires its own, memory that fills fires both memory alerts, and a
+converged re-run changes nothing. The rules' other alerts (no progress, acceptance, disk)
+fire in promtool's rule tests (tests/test_monitor.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ import time
 
 import pytest
 
+from sparkfleet import haproxy
+from sparkfleet.hostpaths import NODE_EXPORTER_UNIT
 from sparkfleet.testbed import login, paths
 
 pytestmark = pytest.mark.e2e
@@ -36,9 +41,9 @@ def targets(testbed) -> dict[tuple[str, str], str]:
     return {(t["labels"]["job"], t["labels"]["host"]): t["health"] for t in found}
 
 
-def firing(testbed, name: str) -> set[str]:
+def firing(testbed, name: str, label: str = "host") -> set[str]:
     alerts = api(testbed, "/api/v1/alerts").get("data", {}).get("alerts", [])
-    return {a["labels"].get("host") for a in alerts if a["labels"]["alertname"] == name and a["state"] == "firing"}
+    return {a["labels"].get(label) for a in alerts if a["labels"]["alertname"] == name and a["state"] == "firing"}
 
 
 def wait(check, timeout: float, every: float = 1.0):
@@ -93,6 +98,9 @@ def test_prometheus_scrapes_every_target_and_an_alert_fires_on_its_fault(testbed
             api(testbed, "/api/v1/alerts")
         fired_s = time.monotonic() - stopped
         assert firing(testbed, "SparkfleetEngineDown") == {down_name}
+        # The endpoint's checks take it out too: that alert names the member, on the endpoint's host.
+        assert wait(lambda: haproxy.server_name(down_name) in firing(testbed, "SparkfleetMemberOutOfRotation",
+                                                                     "server"), 60), api(testbed, "/api/v1/alerts")
         status = subprocess.run(["sparkfleet", "status", INVENTORY, *DATA], cwd=paths.REPO_ROOT,
                                 capture_output=True, text=True, timeout=120)
         assert re.search(rf"fleet monitor on {re.escape(MONITOR_NAME)} \(Prometheus 127\.0\.0\.1:9090\): "
@@ -105,3 +113,38 @@ def test_prometheus_scrapes_every_target_and_an_alert_fires_on_its_fault(testbed
         testbed.exec(down, "systemctl start sparkfleet-serve")
     assert wait(lambda: targets(testbed).get(("engine", down_name)) == "up", 120), targets(testbed)
     assert wait(lambda: not firing(testbed, "SparkfleetEngineDown"), 60)
+
+    # A host's node exporter stops: Prometheus cannot scrape it, and that alert names the host.
+    quiet = testbed.names[1]
+    quiet_name = testbed.inventory_name(quiet)
+    testbed.exec(quiet, f"systemctl stop {NODE_EXPORTER_UNIT}", check=True)
+    try:
+        assert wait(lambda: quiet_name in firing(testbed, "SparkfleetExporterDown"), 60), \
+            api(testbed, "/api/v1/alerts")
+    finally:
+        testbed.exec(quiet, f"systemctl start {NODE_EXPORTER_UNIT}")
+    assert wait(lambda: not firing(testbed, "SparkfleetExporterDown"), 60), api(testbed, "/api/v1/alerts")
+
+    # Memory fills on a host, as the kernel reports it (its /proc files laid over, as
+    # test_wedge.py does): 10 GiB available, under alert_memory_available_gib (12) and above
+    # the watchdog's stop (8); stalls that PSI's "full" total counts at half the time. Both
+    # memory alerts name the host; the engine serves on.
+    tight = testbed.names[1]
+    tight_name = testbed.inventory_name(tight)
+    stalls = ('t=1; while :; do printf "some avg10=0.00 avg60=0.00 avg300=0.00 total=%d\\n'
+              'full avg10=0.00 avg60=0.00 avg300=0.00 total=%d\\n" $t $t > /run/sf-test-psi; '
+              "t=$((t + 500000)); sleep 1; done")
+    laid = testbed.exec(tight, "printf 'MemTotal:       127606784 kB\\nMemFree:        10485760 kB\\n"
+                               "MemAvailable:   10485760 kB\\n' > /run/sf-test-meminfo && : > /run/sf-test-psi && "
+                               f"systemd-run --quiet --unit=sf-test-stalls /bin/sh -c '{stalls}' && "
+                               "mount --bind /run/sf-test-meminfo /proc/meminfo && "
+                               "mount --bind /run/sf-test-psi /proc/pressure/memory && echo ok")
+    try:
+        assert laid.stdout.strip() == "ok", laid.stdout + laid.stderr
+        for alert in ("SparkfleetMemoryLow", "SparkfleetMemoryStall"):
+            assert wait(lambda alert=alert: tight_name in firing(testbed, alert), 90), \
+                (alert, api(testbed, "/api/v1/alerts"))
+        assert testbed.exec(tight, "systemctl is-active sparkfleet-serve").stdout.strip() == "active"
+    finally:
+        testbed.exec(tight, "umount /proc/pressure/memory; umount /proc/meminfo; systemctl stop sf-test-stalls; true")
+    assert wait(lambda: not firing(testbed, "SparkfleetMemoryLow"), 60), api(testbed, "/api/v1/alerts")

@@ -1,16 +1,21 @@
 """The watchdog on the session's simulated fleet (issue 29): an engine that keeps answering
 /health and /v1/models but produces no token is seen within its bound, taken out of the
 endpoint's rotation, restarted and back, under load through the endpoint; the next deploy
-reports it."""
+reports it. Memory pressure drains and stops the engine before the host runs out; a hard
+reset comes back by itself, and status and the next deploy name its cause."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
 import time
 
 import pytest
 
 from sparkfleet.testbed import login, traffic
+from tests.e2e.conftest import INVENTORY, REPO_ROOT
 
 pytestmark = pytest.mark.e2e
 
@@ -115,3 +120,48 @@ def test_memory_pressure_drains_and_stops_the_engine_and_it_serves_again(testbed
     assert "drained and stopped the engine" in log and "started the engine again" in log, log[-2000:]
     late = [r.error for r in load.requests if r.error and r.start > out + 1]
     assert late == [] and load.ok > 0, late[:5]
+
+
+#: What the kernel logs when a GB10 is lost (NVIDIA's Xid 79), before the box freezes.
+XID = "NVRM: Xid (PCI:000f:01:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
+
+
+def status(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["sparkfleet", "status", INVENTORY, *args, *DATA], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ})
+
+
+def test_a_hard_reset_comes_back_ready_by_itself_and_status_names_the_cause(testbed, run_pyinfra):
+    """A host that froze and was reset (its last kernel lines an Xid): it boots, its engine
+    starts by itself and the endpoint takes it back, with no deploy; `sparkfleet status`
+    names the reboot and the Xid; the next deploy reports it and notes the new boot."""
+    result = run_pyinfra("deploy.py", *DATA)  # the deploy notes the boot each host runs
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    reset = testbed.names[2]
+    ep = traffic.Endpoint(testbed, ROUTER, testbed.api_key_file)
+    with traffic.Watch(ep) as watch, traffic.Load(ep, workers=3) as load:
+        time.sleep(3)
+        cut = time.monotonic()
+        testbed.hard_reset(reset, kernel_errors=[XID])  # returns once the host answers SSH again
+        out = watch.first_out(reset, cut) or watch.wait(lambda s: s.get(reset) not in (None, "UP"), 60)
+        assert out is not None, watch.samples[-3:]
+        back = watch.wait(lambda s: s.get(reset) == "UP", 300)
+        assert back is not None, watch.samples[-3:]
+        time.sleep(3)
+    print(f"hard reset: {reset} out of rotation {out - cut:.1f} s after the power cut, back in it after "
+          f"{back - cut:.1f} s; {load.ok} requests ok, {len(load.failed)} failed")
+    # Only what the reset host held when its power went may fail.
+    late = [r.error for r in load.requests if r.error and r.start > out + 1]
+    assert late == [] and load.ok > 0, late[:5]
+    shown = status("--json")
+    rows = {r["host"]: r for r in json.loads(shown.stdout)["hosts"]}
+    name = testbed.inventory_name(reset)
+    assert rows[name]["ready"] and rows[name]["rebooted"], rows[name]
+    assert any(XID in line for line in rows[name]["rebooted"]["errors"]), rows[name]["rebooted"]
+    assert [n for n, r in rows.items() if r["rebooted"]] == [name], rows
+    assert f"rebooted: {name} since the last deploy" in status().stdout
+    again = run_pyinfra("deploy.py", *DATA)
+    said = again.stdout + again.stderr
+    assert again.returncode == 0 and "rebooted since the last deploy" in said and XID in said, said[-4000:]
+    rows = {r["host"]: r for r in json.loads(status("--json").stdout)["hosts"]}
+    assert rows[name]["rebooted"] is None, rows[name]  # the deploy saw this boot
