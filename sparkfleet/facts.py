@@ -378,3 +378,12 @@ class BootReport(FactBase["dict"]):
                 report["errors"].append(line.strip())
         return report
 
+
+def rebooted(report: dict) -> str | None:
+    """How a :class:`BootReport` is said (the deploy's warning, status' line): None when the
+    host has not rebooted since a deploy saw it; the errors follow, a line each."""
+    if not report["seen"] or report["boot"] == report["seen"]:
+        return None
+    return (f"rebooted since the last deploy (boot {report['seen'][:8]} -> {report['boot'][:8]}); "
+            + ("the previous boot's last kernel/GPU errors:" if report["errors"] else
+               "the previous boot's journal has no kernel or GPU error (a clean reboot?)"))

@@ -32,6 +32,7 @@ import gevent.event
 from pyinfra import host as current_host
 from pyinfra import logger
 from pyinfra.api.exceptions import OperationError
+from pyinfra.api.host import Host
 
 from sparkfleet import credentials, endpoint, haproxy, ready, remote
 from sparkfleet.bench.onhost.checks import tool_call_round_trip
@@ -280,7 +281,7 @@ def rolled(state, host, settings: Settings, revision: str | None, pair: Pair | N
         ro.ended[host.name].set()
 
 
-def _each(made: list[tuple[object, Change]], undo: bool = False) -> str | None:
+def _each(made: list[tuple[Host, Change]], undo: bool = False) -> str | None:
     """Every host's change (or its undo): a pair's members at once, as they reboot together.
     None, or what failed where; an error raised on any (a host lost) is raised here."""
     if len(made) == 1:
@@ -294,7 +295,7 @@ def _each(made: list[tuple[object, Change]], undo: bool = False) -> str | None:
     return "; ".join(f"{target.name}: {job.value}" for (target, _), job in zip(made, jobs) if job.value) or None
 
 
-def _changed(ep, host, settings: Settings, made: list[tuple[object, Change]]) -> None:
+def _changed(ep, host, settings: Settings, made: list[tuple[Host, Change]]) -> None:
     """A change's turn once drained: the change (on every member of a pair at once), READY,
     the gate, back in rotation; where any fails, the change is undone, the host gated again
     and put back (or, when it cannot go back, left drained with its engine stopped), and the

@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sparkfleet import endpoint, haproxy, monitor, oplock, remote, stack
 from sparkfleet.config import ConfigError, Settings
-from sparkfleet.facts import BootReport
+from sparkfleet.facts import BootReport, rebooted
 from sparkfleet.fleet import reached_at, validate_fleet
 from sparkfleet.hostpaths import (
     AGENT_ANSWER,
@@ -297,7 +297,7 @@ def parse_host(lines: list[str], s: Settings) -> dict[str, Any]:
     boot = BootReport().process(sec.get("boot", []))
     # A boot the last deploy did not see: a reboot or a hard reset, with the last kernel and
     # GPU errors of the boot before (None: the same boot, or no deploy has seen one yet).
-    row["rebooted"] = boot if boot["seen"] and boot["boot"] != boot["seen"] else None
+    row["rebooted"] = boot if rebooted(boot) else None
     if "alerts" in sec:
         row["alerts"] = parse_alerts("\n".join(sec["alerts"]).strip())
     return row
@@ -438,9 +438,7 @@ def table(doc: dict[str, Any]) -> str:
     for r in doc["hosts"]:
         boot = r.get("rebooted")
         if boot:
-            out.append(f"\nrebooted: {r['host']} since the last deploy (boot {boot['seen'][:8]} -> {boot['boot'][:8]}); "
-                       + ("the boot before ended after these kernel/GPU errors:" if boot["errors"] else
-                          "no kernel or GPU error in the boot before (a clean reboot?)"))
+            out.append(f"\n{r['host']}: {rebooted(boot)}")
             out.extend(f"    {line}" for line in boot["errors"])
     for r in doc["hosts"]:
         if r.get("reachable") and (r.get("stack") or r.get("stack_drift")):

@@ -24,7 +24,7 @@ from pyinfra.operations import systemd
 
 from sparkfleet import snapshot, tasks
 from sparkfleet.config import Settings
-from sparkfleet.facts import NOTE_BOOT, BootReport
+from sparkfleet.facts import NOTE_BOOT, BootReport, rebooted
 from sparkfleet.hostpaths import (
     AGENT_ANSWER,
     AGENT_SERVICE,
@@ -118,13 +118,10 @@ def boot_reported():
     if report["boot"] == report["seen"]:
         host.noop("the host has not rebooted since the last deploy")
         return
-    if report["seen"]:
-        errors = report["errors"]
-        logger.warning(f"{host.print_prefix}rebooted since the last deploy (boot {report['seen'][:8]} -> "
-                       f"{report['boot'][:8]}); "
-                       + ("the previous boot's last kernel/GPU errors:" if errors else
-                          "the previous boot's journal has no kernel or GPU error (a clean reboot?)"))
-        for line in errors:
+    said = rebooted(report)
+    if said:  # not on the first deploy, which has seen no boot yet
+        logger.warning(f"{host.print_prefix}{said}")
+        for line in report["errors"]:
             logger.warning(f"{host.print_prefix}    {line}")
     yield NOTE_BOOT
 

@@ -153,7 +153,7 @@ def test_a_host_row_names_a_reboot_since_the_last_deploy_and_the_errors_before_i
     row = parse_host(["== unit", "ActiveState=active", "== boot", "boot 22222222-b", "seen 11111111-a", xid], s)
     assert row["rebooted"] == {"boot": "22222222-b", "seen": "11111111-a", "errors": [xid]}
     shown = table({"hosts": [{**row, "host": "spark-1", "reachable": True}], "endpoint": None})
-    assert "rebooted: spark-1 since the last deploy (boot 11111111 -> 22222222); the boot before ended after" in shown
+    assert "spark-1: rebooted since the last deploy (boot 11111111 -> 22222222); the previous boot's last kernel" in shown
     assert f"    {xid}" in shown
     for same in (["boot 1-a", "seen 1-a"], ["boot 1-a", "seen "]):  # the same boot; no deploy saw one yet
         quiet = parse_host(["== unit", "ActiveState=active", "== boot", *same], s)

@@ -159,7 +159,7 @@ def test_a_hard_reset_comes_back_ready_by_itself_and_status_names_the_cause(test
     assert rows[name]["ready"] and rows[name]["rebooted"], rows[name]
     assert any(XID in line for line in rows[name]["rebooted"]["errors"]), rows[name]["rebooted"]
     assert [n for n, r in rows.items() if r["rebooted"]] == [name], rows
-    assert f"rebooted: {name} since the last deploy" in status().stdout
+    assert f"{name}: rebooted since the last deploy" in status().stdout
     again = run_pyinfra("deploy.py", *DATA)
     said = again.stdout + again.stderr
     assert again.returncode == 0 and "rebooted since the last deploy" in said and XID in said, said[-4000:]
