@@ -589,6 +589,23 @@ def test_rate_and_acceptance_per_profile(start: Any, spec: str | None, accept: f
     assert 1 + accepted / drafts == pytest.approx(accept, rel=0.02)
 
 
+def test_a_drafter_mismatch_lowers_the_acceptance_of_later_requests(start: Any) -> None:
+    """POST /_sim/accept: every later request accepts that many tokens per step; a profile
+    without speculation refuses it."""
+    plain = start("--served-model-name", "qwen")
+    assert plain.request("POST", "/_sim/accept", {"length": 1.2})[0] == 400
+    server = start("--served-model-name", "qwen", "--speculative-config", DFLASH_SPEC)
+    assert server.request("POST", "/_sim/accept", {"length": 99})[0] == 400
+    assert server.request("POST", "/_sim/accept", {"length": 1.2}) == (200, {"length": 1.2})
+    before = server.metrics()
+    stream(server, "/v1/chat/completions", bench_body(120, chat=True))
+    after = server.metrics()
+    drafts = after["vllm:spec_decode_num_drafts_total"] - before.get("vllm:spec_decode_num_drafts_total", 0)
+    accepted = after["vllm:spec_decode_num_accepted_tokens_total"] - before.get(
+        "vllm:spec_decode_num_accepted_tokens_total", 0)
+    assert 1 + accepted / drafts == pytest.approx(1.2, rel=0.05)
+
+
 def test_concurrent_streams_each_slow_down_as_on_gb10(dflash: Server) -> None:
     import threading
 

@@ -10,6 +10,9 @@ the routes (``Engine.admitted``): one that answers itself (a 401) ends the reque
 ``POST /_sim/wedge`` wedges it: ``/health`` and ``/v1/models`` still answer 200, but no
 request produces another token and new ones queue forever (the wedge of vLLM #56824 and
 NVIDIA open-gpu-kernel-modules #1358), until the process ends.
+``POST /_sim/accept`` with ``{"length": L}`` makes every later request of a speculative
+profile accept ``L`` tokens per step (a drafter that no longer matches its model, e.g. a
+target replaced in place under a pinned drafter), until the process ends.
 
 Timing is the known truth the benches are checked against: each request's first token
 comes ``perf.ttft_s(prompt)`` after it arrives, then its tokens in accepted blocks, each
@@ -31,7 +34,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -348,6 +351,7 @@ class _Handler(BaseHTTPRequestHandler):
             ("POST", "/v1/chat/completions"): lambda: self._generate(body_bytes, chat=True),
             ("POST", "/_sim/crash"): self._crash,
             ("POST", "/_sim/wedge"): self._wedge,
+            ("POST", "/_sim/accept"): lambda: self._accept(body_bytes),
         }
         handler = routes.get((method, path))
         if path in self.server.engine.faults.fail_status:
@@ -378,6 +382,20 @@ class _Handler(BaseHTTPRequestHandler):
         self.server.engine.wedged.set()
         log("WARNING", "sim", "engine wedged (simulated): /health answers, no token comes")
         self._json(200, {"wedged": True})
+
+    def _accept(self, body_bytes: bytes) -> None:
+        eng = self.server.engine
+        try:
+            length = float(json.loads(body_bytes or b"{}")["length"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ApiError(400, f'expected {{"length": <tokens per step>}}: {exc}', param="length") from exc
+        if eng.perf.method is None or not 1.0 <= length <= eng.perf.k + 1:
+            raise ApiError(400, f"length must be 1..{eng.perf.k + 1} on a speculative profile", param="length")
+        with eng.metrics.lock:
+            eng.perf = replace(eng.perf, accept_len=length)
+            eng._planners.clear()
+        log("WARNING", "sim", f"drafter mismatch (simulated): acceptance length {length:g} from now on")
+        self._json(200, {"length": length})
 
     def _models(self) -> None:
         eng = self.server.engine
