@@ -2,9 +2,10 @@
 the endpoint's host scrapes every engine (with the fleet key), HAProxy's exporter and every
 host's node exporter; each listens only where it should; an engine that stops fires its
 alerts (engine down, out of the endpoint's rotation), `sparkfleet status` shows them, a node
-exporter that stops fires its own, memory that fills fires both memory alerts, and a
-converged re-run changes nothing. The rules' other alerts (no progress, acceptance, disk)
-fire in promtool's rule tests (tests/test_monitor.py)."""
+exporter that stops fires its own, memory that fills fires both memory alerts, an engine
+that wedges where its watchdog cannot act fires "no progress", a filesystem that fills fires
+its own, and a converged re-run changes nothing. The acceptance alert fires in
+test_endpoint_rollout.py, on a fleet that serves a speculative profile."""
 
 from __future__ import annotations
 
@@ -16,16 +17,25 @@ import time
 import pytest
 
 from sparkfleet import haproxy
-from sparkfleet.hostpaths import NODE_EXPORTER_UNIT
+from sparkfleet.hostpaths import NODE_EXPORTER_UNIT, UNIT, WATCHDOG_TIMER
 from sparkfleet.testbed import login, paths
 
 pytestmark = pytest.mark.e2e
 
 MONITOR = "spark-1"
 MONITOR_NAME = login.inventory_name(MONITOR, login.DEFAULT_NAMES)
-#: Fast enough for a test: scrapes every 2 s, an alert after 6 s of its fault.
+#: Fast enough for a test: scrapes every 2 s, an alert after 6 s of its fault, no progress
+#: over 10 s a wedge.
 DATA = ("--data", f"fleet_endpoint={MONITOR_NAME}", "--data", "monitor_scrape_interval_s=2",
-        "--data", "alert_for_s=6")
+        "--data", "alert_for_s=6", "--data", "wedge_timeout_s=10")
+
+
+def ask(path: str, body: str = "", timeout: int = 5, code: bool = True) -> str:
+    """A request to the host's own engine, with the key's 0600 header file (never in argv);
+    prints its HTTP status when ``code``. No single quote: it runs inside them too."""
+    show = ' -w "%{http_code}"' if code else ""
+    return (f'curl -s -m {timeout} -H @/etc/sparkfleet/api-auth.header -H "Content-Type: application/json" '
+            f'-o /dev/null{show} -d "{body}" http://127.0.0.1:8000{path}')
 CHANGED = re.compile(r"\[(spark-\d+)(?:\.local)?\] (Success|Error)")
 INVENTORY = str(paths.INVENTORY.relative_to(paths.REPO_ROOT))
 
@@ -148,3 +158,44 @@ def test_prometheus_scrapes_every_target_and_an_alert_fires_on_its_fault(testbed
     finally:
         testbed.exec(tight, "umount /proc/pressure/memory; umount /proc/meminfo; systemctl stop sf-test-stalls; true")
     assert wait(lambda: not firing(testbed, "SparkfleetMemoryLow"), 60), api(testbed, "/api/v1/alerts")
+
+    # An engine wedges (/health answers, no token comes) where its watchdog cannot act (its
+    # timer stopped) while a request waits on it: "no progress" names the host.
+    stuck = testbed.names[2]
+    stuck_name = testbed.inventory_name(stuck)
+    testbed.exec(stuck, f"systemctl stop {WATCHDOG_TIMER}", check=True)
+    try:
+        assert testbed.exec(stuck, ask("/_sim/wedge")).stdout == "200"
+        body = '{"model": "qwen", "prompt": "Tell me about Paris.", "max_tokens": 64}'
+        testbed.exec(stuck, f"printf '%s' '{body}' > /run/sf-test-body && systemd-run --quiet --unit=sf-test-waits "
+                            + ask("/v1/completions", "@/run/sf-test-body", 300, code=False), check=True)
+        assert wait(lambda: stuck_name in firing(testbed, "SparkfleetNoProgress"), 90), api(testbed, "/api/v1/alerts")
+        assert firing(testbed, "SparkfleetNoProgress") == {stuck_name}
+    finally:
+        testbed.exec(stuck, f"systemctl stop sf-test-waits; systemctl restart {UNIT}; "
+                            f"systemctl start {WATCHDOG_TIMER}; true")
+    assert wait(lambda: not firing(testbed, "SparkfleetNoProgress"), 60), api(testbed, "/api/v1/alerts")
+    assert wait(lambda: targets(testbed).get(("engine", stuck_name)) == "up", 180), targets(testbed)
+
+    # A filesystem fills: a small one mounted on the host, named as a disk's (ext4) in the
+    # mount tables the node exporter reads (/proc/1/mounts up to 1.5, /proc/1/mountinfo
+    # since; laid over), 95 % used. The alert names the host and its mount point.
+    full = testbed.names[1]
+    full_name = testbed.inventory_name(full)
+    laid = testbed.exec(full, "mkdir -p /srv/sf-test-disk && mount -t tmpfs -o size=64m sf-test-disk /srv/sf-test-disk "
+                              "&& fallocate -l 61m /srv/sf-test-disk/fill "
+                              "&& sed 's| /srv/sf-test-disk tmpfs | /srv/sf-test-disk ext4 |' /proc/1/mounts "
+                              "> /run/sf-test-mounts "
+                              "&& sed 's|^\\(.* /srv/sf-test-disk .* - \\)tmpfs |\\1ext4 |' /proc/1/mountinfo "
+                              "> /run/sf-test-mountinfo "
+                              "&& mount --bind /run/sf-test-mounts /proc/1/mounts "
+                              "&& mount --bind /run/sf-test-mountinfo /proc/1/mountinfo && echo ok")
+    try:
+        assert laid.stdout.strip() == "ok", laid.stdout + laid.stderr
+        assert wait(lambda: full_name in firing(testbed, "SparkfleetDiskFilling"), 90), \
+            (api(testbed, "/api/v1/alerts"), testbed.exec(full, "grep sf-test /proc/1/mounts").stdout)
+        assert firing(testbed, "SparkfleetDiskFilling", "mountpoint") == {"/srv/sf-test-disk"}
+    finally:
+        testbed.exec(full, "umount /proc/1/mountinfo; umount /proc/1/mounts; umount /srv/sf-test-disk; "
+                           "rmdir /srv/sf-test-disk; true")
+    assert wait(lambda: not firing(testbed, "SparkfleetDiskFilling"), 60), api(testbed, "/api/v1/alerts")

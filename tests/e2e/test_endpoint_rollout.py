@@ -2,8 +2,9 @@
 
 The tests run in file order on the session's fleet: serve dense behind the endpoint, show
 the batches under --dry, roll to dflash under a watcher that samples the endpoint's member
-states, then roll a change the engine refuses and find it rolled back on the first host and
-the others untouched; the last test leaves the fleet serving the defaults.
+states, see the monitor's acceptance alert fire on a host whose drafter stops matching, then
+roll a change the engine refuses and find it rolled back on the first host and the others
+untouched; the last test leaves the fleet serving the defaults.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import re
 import pytest
 
 from sparkfleet.testbed import login, paths, traffic
+from tests.e2e.test_endpoint_monitor import api, ask, firing, wait
 from tests.e2e.test_faults import TOO_LONG
 
 pytestmark = pytest.mark.e2e
@@ -76,6 +78,32 @@ def test_a_rolling_switch_keeps_the_fleet_in_rotation_and_restarts_each_host_onc
     assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
     assert {n: started_at(testbed, n) for n in testbed.names} == after
     assert "rolls in batch" not in again.stdout + again.stderr
+
+
+def test_a_drafter_that_stops_matching_fires_the_acceptance_alert(testbed, run_pyinfra):
+    """The monitor (Prometheus on the endpoint's host) sees one host's acceptance length fall
+    below rollout_min_acceptance while it serves; the others, idle, do not fire."""
+    fast = ("--data", "monitor_scrape_interval_s=2", "--data", "alert_for_s=6",
+            "--data", "alert_acceptance_window_s=30")
+    result = run_pyinfra("deploy.py", *DATA, "--data", "profile=dflash", *fast)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    drifted = testbed.names[2]
+    name = testbed.inventory_name(drifted)
+    testbed.exec(drifted, """printf '{"length": 1.1}' > /run/sf-test-accept""", check=True)
+    assert testbed.exec(drifted, ask("/_sim/accept", "@/run/sf-test-accept")).stdout == "200"
+    body = '{"model": "qwen", "prompt": "Write a story about Paris.", "max_tokens": 48}'
+    testbed.exec(drifted, f"printf '%s' '{body}' > /run/sf-test-body && systemd-run --quiet --unit=sf-test-asks "
+                          "/bin/sh -c 'for i in $(seq 40); do "
+                          + ask("/v1/completions", "@/run/sf-test-body", 60, code=False) + "; done'", check=True)
+    try:
+        assert wait(lambda: name in firing(testbed, "SparkfleetAcceptanceLow"), 120), api(testbed, "/api/v1/alerts")
+        assert firing(testbed, "SparkfleetAcceptanceLow") == {name}
+    finally:
+        testbed.exec(drifted, "systemctl stop sf-test-asks; systemctl restart sparkfleet-serve; true")
+    # Serving again with its drafter as deployed, and back in the endpoint's rotation.
+    health = "curl -s -o /dev/null -w '%{http_code}' -H @/etc/sparkfleet/api-auth.header http://127.0.0.1:8000/health"
+    assert wait(lambda: testbed.exec(drifted, health).stdout == "200", 180, every=2)
+    watcher(testbed).ep.wait_state(drifted, {"UP"}, 60)
 
 
 def test_a_failed_rollout_is_rolled_back_on_the_first_host_and_stops(testbed, run_pyinfra):
