@@ -22,14 +22,17 @@ import io
 import json
 import shlex
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 
 import gevent
 from pyinfra import host, logger
 from pyinfra.api import deploy, operation
 from pyinfra.api.exceptions import OperationError
+from pyinfra.api.host import Host
 from pyinfra.facts.files import Directory, FileContents
 from pyinfra.facts.hardware import NetworkDevices
 from pyinfra.operations import files, server
@@ -287,7 +290,10 @@ def joined(settings: Settings, pair: Pair) -> PairMember:
     (the interface and RoCE devices its NCCL, Gloo and vLLM use)."""
     configured(settings, pair)
     checked(name="ConnectX-7 link: address, MTU, every peer answers", settings=settings, pair=pair)
-    link = resolved(settings, pair)
+    return _member(settings, pair, resolved(settings, pair))
+
+
+def _member(settings: Settings, pair: Pair, link: Link) -> PairMember:
     return PairMember(pair, interface=link.interface, hcas=link.hcas, gid_index=str(link.gid_index),
                       enforce_eager=settings.pair_enforce_eager,
                       disable_custom_all_reduce=settings.pair_disable_custom_all_reduce)
@@ -354,9 +360,27 @@ def judged_measurement(found: dict, link: Link, floor: float, right_gid: int | N
     return None
 
 
-def _measure(state, host, settings: Settings, member: PairMember, link: Link, key: str) -> bool:
-    """Run linkcheck.py in the image on this member (its peers run theirs at the same time),
-    record the result on the host, fail with the figure and the likely cause."""
+def _measure(state, host, settings: Settings, member: PairMember, link: Link, key: str, gpu: str) -> bool:
+    """The deploy's measurement (its peers run theirs at the same time): fail with the
+    figure and the likely cause."""
+    problem = measure(host, settings, member, link, key, gpu)
+    if problem:
+        raise OperationError(problem)
+    return True
+
+
+def proof(settings: Settings, pair: Pair) -> Callable[[Host], str | None]:
+    """This member's measurement, to run later from another host's turn (a stack upgrade's
+    gate, every member at once): called with this host, it answers None or the problem."""
+    link = resolved(settings, pair)
+    return partial(measure, settings=settings, member=_member(settings, pair, link), link=link,
+                   key=check_key(settings, pair), gpu=container_runtime.unit_gpu_flag(settings))
+
+
+def measure(host, settings: Settings, member: PairMember, link: Link, key: str, gpu: str) -> str | None:
+    """Run linkcheck.py in the image on this member (its peers must run theirs at the same
+    time), with ``gpu`` the host's GPU flag (read while planning), and record the result on
+    the host; None, or the figure and the likely cause."""
     pair = member.pair
     q = shlex.quote
     env = {k: v for k, v in settings.serve_env(member).items() if k.startswith("NCCL_")}
@@ -364,7 +388,7 @@ def _measure(state, host, settings: Settings, member: PairMember, link: Link, ke
     reference = local_image(settings)
     run = (f"docker rm -f {CHECK_CONTAINER} >/dev/null 2>&1; docker run --rm --pull never --name {CHECK_CONTAINER} "
            f"--network host --ipc host --ulimit memlock=-1:-1 --device {RDMA_DEVICES} --cap-add IPC_LOCK "
-           f"{container_runtime.unit_gpu_flag(settings)} {env_args} -v {RUNTIME_DIR}:/host:ro --entrypoint python3 "
+           f"{gpu} {env_args} -v {RUNTIME_DIR}:/host:ro --entrypoint python3 "
            f"{q(reference)} /host/linkcheck.py --rank {pair.rank} --world {pair.size} --master {pair.master_addr} "
            f"--port {settings.pair_check_port} --timeout 120")
     done = remote.run(host, run, timeout=240)
@@ -385,10 +409,10 @@ def _measure(state, host, settings: Settings, member: PairMember, link: Link, ke
     remote.run(host, f"mkdir -p {q(str(Path(LINK_CHECK).parent))} && cat > {q(LINK_CHECK)}",
                stdin=json.dumps(record, indent=1) + "\n")
     if problem:
-        raise OperationError(problem)
+        return problem
     host.log(f"NCCL over {link.interface}: RoCE, all_gather {found['busbw_gbs']:g} GB/s (floor "
              f"{settings.pair_min_busbw_gbs:g}), NCCL {record['nccl']}", logger.info)
-    return True
+    return None
 
 
 @operation(is_idempotent=False)
@@ -413,4 +437,5 @@ def measured(settings: Settings, member: PairMember):
         host.noop(f"NCCL over {mine.get('interface')}: {mine.get('transport')} at {mine.get('busbw_gbs')} GB/s "
                   f"(floor {mine.get('floor_gbs')}), checked {mine.get('checked_at')}")
         return
-    yield remote.callback(_measure, settings, member, resolved(settings, pair), key)
+    yield remote.callback(_measure, settings, member, resolved(settings, pair), key,
+                          container_runtime.unit_gpu_flag(settings))

@@ -69,13 +69,16 @@ class Change:
     rollout (``kind``), so a run that also restarts for new settings rolls each apart.
 
     ``apply(host)`` and ``undo(host)`` run in the turn and return None once done, else why
-    not (``apply``'s problem sends the host back as a failed gate does)."""
+    not (``apply``'s problem sends the host back as a failed gate does). ``proven(host)``,
+    when there is one, is the gate's last step, on every member of a pair at once (its
+    link measured again on the new stack); its problem fails the gate."""
 
     kind: str
     what: str  # the step, as messages name it
     back: str  # what the host runs once undone, as messages name it
-    apply: Callable[[object], str | None]
-    undo: Callable[[object], str | None]
+    apply: Callable[[Host], str | None]
+    undo: Callable[[Host], str | None]
+    proven: Callable[[Host], str | None] | None = None
 
 
 @dataclass
@@ -281,13 +284,14 @@ def rolled(state, host, settings: Settings, revision: str | None, pair: Pair | N
         ro.ended[host.name].set()
 
 
-def _each(made: list[tuple[Host, Change]], undo: bool = False) -> str | None:
-    """Every host's change (or its undo): a pair's members at once, as they reboot together.
-    None, or what failed where; an error raised on any (a host lost) is raised here."""
+def _each(made: list[tuple[Host, Change]], step: str = "apply") -> str | None:
+    """Every host's ``step`` of its change (apply, undo, proven): a pair's members at once,
+    as they reboot together and meet in one measurement. None, or what failed where; an
+    error raised on any (a host lost) is raised here."""
     if len(made) == 1:
         target, change = made[0]
-        return change.undo(target) if undo else change.apply(target)
-    jobs = [gevent.spawn(change.undo if undo else change.apply, target) for target, change in made]
+        return getattr(change, step)(target)
+    jobs = [gevent.spawn(getattr(change, step), target) for target, change in made]
     gevent.joinall(jobs)
     for job in jobs:
         if not job.successful():
@@ -307,6 +311,8 @@ def _changed(ep, host, settings: Settings, made: list[tuple[Host, Change]]) -> N
         step, problem = "READY", ready.await_ready(host, *ready.ready_for(settings, host))
     if problem is None:
         step, problem = "gate", gate(host, settings)
+    if problem is None and all(c.proven for _, c in made):
+        step, problem = "gate (the pair's link)", _each(made, "proven")
     if problem is None:
         if ep is not None:
             _back(ep, host)
@@ -315,7 +321,7 @@ def _changed(ep, host, settings: Settings, made: list[tuple[Host, Change]]) -> N
         return
     journal = ready.journal_tail(host)
     host.log(f"{step} failed ({problem}): going back to {change.back}", logger.warning)
-    why_not = _each(made, undo=True)
+    why_not = _each(made, "undo")
     again = why_not or ready.await_ready(host, *ready.ready_for(settings, host))
     if again is None:
         _after_rollback(ep, host, settings, True)

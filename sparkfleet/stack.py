@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import shlex
 import time
+from dataclasses import replace
 from functools import partial
 
 import gevent
@@ -23,7 +24,7 @@ from pyinfra import host, logger, state
 from pyinfra.api import FactBase, deploy, operation
 from pyinfra.api.exceptions import OperationError
 
-from sparkfleet import endpoint, remote, rollout, snapshot
+from sparkfleet import endpoint, link, remote, rollout, snapshot
 from sparkfleet.config import Settings
 from sparkfleet.facts import NOTE_BOOT
 from sparkfleet.gpu import NVML_MISMATCH, Gpu
@@ -227,6 +228,8 @@ def versions_declared(settings: Settings, have: dict[str, dict[str, object]], ro
         host.noop("the stack runs the declared versions")
         return
     change = change_of(settings, moved)
+    if pair is not None:  # the gate measures the pair's link again, on the new driver and toolkit
+        change = replace(change, proven=link.proof(settings, pair))
     if rolling:  # its turn was planned with the deploy (upgraded)
         yield remote.callback(rollout.rolled, settings, None, pair, change)
         return

@@ -418,11 +418,16 @@ def test_the_gate_holds_a_decode_rate_floor_and_an_acceptance_floor(monkeypatch,
 
 
 def roll_change(state, s: Settings, names: list[str], failing: str | None = None,
-                stuck: bool = False) -> tuple[dict, list]:
+                stuck: bool = False, slow_link: str | None = None) -> tuple[dict, list]:
     """A stack change's turns (pair_a's members change in its head's turn): what each turn
-    returned, and every apply and undo in order (``failing``: that host's apply fails;
-    ``stuck``: its undo too)."""
+    returned, and every apply, undo and link measurement in order (``failing``: that host's
+    apply fails; ``stuck``: its undo too; ``slow_link``: that member's link measures below
+    its floor)."""
     pairs, made = members(state), []
+
+    def measured(target):
+        made.append(("proven", target.name))
+        return "all_gather 4 GB/s, below the floor of 21.875 GB/s" if target.name == slow_link else None
 
     def change(name):
         def apply(target):
@@ -433,7 +438,8 @@ def roll_change(state, s: Settings, names: list[str], failing: str | None = None
 
         return rollout.Change(kind="stack", what="upgrade the stack", back="the previous versions", apply=apply,
                               undo=lambda target: made.append(("undo", target.name)) or (
-                                  "the old version is gone" if stuck and target.name == failing else None))
+                                  "the old version is gone" if stuck and target.name == failing else None),
+                              proven=measured if name in pairs else None)
 
     ro = rollout.rollout_of(state, s, "stack")
     for name in names:
@@ -456,8 +462,19 @@ def test_a_pairs_stack_change_is_made_on_both_members_at_once_in_its_heads_turn(
     got, made = roll_change(five, settings(rollout_batch=1), [S1, S2, S3])
     assert got == {S1: True, S2: True, S3: True}
     assert made[:2] == [("apply", S1), ("applied", S1)]  # S1 alone, then the pair as one
-    assert set(made[2:4]) == {("apply", S2), ("apply", S3)} and set(made[4:]) == {("applied", S2), ("applied", S3)}
+    assert set(made[2:4]) == {("apply", S2), ("apply", S3)} and set(made[4:6]) == {("applied", S2), ("applied", S3)}
     assert hosts.log == [(S1, "READY"), (S2, "READY")]  # the pair is READY and gated at its head
+    assert set(made[6:]) == {("proven", S2), ("proven", S3)}  # then its link, measured at both ends
+
+
+def test_a_pairs_link_below_its_floor_after_the_change_fails_the_gate_and_both_go_back(five, monkeypatch):
+    hosts = Hosts(monkeypatch)
+    monkeypatch.setattr(rollout.ready, "await_ready", lambda host, *a: hosts.log.append((host.name, "READY")))
+    monkeypatch.setattr(rollout.ready, "journal_tail", lambda host: "")
+    got, made = roll_change(five, settings(rollout_batch=1), [S2, S3], slow_link=S3)
+    assert str(got[S2]).startswith(f"rollout stopped at {S2}, step gate (the pair's link): {S3}: all_gather 4 GB/s, "
+                                   "below the floor"), got[S2]
+    assert made.index(("proven", S3)) < made.index(("undo", S2)) and ("undo", S3) in made, made
 
 
 def test_a_pairs_stack_change_that_fails_on_its_member_goes_back_on_both_and_stops(five, monkeypatch):

@@ -237,8 +237,8 @@ def test_a_rolling_change_moves_each_pair_as_one(pairs4, deploy_run):
 
 def test_a_stack_upgrade_moves_each_pair_as_one(pairs4, deploy_run):
     """The vendor's good toolkit declared: each pair changes in its head's turn, both members
-    at once (its engine spans them), READY and gated at its head while the other pair
-    serves; no client request through the endpoint fails."""
+    at once (its engine spans them), READY and gated at its head (its link measured again
+    at both ends) while the other pair serves; no client request through the endpoint fails."""
     keyring, sources = "/etc/apt/keyrings/sparkfleet-sim-stack.asc", "/etc/apt/sources.list.d/sparkfleet-sim-stack.list"
     url, toolkit, good = aptrepo.STACK_URL, simhw.TOOLKIT_PACKAGE, aptrepo.STACK_GOOD_TOOLKIT
     wanted = project_defaults()["stack_versions"]
@@ -258,6 +258,9 @@ def test_a_stack_upgrade_moves_each_pair_as_one(pairs4, deploy_run):
         for head, workers in PAIRS.items():
             assert f"[{pairs4.inventory_name(workers[0])}] rolled with its head" in out, out_of(proc)
             for name in (head, *workers):
+                # The gate measured the pair's link again on the new toolkit, at both ends.
+                assert re.search(rf"\[{re.escape(pairs4.inventory_name(name))}\] NCCL over \S+: RoCE, all_gather",
+                                 out), out_of(proc)
                 have = pairs4.exec(name, f"dpkg-query -W -f='${{Version}}' {toolkit}").stdout.strip()
                 assert have == good and started_at(pairs4, name) != before[name], (name, have)
         both = [s for _, s in watch.samples if len(s) == 2]
