@@ -360,10 +360,11 @@ def judged_measurement(found: dict, link: Link, floor: float, right_gid: int | N
     return None
 
 
-def _measure(state, host, settings: Settings, member: PairMember, link: Link, key: str, gpu: str) -> bool:
-    """The deploy's measurement (its peers run theirs at the same time): fail with the
-    figure and the likely cause."""
-    problem = measure(host, settings, member, link, key, gpu)
+def _measure(state, host, settings: Settings, member: PairMember, link: Link, key: str) -> bool:
+    """The deploy's measurement (its peers run theirs at the same time), with the GPU flag
+    as the run has it by now (its runtime step may have changed it): fail with the figure
+    and the likely cause."""
+    problem = measure(host, settings, member, link, key, container_runtime.unit_gpu_flag(settings))
     if problem:
         raise OperationError(problem)
     return True
@@ -437,5 +438,4 @@ def measured(settings: Settings, member: PairMember):
         host.noop(f"NCCL over {mine.get('interface')}: {mine.get('transport')} at {mine.get('busbw_gbs')} GB/s "
                   f"(floor {mine.get('floor_gbs')}), checked {mine.get('checked_at')}")
         return
-    yield remote.callback(_measure, settings, member, resolved(settings, pair), key,
-                          container_runtime.unit_gpu_flag(settings))
+    yield remote.callback(_measure, settings, member, resolved(settings, pair), key)
