@@ -26,6 +26,18 @@ SSHD_LIMITS = "etc/ssh/sshd_config.d/00-sparkfleet-sim-limits.conf"
 
 DAEMON_JSON = {"insecure-registries": [paths.REGISTRY]}
 
+#: containerd's configuration as a DGX OS host has it (Docker's containerd.io: the CRI plugin
+#: off), plus the garbage collector's fixed interval: bookworm's containerd 1.6.20 predates
+#: the fix for its scheduler spinning on a zero interval (containerd #5089, fixed in 1.6.31
+#: by #10103), which cost each idle host 0.02-0.03 of a core here; the containerd a Spark
+#: runs has the fix. pause_threshold 0 keeps the default one-second schedule.
+CONTAINERD_TOML = """version = 2
+disabled_plugins = ["io.containerd.grpc.v1.cri"]
+
+[plugins."io.containerd.gc.v1.scheduler"]
+  pause_threshold = 0.0
+"""
+
 #: nspawn mounts the cgroup v1 controller hierarchies read-only; dockerd's runc must
 #: create cgroups for its containers. Re-bind them writable (a per-mount flag: the
 #: hierarchy itself is rooted at this host's own cgroup through the cgroup namespace).
@@ -121,6 +133,7 @@ def provision(h: HostState, rootfs: Path, pubkey: str, toolkit_deb: Path, login_
     docker_dir = root / "etc/docker"
     docker_dir.mkdir(parents=True, exist_ok=True)
     (docker_dir / "daemon.json").write_text(json.dumps(DAEMON_JSON, indent=2) + "\n")
+    simhw.write_files(root, {"etc/containerd/config.toml": (CONTAINERD_TOML, 0o644)})
     simhw.install_hardware(root)
     simhw.write_files(root, {
         "usr/lib/sparkfleet-sim/cgroups-rw": (CGROUPS_RW, 0o755),
