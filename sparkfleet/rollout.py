@@ -365,7 +365,12 @@ def _endpoint(state, host):
                 host.log(f"the fleet endpoint does not answer ({exc}): rolling without draining", logger.warning)
                 return None
             gevent.sleep(ENDPOINT_RETRY_S)
-    return ep if haproxy.server_name(host.name) in members else None
+    if haproxy.server_name(host.name) in members:
+        return ep
+    # Not in its rotation (not served yet, or left out by an earlier run): no client reaches
+    # it through the endpoint, so there is nothing to drain; the endpoint step adds it later.
+    host.log("not in the fleet endpoint's rotation: rolls without draining", logger.info)
+    return None
 
 
 def _back(ep, host) -> None:

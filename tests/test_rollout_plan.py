@@ -371,6 +371,11 @@ def test_a_missed_query_of_the_endpoint_is_asked_again_before_rolling_without_dr
     ep.connected = False
     assert rollout._endpoint(None, spark2) is None and calls == ["spark-1"]
     assert "rolling without draining" in said[-1]
+    # A host the endpoint does not list (not served yet) has no client to drain: it says so.
+    ep.connected = True
+    spark3 = SimpleNamespace(name="spark-3", log=lambda text, how: said.append(text))
+    assert rollout._endpoint(None, spark3) is None
+    assert said[-1] == "not in the fleet endpoint's rotation: rolls without draining"
 
 
 class _GateClient:
