@@ -23,6 +23,7 @@ import gevent
 from pyinfra import host, logger, state
 from pyinfra.api import FactBase, deploy, operation
 from pyinfra.api.exceptions import OperationError
+from pyinfra.facts.server import KernelVersion
 
 from sparkfleet import endpoint, link, remote, rollout, snapshot
 from sparkfleet.config import Settings
@@ -37,6 +38,11 @@ from sparkfleet.preflight import GB10_NAME
 REBOOT_COMPONENTS = ("driver", "kernel")
 #: How long a rebooting host may take to answer SSH on its new boot (a Spark: ~2 min).
 REBOOT_TIMEOUT_S = 600
+#: GRUB's default while a kernel upgrade is undone: the kernel the host ran before it.
+#: Going back reinstalls the kernel's previous meta-package, but the new image stays
+#: installed and GRUB boots the newest; update-grub reads /etc/default/grub.d after
+#: /etc/default/grub, so this file alone chooses, and removing it restores the newest.
+KERNEL_PIN = "/etc/default/grub.d/99-sparkfleet-kernel.cfg"
 
 
 class StackPackages(FactBase["dict[str, dict[str, object]]"]):
@@ -158,19 +164,49 @@ def _rebooted(target) -> str | None:
     return f"no new boot answered SSH within {REBOOT_TIMEOUT_S} s"
 
 
-def _switched(target, versions: dict[str, str], reboot: bool) -> str | None:
+def boot_kernel_command(release: str | None) -> str:
+    """GRUB's default set to ``release``'s entry (None: the newest again, GRUB's own
+    default), then update-grub. Fails, naming why, where GRUB has no entry for it."""
+    if release is None:
+        return f"if [ -e {KERNEL_PIN} ]; then rm -f {KERNEL_PIN} && update-grub; fi"
+    cfg, rel = "/boot/grub/grub.cfg", shlex.quote(release)
+    # Ubuntu's entries: submenu 'gnulinux-advanced-<fs>' holding 'gnulinux-<release>-advanced-<fs>'.
+    return (
+        f"[ -r {cfg} ] || {{ echo 'no {cfg}: not booted by GRUB' >&2; exit 1; }}; "
+        f"sub=$(sed -n \"s/^submenu .*'\\(gnulinux-advanced-[^']*\\)'.*/\\1/p\" {cfg} | head -n 1); "
+        f"entry=$(grep -o \"'gnulinux-[^']*-advanced-[^']*'\" {cfg} | tr -d \"'\" | grep -xF \"gnulinux-\"{rel}"
+        f"\"-advanced-${{sub#gnulinux-advanced-}}\" | head -n 1); "
+        f"[ -n \"$sub\" ] && [ -n \"$entry\" ] || {{ echo \"GRUB lists no entry for kernel \"{rel} >&2; exit 1; }}; "
+        f"mkdir -p {KERNEL_PIN.rsplit('/', 1)[0]} && "
+        f"printf '# sparkfleet: the kernel before an upgrade that was undone\\nGRUB_DEFAULT=\"%s>%s\"\\n' "
+        f"\"$sub\" \"$entry\" > {KERNEL_PIN} && update-grub"
+    )
+
+
+def _switched(target, versions: dict[str, str], reboot: bool, kernel: str | None = "") -> str | None:
     """The host runs ``versions``: installed, then a reboot (driver, kernel) or a restart of
     the engine, whose new container is the first to use the new stack; then what the
-    preflight asks of a GPU host: nvidia-smi answers a GB10 and Docker runs."""
+    preflight asks of a GPU host: nvidia-smi answers a GB10 and Docker runs. ``kernel``:
+    "" leaves GRUB alone, None boots the newest kernel (an upgrade), a release boots that
+    one (going back), and the host must run it once up."""
     if not versions:
         return "no earlier version to go back to (the packages were new on this host)"
     done = remote.run(target, install_command(versions), timeout=1800)
     if not done.ok:
         return f"apt-get install {' '.join(f'{p}={v}' for p, v in versions.items())} failed: {' '.join(done.stderr)[-600:]}"
+    if kernel != "":
+        done = remote.run(target, boot_kernel_command(kernel), timeout=300)
+        if not done.ok:
+            return f"could not make GRUB boot {kernel or 'the newest kernel'}: {' '.join(done.stderr)[-300:]}"
     if reboot:
         problem = _rebooted(target)
         if problem:
             return problem
+    if kernel:
+        running = "".join(remote.run(target, "uname -r", timeout=30).stdout).strip()
+        if running != kernel:
+            return (f"the host booted kernel {running or '?'}, not {kernel} (the one before the upgrade): choose it "
+                    "in GRUB's menu, or install it as the newest, then deploy again")
     else:
         # Blocking: READY is then asked of the new container, never of the one it replaces;
         # try-restart: a host that does not serve (upgraded in place) is not started here.
@@ -188,18 +224,29 @@ def _switched(target, versions: dict[str, str], reboot: bool) -> str | None:
     return None
 
 
-def change_of(settings: Settings, moved: dict[str, tuple[str | None, str]]) -> rollout.Change:
-    """The rollout's change: the declared versions; back: the versions the host ran."""
+def change_of(settings: Settings, moved: dict[str, tuple[str | None, str]], kernel: str = "") -> rollout.Change:
+    """The rollout's change: the declared versions; back: the versions the host ran (and,
+    when a kernel package moved, ``kernel``: the release it ran, as GRUB's default)."""
     previous = {p: old for p, (old, _) in moved.items() if old is not None}
     reboot = needs_reboot(settings, list(moved))
+    kernel_moves = any(p in settings.stack_versions.get("kernel", {}) for p in moved)
     listed = ", ".join(f"{p} {old or '-'} -> {new}" for p, (old, new) in moved.items())
     return rollout.Change(
         kind="stack", what=f"upgrade the stack ({listed}){' and reboot' if reboot else ''}",
         back="the previous versions (" + (", ".join(f"{p} {v}" for p, v in previous.items()) or "-") + ")",
-        apply=partial(_switched, versions={p: new for p, (_, new) in moved.items()}, reboot=reboot),
+        apply=partial(_switched, versions={p: new for p, (_, new) in moved.items()}, reboot=reboot,
+                      kernel=None if kernel_moves else ""),
         # Reinstalled from the host's sources, which must still list them (README: what cannot go back).
-        undo=partial(_switched, versions=previous, reboot=reboot),
+        undo=partial(_switched, versions=previous, reboot=reboot, kernel=kernel if kernel_moves else ""),
     )
+
+
+def _kernel(settings: Settings, moved: dict[str, tuple[str | None, str]]) -> str:
+    """The kernel release the host runs now, when a kernel package moves (else ""). One
+    uname cannot read is "unknown": GRUB has no entry for it, so going back stops there."""
+    if not any(p in settings.stack_versions.get("kernel", {}) for p in moved):
+        return ""
+    return snapshot.fact(KernelVersion) or "unknown"
 
 
 def _in_place(state, host_, change: rollout.Change) -> bool:  # pyinfra passes state, host
@@ -227,7 +274,7 @@ def versions_declared(settings: Settings, have: dict[str, dict[str, object]], ro
     if not moved:
         host.noop("the stack runs the declared versions")
         return
-    change = change_of(settings, moved)
+    change = change_of(settings, moved, _kernel(settings, moved))
     if pair is not None:  # the gate measures the pair's link again, on the new driver and toolkit
         change = replace(change, proven=link.proof(settings, pair))
     if rolling:  # its turn was planned with the deploy (upgraded)
@@ -254,7 +301,7 @@ def upgraded(settings: Settings, pair: Pair | None = None) -> None:
                            "of its own (fleet_endpoint)")
         # While the deploy is prepared, every host that rolls registers: with `-y` pyinfra
         # runs no planning pass, and a turn must know every host of the batches before it.
-        rollout.planned(settings, pair, change=change_of(settings, moved))
+        rollout.planned(settings, pair, change=change_of(settings, moved, _kernel(settings, moved)))
     versions_declared(name="the stack runs the declared versions", settings=settings, have=have, rolling=rolling,
                       pair=pair)
 

@@ -147,6 +147,82 @@ def test_after_the_switch_nvidia_smi_is_asked_again_as_the_preflight_asks_it(mon
     assert ("systemctl is-active docker" in asked) == (problem is None)
 
 
+#: The kernel entries of an Ubuntu grub.cfg (as update-grub writes them), a new kernel above the old.
+GRUB_CFG = """menuentry 'Ubuntu' --class ubuntu $menuentry_id_option 'gnulinux-simple-0b3c' {
+}
+submenu 'Advanced options for Ubuntu' $menuentry_id_option 'gnulinux-advanced-0b3c' {
+\tmenuentry 'Ubuntu, with Linux 6.14.0-1013-nvidia' --class ubuntu $menuentry_id_option 'gnulinux-6.14.0-1013-nvidia-advanced-0b3c' {
+\t}
+\tmenuentry 'Ubuntu, with Linux 6.14.0-1013-nvidia (recovery mode)' $menuentry_id_option 'gnulinux-6.14.0-1013-nvidia-recovery-0b3c' {
+\t}
+\tmenuentry 'Ubuntu, with Linux 6.11.0-1016-nvidia' --class ubuntu $menuentry_id_option 'gnulinux-6.11.0-1016-nvidia-advanced-0b3c' {
+\t}
+}
+"""
+
+
+def _grub(tmp_path, release):
+    """``boot_kernel_command(release)`` run by sh over a grub.cfg and pin of tmp_path, with an
+    update-grub that records its call."""
+    import subprocess
+
+    (tmp_path / "grub.cfg").write_text(GRUB_CFG)
+    (tmp_path / "bin").mkdir(exist_ok=True)
+    (tmp_path / "bin/update-grub").write_text(f"#!/bin/sh\necho ran >> {tmp_path}/updated\n")
+    (tmp_path / "bin/update-grub").chmod(0o755)
+    command = (stack.boot_kernel_command(release).replace("/boot/grub/grub.cfg", str(tmp_path / "grub.cfg"))
+               .replace(stack.KERNEL_PIN, str(tmp_path / "grub.d/pin.cfg"))
+               .replace("/etc/default/grub.d", str(tmp_path / "grub.d")))
+    import os
+    return subprocess.run(["sh", "-c", command], capture_output=True, text=True,
+                          env={**os.environ, "PATH": f"{tmp_path}/bin:{os.environ['PATH']}"})
+
+
+def test_going_back_from_a_kernel_makes_grub_boot_the_one_before(tmp_path):
+    done = _grub(tmp_path, "6.11.0-1016-nvidia")
+    assert done.returncode == 0, done.stderr
+    pin = (tmp_path / "grub.d/pin.cfg").read_text()
+    assert 'GRUB_DEFAULT="gnulinux-advanced-0b3c>gnulinux-6.11.0-1016-nvidia-advanced-0b3c"' in pin
+    assert (tmp_path / "updated").read_text() == "ran\n"
+    # The next upgrade boots the newest again: the pin goes, GRUB's own default is back.
+    assert _grub(tmp_path, None).returncode == 0 and not (tmp_path / "grub.d/pin.cfg").exists()
+    assert (tmp_path / "updated").read_text() == "ran\nran\n"
+    assert _grub(tmp_path, None).returncode == 0 and (tmp_path / "updated").read_text() == "ran\nran\n"
+
+
+def test_a_kernel_grub_does_not_list_is_not_pinned(tmp_path):
+    done = _grub(tmp_path, "6.8.0-1001-nvidia")  # a prefix of no entry, and no entry of its own
+    assert done.returncode == 1 and "GRUB lists no entry for kernel 6.8.0-1001-nvidia" in done.stderr
+    assert not (tmp_path / "grub.d/pin.cfg").exists() and not (tmp_path / "updated").exists()
+
+
+def test_an_undone_kernel_upgrade_must_boot_the_kernel_before_it(monkeypatch):
+    s = settings(stack_versions={"kernel": {"linux-nvidia-hwe-24.04": "6.14.0-1013.13"}})
+    moved = {"linux-nvidia-hwe-24.04": ("6.11.0-1016.16", "6.14.0-1013.13")}
+    change = stack.change_of(s, moved, kernel="6.11.0-1016-nvidia")
+    assert change.apply.keywords["kernel"] is None  # the upgrade: GRUB's newest
+    assert change.undo.keywords["kernel"] == "6.11.0-1016-nvidia"
+    asked, booted = [], {"release": "6.14.0-1013-nvidia"}
+
+    def run(target, command, timeout=None, **kwargs):
+        asked.append(command)
+        if command == "uname -r":
+            return remote.Result(True, [booted["release"]], [])
+        return remote.Result(True, ["NVIDIA GB10, 12.1, 580.126.09"] if command == Gpu().command() else [], [])
+
+    monkeypatch.setattr(stack.remote, "run", run)
+    monkeypatch.setattr(stack, "_rebooted", lambda target: None)
+    # GRUB still boots the new kernel: not "went back", whatever else answers.
+    said = change.undo(None)
+    assert said.startswith("the host booted kernel 6.14.0-1013-nvidia, not 6.11.0-1016-nvidia"), said
+    assert stack.boot_kernel_command("6.11.0-1016-nvidia") in asked
+    booted["release"] = "6.11.0-1016-nvidia"
+    assert change.undo(None) is None
+    # A toolkit's change leaves GRUB alone and asks no kernel.
+    asked.clear()
+    toolkit = stack.change_of(settings(), {"nvidia-container-toolkit": ("1.17.8-1", "1.17.9-1")})
+    assert toolkit.undo(None) is None and "uname -r" not in asked and not any("grub" in c for c in asked)
+
 # --- read with the host's snapshot, on a @fake host -------------------------------------------
 
 
