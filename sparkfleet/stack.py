@@ -170,16 +170,17 @@ def boot_kernel_command(release: str | None) -> str:
     if release is None:
         return f"if [ -e {KERNEL_PIN} ]; then rm -f {KERNEL_PIN} && update-grub; fi"
     cfg, rel = "/boot/grub/grub.cfg", shlex.quote(release)
-    # Ubuntu's entries: submenu 'gnulinux-advanced-<fs>' holding 'gnulinux-<release>-advanced-<fs>'.
+    # Ubuntu's entries: 'gnulinux-<release>-advanced-<fs>', inside the submenu
+    # 'gnulinux-advanced-<fs>' (GRUB_DEFAULT then names both) unless GRUB_DISABLE_SUBMENU.
     return (
         f"[ -r {cfg} ] || {{ echo 'no {cfg}: not booted by GRUB' >&2; exit 1; }}; "
         f"sub=$(sed -n \"s/^submenu .*'\\(gnulinux-advanced-[^']*\\)'.*/\\1/p\" {cfg} | head -n 1); "
-        f"entry=$(grep -o \"'gnulinux-[^']*-advanced-[^']*'\" {cfg} | tr -d \"'\" | grep -xF \"gnulinux-\"{rel}"
-        f"\"-advanced-${{sub#gnulinux-advanced-}}\" | head -n 1); "
-        f"[ -n \"$sub\" ] && [ -n \"$entry\" ] || {{ echo \"GRUB lists no entry for kernel \"{rel} >&2; exit 1; }}; "
+        f"entry=$(grep -o \"'gnulinux-[^']*-advanced-[^']*'\" {cfg} | tr -d \"'\" | while read -r id; do "
+        f"case \"$id\" in \"gnulinux-\"{rel}\"-advanced-\"*) echo \"$id\"; break;; esac; done); "
+        f"[ -n \"$entry\" ] || {{ echo \"GRUB lists no entry for kernel \"{rel} >&2; exit 1; }}; "
         f"mkdir -p {KERNEL_PIN.rsplit('/', 1)[0]} && "
-        f"printf '# sparkfleet: the kernel before an upgrade that was undone\\nGRUB_DEFAULT=\"%s>%s\"\\n' "
-        f"\"$sub\" \"$entry\" > {KERNEL_PIN} && update-grub"
+        f"printf '# sparkfleet: the kernel before an upgrade that was undone\\nGRUB_DEFAULT=\"%s\"\\n' "
+        f"\"${{sub:+$sub>}}$entry\" > {KERNEL_PIN} && update-grub"
     )
 
 

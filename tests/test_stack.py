@@ -161,12 +161,12 @@ submenu 'Advanced options for Ubuntu' $menuentry_id_option 'gnulinux-advanced-0b
 """
 
 
-def _grub(tmp_path, release):
+def _grub(tmp_path, release, cfg=GRUB_CFG):
     """``boot_kernel_command(release)`` run by sh over a grub.cfg and pin of tmp_path, with an
     update-grub that records its call."""
     import subprocess
 
-    (tmp_path / "grub.cfg").write_text(GRUB_CFG)
+    (tmp_path / "grub.cfg").write_text(cfg)
     (tmp_path / "bin").mkdir(exist_ok=True)
     (tmp_path / "bin/update-grub").write_text(f"#!/bin/sh\necho ran >> {tmp_path}/updated\n")
     (tmp_path / "bin/update-grub").chmod(0o755)
@@ -188,6 +188,13 @@ def test_going_back_from_a_kernel_makes_grub_boot_the_one_before(tmp_path):
     assert _grub(tmp_path, None).returncode == 0 and not (tmp_path / "grub.d/pin.cfg").exists()
     assert (tmp_path / "updated").read_text() == "ran\nran\n"
     assert _grub(tmp_path, None).returncode == 0 and (tmp_path / "updated").read_text() == "ran\nran\n"
+
+
+def test_without_grubs_submenu_the_entry_alone_is_the_default(tmp_path):
+    flat = "\n".join(line.lstrip("\t") for line in GRUB_CFG.splitlines() if not line.startswith(("submenu", "}")))
+    done = _grub(tmp_path, "6.11.0-1016-nvidia", cfg=flat)
+    assert done.returncode == 0, done.stderr
+    assert 'GRUB_DEFAULT="gnulinux-6.11.0-1016-nvidia-advanced-0b3c"' in (tmp_path / "grub.d/pin.cfg").read_text()
 
 
 def test_a_kernel_grub_does_not_list_is_not_pinned(tmp_path):
