@@ -184,6 +184,17 @@ def boot_kernel_command(release: str | None) -> str:
     )
 
 
+def _booted(target, kernel: str | None) -> str | None:
+    """After the reboot: the host runs ``kernel`` when one is named (going back)."""
+    if not kernel:
+        return None
+    running = "".join(remote.run(target, "uname -r", timeout=30).stdout).strip()
+    if running != kernel:
+        return (f"the host booted kernel {running or '?'}, not {kernel} (the one before the upgrade): choose it "
+                "in GRUB's menu, or install it as the newest, then deploy again")
+    return None
+
+
 def _switched(target, versions: dict[str, str], reboot: bool, kernel: str | None = "") -> str | None:
     """The host runs ``versions``: installed, then a reboot (driver, kernel) or a restart of
     the engine, whose new container is the first to use the new stack; then what the
@@ -200,14 +211,9 @@ def _switched(target, versions: dict[str, str], reboot: bool, kernel: str | None
         if not done.ok:
             return f"could not make GRUB boot {kernel or 'the newest kernel'}: {' '.join(done.stderr)[-300:]}"
     if reboot:
-        problem = _rebooted(target)
+        problem = _rebooted(target) or _booted(target, kernel)
         if problem:
             return problem
-    if kernel:
-        running = "".join(remote.run(target, "uname -r", timeout=30).stdout).strip()
-        if running != kernel:
-            return (f"the host booted kernel {running or '?'}, not {kernel} (the one before the upgrade): choose it "
-                    "in GRUB's menu, or install it as the newest, then deploy again")
     else:
         # Blocking: READY is then asked of the new container, never of the one it replaces;
         # try-restart: a host that does not serve (upgraded in place) is not started here.
@@ -230,7 +236,7 @@ def change_of(settings: Settings, moved: dict[str, tuple[str | None, str]], kern
     when a kernel package moved, ``kernel``: the release it ran, as GRUB's default)."""
     previous = {p: old for p, (old, _) in moved.items() if old is not None}
     reboot = needs_reboot(settings, list(moved))
-    kernel_moves = any(p in settings.stack_versions.get("kernel", {}) for p in moved)
+    kernel_moves = _kernel_moves(settings, moved)
     listed = ", ".join(f"{p} {old or '-'} -> {new}" for p, (old, new) in moved.items())
     return rollout.Change(
         kind="stack", what=f"upgrade the stack ({listed}){' and reboot' if reboot else ''}",
@@ -245,9 +251,11 @@ def change_of(settings: Settings, moved: dict[str, tuple[str | None, str]], kern
 def _kernel(settings: Settings, moved: dict[str, tuple[str | None, str]]) -> str:
     """The kernel release the host runs now, when a kernel package moves (else ""). One
     uname cannot read is "unknown": GRUB has no entry for it, so going back stops there."""
-    if not any(p in settings.stack_versions.get("kernel", {}) for p in moved):
-        return ""
-    return snapshot.fact(KernelVersion) or "unknown"
+    return (snapshot.fact(KernelVersion) or "unknown") if _kernel_moves(settings, moved) else ""
+
+
+def _kernel_moves(settings: Settings, moved: dict[str, tuple[str | None, str]]) -> bool:
+    return any(p in settings.stack_versions.get("kernel", {}) for p in moved)
 
 
 def _in_place(state, host_, change: rollout.Change) -> bool:  # pyinfra passes state, host

@@ -229,6 +229,11 @@ def test_an_undone_kernel_upgrade_must_boot_the_kernel_before_it(monkeypatch):
     asked.clear()
     toolkit = stack.change_of(settings(), {"nvidia-container-toolkit": ("1.17.8-1", "1.17.9-1")})
     assert toolkit.undo(None) is None and "uname -r" not in asked and not any("grub" in c for c in asked)
+    assert any("try-restart" in c for c in asked)  # no reboot: the engine restarts on the new stack
+    # A driver reboots: the new boot starts the engine, and no restart follows it.
+    asked.clear()
+    driver = stack.change_of(settings(), {"nvidia-driver-580-open": ("580.95.05-0ubuntu1", "580.126.09-0ubuntu1")})
+    assert driver.apply(None) is None and not any("try-restart" in c for c in asked), asked
 
 # --- read with the host's snapshot, on a @fake host -------------------------------------------
 
