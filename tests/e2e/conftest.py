@@ -45,6 +45,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.flaky(reruns=1))
 
 
+_RERUN: list = []
+
+
+def pytest_runtest_logreport(report):
+    if report.outcome == "rerun":
+        _RERUN.append(report)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The failure that made a test run again: pytest-rerunfailures prints only the last
+    attempt's, so a rerun that fails for another reason would hide the first cause."""
+    for report in _RERUN:
+        terminalreporter.write_sep("_", f"first attempt of {report.nodeid} (rerun)")
+        terminalreporter.write_line(report.longreprtext[-6000:])
+
+
 def _environment_problem() -> str | None:
     if os.geteuid() != 0:
         return "the e2e tests need root (network namespaces, overlay mounts, systemd-nspawn)"
