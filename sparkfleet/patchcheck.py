@@ -27,6 +27,7 @@ from pathlib import Path
 
 from pyinfra import host, logger
 from pyinfra.api import FactBase, operation
+from pyinfra.facts.docker import DockerImage
 
 from runtime import serve_args
 from sparkfleet import remote, snapshot
@@ -71,18 +72,34 @@ def _image_id(reference: str) -> str:
     return f"id=$(docker image inspect --format '{{{{.Id}}}}' {shlex.quote(reference)} 2>/dev/null)"
 
 
-class CachedVerdict(FactBase["dict | None"]):
-    """The cached patch verdict of image ``reference`` for plan ``key``, or None."""
+class CachedVerdicts(FactBase["dict[str, dict]"]):
+    """The cached patch verdicts for plan ``key``, by the id of the image each was made in
+    (hex, without ``sha256:``): which image ``reference`` names here is the docker fact's
+    answer, read through the Engine API with the rest of the snapshot, not a docker CLI."""
 
-    def command(self, reference: str, key: str) -> str:
-        return f'{_image_id(reference)} && [ -n "$id" ] && cat {_verdict_path(key)} 2>/dev/null || true'
+    @staticmethod
+    def default():
+        return {}
+
+    def command(self, key: str) -> str:
+        suffix = f"-{key}.json"
+        return (f'for f in {VERDICT_DIR}/*{suffix}; do [ -s "$f" ] || continue; n=${{f##*/}}; '
+                f'echo "## ${{n%{suffix}}}"; cat "$f"; echo; done; true')
 
     def process(self, output):
-        try:
-            doc = json.loads("\n".join(output))
-        except ValueError:
-            return None
-        return doc if isinstance(doc, dict) and "patches" in doc else None
+        found, image, lines = {}, None, []
+        for line in [*output, "## "]:
+            if line.startswith("## "):
+                try:
+                    doc = json.loads("\n".join(lines)) if image else None
+                except ValueError:
+                    doc = None
+                if isinstance(doc, dict) and "patches" in doc:
+                    found[image] = doc
+                image, lines = line[3:].strip(), []
+            else:
+                lines.append(line)
+        return found
 
 
 def summary(verdict: dict) -> str:
@@ -212,7 +229,9 @@ def checked(name: str, settings: Settings, member: PairMember | None = None):
     """:func:`verified`, its cached verdict declared while the deploy plans: the host's
     snapshot reads it with the rest instead of in a command (and a sudo) of its own."""
     argv = serve_args.build_serve_argv(settings.serve_env(member))
-    snapshot.expect(facts=[(CachedVerdict, _verdict_of(settings, argv))])
+    verdict_of = _verdict_of(settings, argv)
+    snapshot.expect(facts=[(DockerImage, {"object_id": verdict_of["reference"]}),
+                           (CachedVerdicts, {"key": verdict_of["key"]})])
     return verified(name=name, settings=settings, member=member)
 
 
@@ -240,7 +259,9 @@ def verified(settings: Settings, member: PairMember | None = None):
     argv = serve_args.build_serve_argv(env)
     verdict_of = _verdict_of(settings, argv)
     reference, key = verdict_of["reference"], verdict_of["key"]
-    cached = snapshot.fact(CachedVerdict, **verdict_of)
+    images = snapshot.fact(DockerImage, object_id=reference, _ignore_errors=True) or []
+    image_id = str(images[0].get("Id") or "").removeprefix("sha256:") if images else ""
+    cached = snapshot.fact(CachedVerdicts, key=key).get(image_id) if image_id else None
 
     def pair_check(verdict: dict) -> str | None:
         return pair_problem(verdict, reference, settings, member, argv)

@@ -12,46 +12,61 @@ from pyinfra.api import FactBase
 
 class Listeners(FactBase["dict[int, list[dict[str, object]]]"]):
     """Who listens on each of ``ports`` (TCP), in one ``ss`` for all of them:
-    ``{port: [{"name": "haproxy", "pid": 812, "unit": "haproxy.service", "container": False}]}``.
+    ``{port: [{"name": "haproxy", "pid": 812, "unit": "haproxy.service", "cgroup": "/system.slice/haproxy.service"}]}``.
 
-    ``unit`` is the last part of the process's cgroup (its systemd unit, or ``init.scope``
-    for a socket systemd itself holds); ``container`` says it runs in ``container`` (the
-    container's processes carry its id in their cgroup path, under either cgroup driver).
-    A port nobody listens on is absent."""
+    ``cgroup`` is the process's cgroup path (a container's processes carry its id in it,
+    under either cgroup driver: :func:`in_container`), ``unit`` its last part (the systemd
+    unit, or ``init.scope`` for a socket systemd itself holds). A port nobody listens on
+    is absent."""
 
     @staticmethod
     def default():
         return {}
 
-    def requires_command(self, ports: list[int], container: str) -> str:
+    def requires_command(self, ports: list[int]) -> str:
         return "ss"
 
-    def command(self, ports: list[int], container: str) -> str:
+    def command(self, ports: list[int]) -> str:
         match = " or ".join(f"sport = :{int(port)}" for port in sorted(set(ports)))
-        return (
-            f"echo \"container $(docker inspect -f '{{{{.Id}}}}' {shlex.quote(container)} 2>/dev/null)\"; "
-            f"ss -Hltnp '( {match} )' | while read -r _ _ _ local _ users; do "
-            "for p in $(echo \"$users\" | grep -o 'pid=[0-9]*' | cut -d= -f2 | sort -u); do "
-            "echo \"listen ${local##*:} $p $(sed -n 's/^0:://p; s/^[0-9]*:name=systemd://p' /proc/$p/cgroup "
-            "2>/dev/null | head -n 1) $(cat /proc/$p/comm 2>/dev/null)\"; done; done"
-        )
+        # One awk reads each holder's cgroup and name: no process per port and pid.
+        return f"ss -Hltnp '( {match} )' | awk {shlex.quote(_HOLDERS)}"
 
     def process(self, output):
-        container = ""
         found: dict[int, list[dict[str, object]]] = {}
         for line in output:
             fields = line.split(None, 4)
-            if fields[:1] == ["container"]:
-                container = fields[1] if len(fields) > 1 else ""
-            elif fields[:1] == ["listen"] and len(fields) >= 4 and fields[1].isdigit() and fields[2].isdigit():
+            if fields[:1] == ["listen"] and len(fields) >= 4 and fields[1].isdigit() and fields[2].isdigit():
                 cgroup = fields[3] if fields[3].startswith("/") else ""
                 name = fields[4] if len(fields) > 4 else fields[3] if not cgroup else "?"
                 holder = {"name": name.strip(), "pid": int(fields[2]), "unit": cgroup.rstrip("/").rsplit("/", 1)[-1],
-                          "container": bool(container) and container in cgroup}
+                          "cgroup": cgroup}
                 holders = found.setdefault(int(fields[1]), [])
                 if holder not in holders:  # IPv4 and IPv6 sockets of one process
                     holders.append(holder)
         return found
+
+
+#: ss's lines in, "listen PORT PID CGROUP NAME" out: the cgroup v2 path (0::) or v1's
+#: systemd hierarchy, whichever /proc/PID/cgroup lists first.
+_HOLDERS = r"""{
+  port = $4; sub(/.*:/, "", port); users = $0
+  while (match(users, /pid=[0-9]+/)) {
+    pid = substr(users, RSTART + 4, RLENGTH - 4); users = substr(users, RSTART + RLENGTH)
+    if ((port " " pid) in seen) continue
+    seen[port " " pid] = 1; cgroup = ""; name = ""; f = "/proc/" pid "/cgroup"
+    while ((getline line < f) > 0)
+      if (cgroup == "" && line ~ /^(0::|[0-9]+:name=systemd:)/) { sub(/^[0-9]+:[^:]*:/, "", line); cgroup = line }
+    close(f); f = "/proc/" pid "/comm"; getline name < f; close(f)
+    print "listen", port, pid, cgroup, name
+  }
+}"""
+
+
+def in_container(holders: dict[int, list[dict]], container_id: str) -> dict[int, list[dict]]:
+    """``holders`` (:class:`Listeners`) with ``container``: whether each runs in the
+    container of that id ("" when there is none)."""
+    return {port: [h | {"container": bool(container_id) and container_id in str(h.get("cgroup", ""))} for h in found]
+            for port, found in holders.items()}
 
 
 def _ports(spec: str) -> tuple[range, ...] | None:

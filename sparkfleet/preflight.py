@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from pyinfra import host, logger, state
 from pyinfra.api import operation
 from pyinfra.context import ctx_host
-from pyinfra.facts.docker import DockerSystemInfo
+from pyinfra.facts.docker import DockerContainer, DockerSystemInfo
 from pyinfra.facts.files import File
 from pyinfra.facts.server import Arch
 
@@ -26,7 +26,7 @@ from sparkfleet.facts import BootTarget, FreeSpace, Memory
 from sparkfleet.fleet import fleet_settings, host_mirror, host_pair, once
 from sparkfleet.gpu import Gpu
 from sparkfleet.hostpaths import AGENT_SOCKET, CONTAINER, HF_MIRROR_UNIT, REGISTRY_UNIT, SECRETS_ENV, UNIT
-from sparkfleet.ports import Firewall, Listeners
+from sparkfleet.ports import Firewall, Listeners, in_container
 
 EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 
@@ -80,7 +80,8 @@ def host_findings(settings: Settings) -> Findings:
     # Every question below, and the steps' own, in one read of the host (sparkfleet.snapshot).
     ports = listens(settings)
     snapshot.expect(facts=[(Arch, {}), (Gpu, {}), (Memory, {}), (BootTarget, {}), (Firewall, {}),
-                           (Listeners, {"ports": sorted({p.port for p in ports}), "container": CONTAINER}),
+                           (Listeners, {"ports": sorted({p.port for p in ports})}),
+                           (DockerContainer, {"object_id": CONTAINER}),
                            *image.reads(settings), *weights.reads(settings)],
                     files=[SECRETS_ENV], units=[UNIT, AGENT_SOCKET])
     needs = still_needed(settings)
@@ -157,8 +158,9 @@ def host_findings(settings: Settings) -> Findings:
                 "give the key with --data api_key=..."
             )
 
-    found.problems += port_problems(ports, snapshot.fact(Listeners, ports=sorted({p.port for p in ports}),
-                                                         container=CONTAINER),
+    ours = (snapshot.fact(DockerContainer, object_id=CONTAINER, _ignore_errors=True) or [{}])[0].get("Id", "")
+    holders = in_container(snapshot.fact(Listeners, ports=sorted({p.port for p in ports})), ours)
+    found.problems += port_problems(ports, holders,
                                     agent_socket_active=snapshot.unit(AGENT_SOCKET).get("ActiveState") == "active")
     found.problems += firewall_problems(ports, snapshot.fact(Firewall))
 

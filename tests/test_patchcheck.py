@@ -4,6 +4,8 @@ sparkfleet/patchcheck.py), against the simulated engine's command line (no image
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from support.runtime_env import RUNTIME_DIR
 
@@ -64,3 +66,24 @@ def test_a_pair_with_cuda_graphs_below_the_graph_floor_is_refused_naming_version
     new = {"vllm": {"version": "0.27.1"}, "nccl": "2.30.4"}
     assert pair_problem(new, "img", s, member, ["vllm", "serve", "m"]) is None
     assert "NCCL 2.29.1" in pair_problem({**new, "nccl": "2.29.1"}, "img", s, member, ["vllm", "serve", "m"])
+
+
+def test_cached_verdicts_are_read_by_the_image_they_were_made_in(tmp_path, monkeypatch):
+    """All verdicts of one plan key, by image id, in one command: which image the host's
+    reference names now is the docker fact's answer (a re-pointed tag finds none)."""
+    import subprocess
+
+    from sparkfleet import patchcheck
+
+    ok = {"ok": True, "patches": [{"name": "p", "verdict": "would-apply"}]}
+    (tmp_path / f"{'a' * 64}-k1.json").write_text(json.dumps(ok, indent=1))
+    (tmp_path / f"{'b' * 64}-k1.json").write_text(json.dumps({"ok": False, "patches": []}))
+    (tmp_path / f"{'a' * 64}-k2.json").write_text(json.dumps(ok))  # another plan
+    (tmp_path / f"{'c' * 64}-k1.json").write_text("{half a verd")  # not a verdict: not cached
+    monkeypatch.setattr(patchcheck, "VERDICT_DIR", str(tmp_path))
+    command = patchcheck.CachedVerdicts().command(key="k1")
+    lines = subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert patchcheck.CachedVerdicts().process(lines) == {"a" * 64: ok, "b" * 64: {"ok": False, "patches": []}}
+    monkeypatch.setattr(patchcheck, "VERDICT_DIR", str(tmp_path / "none"))
+    command = patchcheck.CachedVerdicts().command(key="k1")
+    assert subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True).stdout == ""

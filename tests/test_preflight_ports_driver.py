@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from support.fleetdata import fake_state
 from sparkfleet import preflight
 from sparkfleet.fleet import fleet_settings
 from sparkfleet.gpu import Gpu
-from sparkfleet.ports import ALL, Firewall, Listeners
+from sparkfleet.ports import ALL, Firewall, Listeners, in_container
 from sparkfleet.preflight import Listen
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "fake_fleet.py"
@@ -29,20 +30,37 @@ FIXTURE = Path(__file__).resolve().parent / "fixtures" / "fake_fleet.py"
 
 def test_one_read_names_every_ports_holders_and_whether_they_are_our_container():
     cid = "4f1c" * 16
-    got = Listeners().process([
-        f"container {cid}",
+    got = in_container(Listeners().process([
         f"listen 8000 901 /system.slice/docker-{cid}.scope vllm",
         f"listen 8000 901 /system.slice/docker-{cid}.scope vllm",  # its IPv6 socket
         "listen 8080 77 /system.slice/open-webui.service open-webui",
         "listen 8009 1 /init.scope systemd",
-    ])
-    assert got == {8000: [{"name": "vllm", "pid": 901, "unit": f"docker-{cid}.scope", "container": True}],
-                   8080: [{"name": "open-webui", "pid": 77, "unit": "open-webui.service", "container": False}],
-                   8009: [{"name": "systemd", "pid": 1, "unit": "init.scope", "container": False}]}
+    ]), cid)
+    assert got == {8000: [{"name": "vllm", "pid": 901, "unit": f"docker-{cid}.scope",
+                           "cgroup": f"/system.slice/docker-{cid}.scope", "container": True}],
+                   8080: [{"name": "open-webui", "pid": 77, "unit": "open-webui.service",
+                           "cgroup": "/system.slice/open-webui.service", "container": False}],
+                   8009: [{"name": "systemd", "pid": 1, "unit": "init.scope", "cgroup": "/init.scope",
+                           "container": False}]}
     # No container of ours: nothing is ours by id; a port nobody holds is absent.
-    assert Listeners().process(["container ", "listen 8000 5 /user.slice/x.scope python3"])[8000][0]["container"] is False
-    command = Listeners().command(ports=[8009, 8000, 8000], container="sparkfleet-serve")
+    holders = Listeners().process(["listen 8000 5 /user.slice/x.scope python3"])
+    assert in_container(holders, "")[8000][0]["container"] is False
+    command = Listeners().command(ports=[8009, 8000, 8000])
     assert command.count("ss -Hltnp") == 1 and "'( sport = :8000 or sport = :8009 )'" in command
+
+
+def test_the_holders_cgroup_and_name_come_from_proc_in_one_awk():
+    """ss's line for a process in, its cgroup (as /proc lists it) and name out: this test's own."""
+    pid = os.getpid()
+    ss = (f"LISTEN 0 128 0.0.0.0:8000 0.0.0.0:* users:((\"py\",pid={pid},fd=3),(\"py\",pid={pid},fd=4))\n"
+          f"LISTEN 0 128 [::]:8000 [::]:* users:((\"py\",pid={pid},fd=5))\n")
+    command = Listeners().command(ports=[8000]).split(" | ", 1)[1]
+    out = subprocess.run(command, shell=True, input=ss, capture_output=True, text=True, check=True).stdout
+    lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    cgroup = next(line.split(":", 2)[2] for line in lines if line.startswith("0::") or ":name=systemd:" in line)
+    assert Listeners().process(out.splitlines()) == {8000: [{
+        "name": Path(f"/proc/{pid}/comm").read_text().strip(), "pid": pid,
+        "unit": cgroup.rstrip("/").rsplit("/", 1)[-1], "cgroup": cgroup}]}
 
 
 UFW_ACTIVE = ["## ufw", "Status: active", "Logging: on (low)", "Default: deny (incoming), allow (outgoing), disabled (routed)",

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from sparkfleet.facts import ContainerdRoot, ManifestSize, NewLines
+import subprocess
+from pathlib import Path
+
+from sparkfleet.facts import CachedSnapshot, ContainerdRoot, ManifestSize, NewLines
 from sparkfleet.gpu import CDI_ALL, GPUS_ALL, GpuAccess
+from sparkfleet.hostpaths import repo_cache_dir, snapshot_marker
 from sparkfleet.image import store_of
 from sparkfleet.oomguard import earlyoom_args
 
@@ -53,3 +57,33 @@ def test_new_kills_and_the_guard_line():
 
     args = earlyoom_args(4.0)
     assert args.startswith("-M 4194304 -s 100,100 ") and "--avoid" in args and "sshd" in args
+
+
+def _answer(fact, **kwargs) -> list[str]:
+    command = fact().command(**kwargs)
+    return subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True).stdout.splitlines()
+
+
+def test_a_cached_snapshot_is_complete_only_while_every_blob_has_its_verified_size(tmp_path):
+    hf, repo, commit = str(tmp_path), "org/model", "c0ffee" * 6 + "c0fe"
+    blobs = Path(repo_cache_dir(hf, repo)) / "blobs"
+    snap = Path(repo_cache_dir(hf, repo)) / "snapshots" / commit
+    (snap / "sub").mkdir(parents=True)
+    blobs.mkdir()
+    records = tmp_path / "sparkfleet" / "verified"
+    records.mkdir(parents=True)
+    for name, body in (("a" * 64, b"weights"), ("b" * 40, b"{}")):
+        (blobs / name).write_bytes(body)
+        (records / name).write_text(f"{len(body)}\n")
+    (snap / "model.safetensors").symlink_to(f"../../blobs/{'a' * 64}")
+    (snap / "sub" / "config.json").symlink_to(f"../../../blobs/{'b' * 40}")
+    ask = {"hf_home": hf, "repo_id": repo, "revision": "main"}
+    assert CachedSnapshot().process(_answer(CachedSnapshot, **ask)) is None  # no marker yet
+    marker = Path(snapshot_marker(hf, repo, "main"))
+    marker.parent.mkdir(parents=True)
+    marker.write_text(commit + "\n")
+    assert CachedSnapshot().process(_answer(CachedSnapshot, **ask)) == commit
+    (blobs / ("a" * 64)).write_bytes(b"weight")  # truncated since it was verified
+    assert CachedSnapshot().process(_answer(CachedSnapshot, **ask)) is None
+    (blobs / ("a" * 64)).unlink()  # gone
+    assert CachedSnapshot().process(_answer(CachedSnapshot, **ask)) is None

@@ -87,7 +87,7 @@ def test_pyinfra_facts_are_read_in_the_batch_as_pyinfra_reads_them():
     from sparkfleet.ports import Listeners
 
     entries = dict(snapshot._fact_entry(cls, kwargs) for cls, kwargs in
-                   ((Arch, {}), (Memory, {}), (Listeners, {"ports": [1], "container": "x", "_sudo": True})))
+                   ((Arch, {}), (Memory, {}), (Listeners, {"ports": [1], "_sudo": True})))
     got = read(facts=entries)["facts"]
     arch, memory, holders = (got[key] for key in entries)
     assert Arch().process(arch) == os.uname().machine
@@ -148,3 +148,59 @@ def test_a_hosts_later_reads_come_with_its_first_read_of_the_next_run(monkeypatc
     assert {"/a", "/b"} <= set(read["files"]) and "/t" in read["texts"] and "pyinfra.facts.server.Arch:{}" in read["facts"]
     on_host["texts"]["/t"] = "v4"
     assert len(run()) == 1
+
+
+def test_docker_facts_are_read_through_the_engine_api_as_the_cli_prints_them(tmp_path, monkeypatch):
+    """pyinfra's docker facts, asked of a daemon's socket in the reader's own process: an
+    inspect is a list ([] when there is none), the system info an object; without a
+    daemon the fact's own command answers."""
+    import http.server
+    import socketserver
+    import threading
+
+    from pyinfra.facts.docker import DockerContainer, DockerImage, DockerSystemInfo
+
+    image = {"Id": "sha256:" + "ab" * 32, "RepoDigests": ["r/x@sha256:" + "cd" * 32]}
+    answers = {"/images/r/x:1@sha256:" + "cd" * 32 + "/json": image, "/info": {"DockerRootDir": "/var/lib/docker"}}
+    asked = []
+
+    class Engine(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            asked.append(self.path)
+            body = json.dumps(answers.get(self.path, {"message": "No such object"})).encode()
+            self.send_response(200 if self.path in answers else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    class Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+        def get_request(self):
+            request, _ = super().get_request()
+            return request, ("local", 0)
+
+    facts = [(DockerImage, {"object_id": "r/x:1@sha256:" + "cd" * 32}), (DockerImage, {"object_id": "r/none"}),
+             (DockerContainer, {"object_id": "sparkfleet-serve"}), (DockerSystemInfo, {})]
+    entries = dict(snapshot._fact_entry(cls, kwargs) for cls, kwargs in facts)
+    monkeypatch.setattr(snapshot, "DOCKER_SOCKET", str(tmp_path / "docker.sock"))
+    with Server(snapshot.DOCKER_SOCKET, Engine) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            got = read(facts=entries)["facts"]
+        finally:
+            server.shutdown()
+    found, none, container, info = (cls().process(got[key]) for (cls, _), key in zip(facts, entries))
+    assert found == [image] and none == [] and container == []
+    assert info == {"DockerRootDir": "/var/lib/docker"}
+    assert len(asked) == 4 and "/containers/sparkfleet-serve/json" in asked
+
+    # No daemon here: each fact's own command (docker missing: pyinfra's marker, its default).
+    monkeypatch.setattr(snapshot, "DOCKER_SOCKET", str(tmp_path / "gone.sock"))
+    entries = dict(snapshot._fact_entry(cls, kwargs) for cls, kwargs in facts)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "sh").symlink_to("/bin/sh")
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))  # and python's: no docker CLI either
+    got = read(facts=entries)["facts"]
+    assert all(snapshot._MISSING in got[key] for key in entries)

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 from pyinfra import host
 from pyinfra.api import operation
 
-from sparkfleet import apt, remote
+from sparkfleet import apt, remote, snapshot
 from sparkfleet.hostpaths import (
     DOCKER_AUTH,
     REGISTRY_CERT,
@@ -64,6 +64,13 @@ def copy_failure(tail: list[str], image: str, upstream: str) -> str | None:
     return None
 
 
+def held(image: str, mirror: Mirror) -> dict:
+    """The :class:`RegistryManifest` question whether ``mirror``'s registry holds ``image``."""
+    name = ImageName.parse(image)
+    return {"url": f"https://{mirror.registry}", "path": name.path, "reference": name.digest or name.tag,
+            "cacert": REGISTRY_CERT}
+
+
 @operation()
 def image_copied(image: str, sources: list[str], result_dir: str, mirror: Mirror, turn: int = 0):
     """
@@ -81,9 +88,7 @@ def image_copied(image: str, sources: list[str], result_dir: str, mirror: Mirror
     if turn != mirror.depth:
         host.noop(f"copies in turn {mirror.depth}, not {turn}")
         return
-    local = f"https://{mirror.registry}"
-    if host.get_fact(RegistryManifest, url=local, path=name.path, reference=name.digest or name.tag,
-                     cacert=REGISTRY_CERT):
+    if snapshot.fact(RegistryManifest, **held(image, mirror)):  # read with the rest, unless this run changed the host
         host.noop(f"the mirror registry holds {name.path}@{name.digest or name.tag}")
         return
     q = shlex.quote

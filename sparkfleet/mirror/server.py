@@ -35,7 +35,7 @@ from sparkfleet.hostpaths import (
 )
 from sparkfleet.imagename import upstream_registry_url
 from sparkfleet.mirror import firewall, hf, keep, registry, tls
-from sparkfleet.mirror.facts import MirrorAnswers
+from sparkfleet.mirror.facts import MirrorAnswers, RegistryManifest
 from sparkfleet.mirrors import Mirror
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
@@ -78,6 +78,7 @@ def served(settings: Settings, mirror: Mirror) -> list:
         snapshot.service(HF_MIRROR_OFFLINE_UNIT, running=False, enabled=False,
                          name=f"{HF_MIRROR_OFFLINE_UNIT} stopped (a relay)")
     # Both answer before anything is fetched from them.
+    snapshot.expect(facts=[(MirrorAnswers, _answers(mirror))])
     ready = answering(name="registry and HF mirror answer", mirror=mirror)
     if not mirror.upstream:  # the fleet's mirror: the weights cross the WAN while the image does
         keep.prefetched(name="the HF mirror fetches every file of the locked commits", commits=locked_commits(settings.mirror_dir),
@@ -99,6 +100,7 @@ def served(settings: Settings, mirror: Mirror) -> list:
         )
         if turn == mirror.depth:
             copy = copied
+            snapshot.expect(facts=[(RegistryManifest, registry.held(settings.image, mirror))])
     snapshot.expect(texts=[mirror_kept_record(settings.mirror_dir)])
     keep.kept(name="the mirror keeps what sparkfleet.lock names, and the previous ones",
               record_path=mirror_kept_record(settings.mirror_dir), locked=fleetlock.artifacts(fleet_lock().lock),
@@ -145,6 +147,10 @@ def _olah_served(settings: Settings, mirror: Mirror, olah, hf_data, offline: boo
     )
 
 
+def _answers(mirror: Mirror) -> dict:
+    return {"registry": mirror.registry, "hf_port": mirror.hf_port, "hf_offline_port": mirror.hf_offline_port}
+
+
 @operation(is_idempotent=False)
 def answering(mirror: Mirror):
     """
@@ -152,8 +158,7 @@ def answering(mirror: Mirror):
 
     + mirror: this host, the mirror
     """
-    if host.get_fact(MirrorAnswers, registry=mirror.registry, hf_port=mirror.hf_port,
-                     hf_offline_port=mirror.hf_offline_port):
+    if snapshot.fact(MirrorAnswers, **_answers(mirror)):  # read with the rest, unless this run changed the host
         host.noop("the registry and the HF mirrors answer")
         return
     offline = f"curl -s -m 5 -o /dev/null http://127.0.0.1:{mirror.hf_offline_port}/ && " if mirror.hf_offline_port else ""
