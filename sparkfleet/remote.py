@@ -319,12 +319,14 @@ def check_sudo(host) -> None:
         )
     as_user = f" -u {shlex.quote(arguments['_sudo_user'])}" if arguments.get("_sudo_user") else ""
     # -k: ask even with a cached credential; one line on stdin, then EOF: one try. A login
-    # whose sudo asks no password (NOPASSWD) is told apart first: sudo would leave the line
-    # on stdin unread, for the command to read (:data:`SUDO_FREE`).
+    # whose sudo asks no password (NOPASSWD) leaves that line unread, for the command to
+    # read (:data:`SUDO_FREE`): the command tells which, in the same sudo (each costs the
+    # host a password hash).
+    told = shlex.quote("if read -r _; then echo free; else echo ok; fi")
     done = _told_address(host, run(
-        host, f"{_SAY_ADDRESS}; login=$(id -un); if sudo -k -n{as_user} true 2>/dev/null; then echo free; "
-              f"else said=$(sudo -k -S -p ''{as_user} true 2>&1) && echo ok "
-              '|| printf "login %s\\nsudo said: %s\\n" "$login" "$said"; fi', as_login=True, stdin=password))
+        host, f"{_SAY_ADDRESS}; login=$(id -un); said=$(sudo -k -S -p ''{as_user} sh -c {told} 2>&1) "
+              '&& echo "$said" | tail -n 1 || printf "login %s\\nsudo said: %s\\n" "$login" "$said"',
+        as_login=True, stdin=password))
     if done.ok and done.stdout == ["free"]:
         host.connector_data[SUDO_FREE] = True
         return

@@ -51,14 +51,15 @@ def sha(path):
 out = {"files": {}, "texts": {}, "trees": {}, "units": {}, "programs": {}, "sizes": {}, "facts": {},
        "cpus": os.cpu_count()}
 def engine(path):
-    import http.client, socket
-    conn = http.client.HTTPConnection("docker", timeout=30)
-    conn.sock = socket.socket(socket.AF_UNIX)
-    conn.sock.settimeout(30)
-    conn.sock.connect(want["docker_socket"])
-    conn.request("GET", path)
-    answer = conn.getresponse()
-    return answer.status, answer.read()
+    import socket
+    with socket.socket(socket.AF_UNIX) as sock:  # HTTP/1.0: one answer, then the daemon closes
+        sock.settimeout(30)
+        sock.connect(want["docker_socket"])
+        sock.sendall(("GET %s HTTP/1.0\r\nHost: docker\r\n\r\n" % path).encode())
+        answer = b"".join(iter(lambda: sock.recv(65536), b""))
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+shell = []
 for key, command in want["facts"].items():
     asked = want["engine"].get(key)
     if asked:
@@ -68,10 +69,24 @@ for key, command in want["facts"].items():
                 doc = json.loads(body) if status == 200 else None
                 out["facts"][key] = json.dumps(([doc] if doc else []) if asked[1] else doc).splitlines()
                 continue
-        except (OSError, ValueError):
+        except (OSError, ValueError, IndexError):
             pass  # no daemon here: the command's own answer
-    ran = subprocess.run(command, shell=True, capture_output=True, text=True)
-    out["facts"][key] = ran.stdout.splitlines() if ran.returncode == 0 else None
+    shell.append((key, command))
+# The other facts' commands in one sh, each in a subshell and followed by a mark line with
+# its exit status (a last line without its newline gets the mark appended).
+mark = "##sparkfleet-" + os.urandom(8).hex()
+script = "".join("(\n%s\n)\nprintf '%s %d %%d\\n' $?\n" % (command, mark, i) for i, (_, command) in enumerate(shell))
+ran = subprocess.run(["sh", "-c", script], capture_output=True, text=True) if shell else None
+lines = []
+for line in ran.stdout.splitlines() if ran else []:
+    at = line.find(mark + " ")
+    if at < 0:
+        lines.append(line)
+        continue
+    lines += [line[:at]] if at else []
+    i, rc = map(int, line[at + len(mark) + 1:].split())
+    out["facts"][shell[i][0]] = lines if rc == 0 else None
+    lines = []
 for p in want["sizes"]:
     du = subprocess.run(["du", "-sb", p], capture_output=True, text=True).stdout.split()
     out["sizes"][p] = int(du[0]) if du and du[0].isdigit() else 0

@@ -341,19 +341,47 @@ def test_without_a_password_or_sudo_the_command_is_pyinfras():
     assert connector_sent(_stdin="x") == ("sh -c 'cat > /etc/x'", b"x\n")
 
 
-def test_a_login_whose_sudo_asks_no_password_is_given_none(monkeypatch):
-    """NOPASSWD sudo reads nothing: a password on stdin would be left for the command."""
-    host, ran = sudo_login(monkeypatch, {"_sudo_password": "pw"})
+#: sudo as the check meets it: -k -S -p '' [-u user] then the command; NOPASSWD reads
+#: nothing, password sudo reads one line and runs the command only for the right one.
+FAKE_SUDO = """#!/bin/sh
+while [ "$#" -gt 0 ]; do case "$1" in -k|-S) shift;; -p|-u) shift 2;; *) break;; esac; done
+if [ "$SUDO_KIND" = password ]; then
+  read -r given || given=
+  [ "$given" = right-pw ] || { echo "Sorry, try again." >&2; echo "sudo: 1 incorrect password attempt" >&2; exit 1; }
+fi
+exec "$@"
+"""
 
-    def nopasswd(command, print_output=False, **arguments):
+
+@pytest.mark.parametrize(("kind", "given", "free", "refused"), [
+    ("nopasswd", "pw", True, False), ("password", "right-pw", False, False), ("password", "wrong-pw", False, True)])
+def test_one_sudo_tells_nopasswd_from_password_sudo_and_a_refused_password(monkeypatch, tmp_path, kind, given,
+                                                                            free, refused):
+    """NOPASSWD sudo reads nothing: the password line is left for the command, which the
+    deploy then never sends (it would be read by the command)."""
+    (tmp_path / "sudo").write_text(FAKE_SUDO)
+    (tmp_path / "sudo").chmod(0o755)
+    host, ran = sudo_login(monkeypatch, {"_sudo_password": given})
+
+    def on_this_machine(command, print_output=False, **arguments):
         ran.append((str(command), arguments))
-        return True, CommandOutput([OutputLine("stdout", "free")])
+        done = subprocess.run(["sh", "-c", str(command)], input=arguments.get("_stdin", "") + "\n", text=True,
+                              capture_output=True, env={**os.environ, "SUDO_KIND": kind,
+                                                        "PATH": f"{tmp_path}:{os.environ['PATH']}"})
+        return done.returncode == 0, CommandOutput([OutputLine("stdout", line) for line in done.stdout.splitlines()]
+                                                   + [OutputLine("stderr", line) for line in done.stderr.splitlines()])
 
-    host.run_shell_command = nopasswd
-    remote.check_sudo(host)
-    assert "sudo -k -n" in ran[0][0] and host.connector_data[remote.SUDO_FREE] is True
-    assert connector_sent(host.connector_data, _sudo=True, _sudo_password="pw", _stdin="x") == (
-        "sudo -H -n sh -c 'cat > /etc/x'", b"x\n")
+    host.run_shell_command = on_this_machine
+    if refused:
+        with pytest.raises(ConfigError, match="sudo refused the password"):
+            remote.check_sudo(host)
+    else:
+        remote.check_sudo(host)
+    assert len(ran) == 1 and ran[0][0].count("sudo -") == 1  # one sudo: one password hash on the host
+    assert bool(host.connector_data.get(remote.SUDO_FREE)) is free
+    if free:
+        assert connector_sent(host.connector_data, _sudo=True, _sudo_password="pw", _stdin="x") == (
+            "sudo -H -n sh -c 'cat > /etc/x'", b"x\n")
 
 
 def test_pyinfras_debug_line_of_a_deploy_masks_the_sudo_password(caplog):

@@ -204,3 +204,16 @@ def test_docker_facts_are_read_through_the_engine_api_as_the_cli_prints_them(tmp
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))  # and python's: no docker CLI either
     got = read(facts=entries)["facts"]
     assert all(snapshot._MISSING in got[key] for key in entries)
+
+
+def test_the_facts_commands_answer_in_one_shell_as_each_would_alone():
+    """Each command's lines and exit status, as its own ``sh -c`` gives them: a last line
+    without its newline, no output, a failure (None, as pyinfra's failed fact), an exit."""
+    commands = {"no newline": "printf 'x\\ny'", "fails": "echo out; exit 3", "nothing": "true",
+                "last": "printf 'last'", "two": "echo one; echo; echo two", "stderr": "echo err >&2; echo kept",
+                "cd": "cd /; pwd"}
+    got = read(facts=commands)["facts"]
+    for key, command in commands.items():
+        alone = subprocess.run(["sh", "-c", command], capture_output=True, text=True)
+        assert got[key] == (alone.stdout.splitlines() if alone.returncode == 0 else None), key
+    assert got["no newline"] == ["x", "y"] and got["fails"] is None and got["nothing"] == []
