@@ -88,7 +88,9 @@ def await_ready(host, address: str, port: int, model: str, timeout_s: int, hint:
     """Poll until the served model answers a real request: None, or why it did not."""
     started = time.monotonic()
     last_report = started
-    restarts_before = host.get_fact(UnitState, unit=UNIT).get("NRestarts", "0")
+    # A unit's state is anyone's to read (systemd's D-Bus API): no sudo, no password hash
+    # on the host every poll.
+    restarts_before = host.get_fact(UnitState, unit=UNIT, _sudo=False).get("NRestarts", "0")
     while True:
         answer = host.get_fact(ServedAnswer, address=address, port=port, model=model, prompt=READY_PROMPT)
         if lost(host):
@@ -97,7 +99,7 @@ def await_ready(host, address: str, port: int, model: str, timeout_s: int, hint:
         if answer is not None:
             host.log(f"READY in {elapsed:.0f} s — {hint}", logger.info)
             return None
-        unit = host.get_fact(UnitState, unit=UNIT)
+        unit = host.get_fact(UnitState, unit=UNIT, _sudo=False)
         # A restart while we wait means the engine died: its log says why, waiting won't.
         if unit.get("ActiveState") in ("failed", "inactive"):
             return f"the engine exited ({UNIT} {unit.get('ActiveState')})"

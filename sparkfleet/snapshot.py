@@ -279,15 +279,20 @@ def _read(kind: str, key: str):
     if kind != "facts":
         getattr(wanted, kind).add(key)  # one nobody declared is read too
     known = _known(host.name)
+    asked = once(("snapshot asked", host.name), set)
     if key not in known[kind]:
-        _read_unread(wanted, known)
+        _read_unread(wanted, known, asked - {(kind, key)})
+    asked.add((kind, key))
     return known[kind][key]
 
 
-def _read_unread(wanted: _Wanted, known: dict) -> None:
+def _read_unread(wanted: _Wanted, known: dict, asked: set = frozenset()) -> None:
     """Everything declared and not read yet, in one command, into ``known``. The host's
     first read of the run takes along what its later reads asked last time (:func:`_hinted`);
-    a later read means the hint fell short, and it is kept anew."""
+    a later read means the hint fell short, and it is kept anew. What was ``asked`` (kind,
+    key) already is read again only when asked again: once a change dropped the snapshot,
+    a first deploy's next read would otherwise read every fact again (it made ~30 full
+    reads of each host)."""
     reads = once(("snapshot reads", host.name), lambda: [0])
     reads[0] += 1
     if reads[0] == 1:
@@ -296,8 +301,12 @@ def _read_unread(wanted: _Wanted, known: dict) -> None:
                          facts={**hint.facts, **wanted.facts})
     else:
         _keep_hint(wanted)
-    missing = _Wanted(*(getattr(wanted, k) - known[k].keys() for k in _KINDS if k != "facts"),
-                      facts={k: c for k, c in wanted.facts.items() if k not in known["facts"]})
+
+    def unread(kind: str, keys) -> set:
+        return {k for k in keys if k not in known[kind] and (kind, k) not in asked}
+
+    missing = _Wanted(*(unread(k, getattr(wanted, k)) for k in _KINDS if k != "facts"),
+                      facts={k: c for k, c in wanted.facts.items() if k in unread("facts", wanted.facts)})
     found = host.get_fact(HostState, want=missing.json())
     known["cpus"] = found.get("cpus")
     for k in _KINDS:
