@@ -25,131 +25,13 @@ from pathlib import Path
 from urllib.parse import quote
 
 from pyinfra import host
-from pyinfra.api import FactBase, StringCommand, operation
+from pyinfra.api import StringCommand, operation
 from pyinfra.api.state import BaseStateCallback
 from pyinfra.facts.docker import DockerContainer, DockerImage, DockerSystemInfo
 
 from sparkfleet import remote
 from sparkfleet.fleet import once
-
-_MISSING = "##PYINFRA_NOCMD##"  # pyinfra's marker for a missing required command
-UNIT_PROPERTIES = ("ActiveState", "SubState", "UnitFileState", "ExecMainStartTimestampMonotonic", "NRestarts")
-
-#: Runs on the host with the wanted paths and units as JSON in argv; prints one JSON object.
-_READER = r"""
-import hashlib, json, os, subprocess, sys
-want = json.loads(sys.argv[1])
-def owner(st):
-    import grp, pwd
-    try:
-        return pwd.getpwuid(st.st_uid).pw_name + ":" + grp.getgrgid(st.st_gid).gr_name
-    except KeyError:
-        return "%d:%d" % (st.st_uid, st.st_gid)
-def sha(path):
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-out = {"files": {}, "texts": {}, "trees": {}, "units": {}, "programs": {}, "sizes": {}, "facts": {},
-       "cpus": os.cpu_count()}
-def engine(path):
-    import socket
-    with socket.socket(socket.AF_UNIX) as sock:  # HTTP/1.0: one answer, then the daemon closes
-        sock.settimeout(30)
-        sock.connect(want["docker_socket"])
-        sock.sendall(("GET %s HTTP/1.0\r\nHost: docker\r\n\r\n" % path).encode())
-        answer = b"".join(iter(lambda: sock.recv(65536), b""))
-    head, _, body = answer.partition(b"\r\n\r\n")
-    return int(head.split()[1]), body
-shell = []
-for key, command in want["facts"].items():
-    asked = want["engine"].get(key)
-    if asked:
-        try:
-            status, body = engine(asked[0])
-            if status == 200 or (status == 404 and asked[1]):
-                doc = json.loads(body) if status == 200 else None
-                out["facts"][key] = json.dumps(([doc] if doc else []) if asked[1] else doc).splitlines()
-                continue
-        except (OSError, ValueError, IndexError):
-            pass  # no daemon here: the command's own answer
-    shell.append((key, command))
-# The other facts' commands in one sh, each in a subshell and followed by a mark line with
-# its exit status (a last line without its newline gets the mark appended).
-mark = "##sparkfleet-" + os.urandom(8).hex()
-script = "".join("(\n%s\n)\nprintf '%s %d %%d\\n' $?\n" % (command, mark, i) for i, (_, command) in enumerate(shell))
-ran = subprocess.run(["sh", "-c", script], capture_output=True, text=True) if shell else None
-lines = []
-for line in ran.stdout.splitlines() if ran else []:
-    at = line.find(mark + " ")
-    if at < 0:
-        lines.append(line)
-        continue
-    lines += [line[:at]] if at else []
-    i, rc = map(int, line[at + len(mark) + 1:].split())
-    out["facts"][shell[i][0]] = lines if rc == 0 else None
-    lines = []
-for p in want["sizes"]:
-    du = subprocess.run(["du", "-sb", p], capture_output=True, text=True).stdout.split()
-    out["sizes"][p] = int(du[0]) if du and du[0].isdigit() else 0
-import shutil
-for name in want["programs"]:
-    out["programs"][name] = shutil.which(name, path=os.environ.get("PATH", "") + ":/usr/local/sbin:/usr/sbin:/sbin")
-for p in want["files"]:
-    try:
-        st = os.stat(p)
-        out["files"][p] = [st.st_mode & 0o7777, owner(st), "directory" if os.path.isdir(p) else sha(p)]
-    except OSError:
-        out["files"][p] = None
-for p in want["texts"]:
-    try:
-        with open(p, errors="replace") as f:
-            out["texts"][p] = f.read(65536)
-    except OSError:
-        out["texts"][p] = None
-for root in want["trees"]:
-    lines = []
-    if os.path.isdir(root):
-        for d, dirs, files in os.walk(root):
-            dirs[:] = [x for x in dirs if x != "__pycache__"]
-            for name in dirs + [f for f in files if not f.endswith(".pyc")]:
-                p = os.path.join(d, name)
-                st = os.lstat(p)
-                rel = os.path.relpath(p, root)
-                kind = "d" if os.path.isdir(p) else "f"
-                lines.append("%s %s %o %s %s" % (rel, kind, st.st_mode & 0o7777, owner(st), "-" if kind == "d" else sha(p)))
-        lines.sort(key=lambda line: line.split(" ", 1)[0].encode())
-        out["trees"][root] = hashlib.sha256("".join(line + "\n" for line in lines).encode()).hexdigest()
-    else:
-        out["trees"][root] = ""
-if want["units"]:
-    props = ",".join(["Id"] + want["props"])
-    shown = subprocess.run(["systemctl", "show", "-p", props, "--"] + want["units"],
-                           capture_output=True, text=True).stdout
-    for block in shown.strip().split("\n\n"):
-        values = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
-        if values.get("Id") in want["units"]:
-            out["units"][values["Id"]] = values
-print(json.dumps(out))
-"""
-
-
-class HostState(FactBase["dict"]):
-    """The files (mode, owner, sha256; None when missing), small text files, directory
-    trees (manifest hash, as :func:`manifest_hash` makes it) and systemd units (their
-    :data:`UNIT_PROPERTIES`) that ``want`` (JSON) names, in one command."""
-
-    @staticmethod
-    def default():
-        return {"files": {}, "texts": {}, "trees": {}, "units": {}, "programs": {}, "sizes": {}, "facts": {},
-                "cpus": None}
-
-    def command(self, want: str) -> StringCommand:
-        return StringCommand("python3", "-c", shlex.quote(_READER), shlex.quote(want))
-
-    def process(self, output):
-        try:  # a host that answers otherwise (pyinfra's @fake connector): every key asked alone
-            return json.loads("\n".join(output))
-        except ValueError:
-            return self.default()
+from sparkfleet.hostread import _MISSING, UNIT_PROPERTIES, HostState
 
 
 @dataclass

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkfleet import snapshot
+from sparkfleet import hostread, snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,10 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def read(**want) -> dict:
     wanted = snapshot._Wanted(*(set(want.get(k, ())) for k in snapshot._KINDS if k != "facts"),
                               facts=dict(want.get("facts", {})))
-    command = snapshot.HostState().command(want=wanted.json())
+    command = hostread.HostState().command(want=wanted.json())
     done = subprocess.run(["sh", "-c", str(command.get_raw_value())], capture_output=True, text=True, check=True,
                           env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
-    return snapshot.HostState().process(done.stdout.splitlines())
+    return hostread.HostState().process(done.stdout.splitlines())
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the copy is owned by root, as on a host")
@@ -76,7 +76,7 @@ def test_the_tarball_is_the_same_bytes_for_the_same_tree(monkeypatch):
 
 def test_the_want_list_is_json_a_fake_host_answers_empty():
     # The @fake connector answers unknown commands with nothing: the snapshot is then empty.
-    assert snapshot.HostState().process([]) == snapshot.HostState.default()
+    assert hostread.HostState().process([]) == hostread.HostState.default()
     assert json.loads(snapshot._Wanted(files={"/b", "/a"}).json())["files"] == ["/a", "/b"]
 
 
@@ -233,7 +233,7 @@ def test_docker_facts_are_read_through_the_engine_api_as_the_cli_prints_them(tmp
     (tmp_path / "bin" / "sh").symlink_to("/bin/sh")
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))  # and python's: no docker CLI either
     got = read(facts=entries)["facts"]
-    assert all(snapshot._MISSING in got[key] for key in entries)
+    assert all(hostread._MISSING in got[key] for key in entries)
 
 
 def test_the_facts_commands_answer_in_one_shell_as_each_would_alone():
