@@ -219,10 +219,12 @@ def _private_directory(host) -> Iterator[str]:
         run(host, f"rm -rf {shlex.quote(private)}", as_login=True)
 
 
-def put(host, source: str | bytes | io.IOBase, dest: str, mode: str = "0644", owner: str | None = None) -> None:
+def put(host, source: str | bytes | io.IOBase, dest: str, mode: str = "0644", owner: str | None = None,
+        parent: bool = False) -> None:
     """Upload a local file (path), bytes or a file object to ``dest`` on ``host``, with
     ``mode`` (and ``owner``, user[:group]) from the first byte on: through a 0700 directory
-    of the SSH user, copied into place under umask 077, then renamed over ``dest``."""
+    of the SSH user, copied into place under umask 077, then renamed over ``dest``.
+    ``parent``: ``dest``'s directory is made too (0755), in the same command."""
     if isinstance(source, bytes):
         source = io.BytesIO(source)
     q = shlex.quote
@@ -232,15 +234,17 @@ def put(host, source: str | bytes | io.IOBase, dest: str, mode: str = "0644", ow
             raise OperationError(f"could not upload {dest}")
         new = f"{dest}.sparkfleet-new"
         chown = f" && chown {q(owner)} {q(new)}" if owner else ""
-        placed = run(host, f"umask 077 && cp {q(private + '/upload')} {q(new)} && chmod {q(mode)} {q(new)}"
+        made = f"install -d -m 0755 {q(dest.rsplit('/', 1)[0] or '/')} && " if parent else ""
+        placed = run(host, f"{made}umask 077 && cp {q(private + '/upload')} {q(new)} && chmod {q(mode)} {q(new)}"
                            f"{chown} && mv -f {q(new)} {q(dest)}")
         if not placed.ok:
             raise OperationError(f"could not put {dest} in place: {' '.join(placed.stderr)}")
 
 
-def uploaded(state, host, source: str | bytes, dest: str, mode: str = "0644", owner: str | None = None) -> bool:
+def uploaded(state, host, source: str | bytes, dest: str, mode: str = "0644", owner: str | None = None,
+             parent: bool = False) -> bool:
     """:func:`put` as an operation's command: ``yield remote.callback(remote.uploaded, ...)``."""
-    put(host, source, dest, mode, owner)
+    put(host, source, dest, mode, owner, parent)
     return True
 
 

@@ -301,9 +301,10 @@ def _file(path: str, content: bytes | None, src: str | None, mode: int, owner: s
     if content is not None and file_state(path) == (mode, owner, hashlib.sha256(content).hexdigest()):
         host.noop(f"{path} is up to date")
         return
-    yield f"install -d -m 0755 {shlex.quote(path.rsplit('/', 1)[0] or '/')}"
-    # mode and owner from the first byte: never a world-readable upload in /tmp (remote.put).
-    yield remote.callback(remote.uploaded, content if content is not None else src, path, f"{mode:04o}", owner)
+    # mode and owner from the first byte: never a world-readable upload in /tmp (remote.put);
+    # its directory made in the same sudo.
+    yield remote.callback(remote.uploaded, content if content is not None else src, path, f"{mode:04o}", owner,
+                          parent=True)
 
 
 def file(path: str, content: str | bytes | None = None, src: str | None = None, mode: str = "644",
@@ -414,8 +415,7 @@ def _tree(src: str, dest: str):
         return
     q = shlex.quote
     staged = f"{dest}.tar.gz"
-    yield f"install -d -m 0755 {q(dest.rsplit('/', 1)[0] or '/')}"
-    yield remote.callback(remote.uploaded, tarball(Path(src)), staged, "0600")
+    yield remote.callback(remote.uploaded, tarball(Path(src)), staged, "0600", parent=True)
     # Replaced whole: a reader sees the old tree or the new one, never half of each.
     yield (f"rm -rf {q(dest)}.new && mkdir -p -m 0755 {q(dest)}.new && "
            f"tar -xzf {q(staged)} -C {q(dest)}.new --no-same-owner && chmod 0755 {q(dest)}.new && "

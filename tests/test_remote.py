@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 from pyinfra.api import Config, Inventory, State, StringCommand
+from pyinfra.api.exceptions import OperationError
 from pyinfra.connectors.util import CommandOutput, OutputLine
 
 from sparkfleet import remote
@@ -73,6 +74,16 @@ def test_an_existing_file_is_replaced_with_the_new_mode(tmp_path):
     os.chmod(dest, 0o644)
     remote.put(LocalHost(), b"new", str(dest), "0640")
     assert dest.read_text() == "new" and stat.S_IMODE(dest.stat().st_mode) == 0o640
+
+
+def test_a_missing_directory_is_made_0755_in_the_same_command(tmp_path):
+    host = LocalHost()
+    dest = tmp_path / "etc" / "sparkfleet" / "serve.env"
+    remote.put(host, b"A=1\n", str(dest), "0600", parent=True)
+    assert dest.read_bytes() == b"A=1\n" and stat.S_IMODE(dest.stat().st_mode) == 0o600
+    assert stat.S_IMODE(dest.parent.stat().st_mode) == 0o755  # not the copy's umask 077
+    with pytest.raises(OperationError):  # without parent=True, no directory is made
+        remote.put(host, b"A=1\n", str(tmp_path / "none" / "x"), "0600")
 
 
 def test_get_reads_through_a_private_directory(tmp_path):
