@@ -37,6 +37,11 @@ def serve_env(testbed, name: str) -> str:
     return testbed.exec(name, f"cat {SERVE_ENV}").stdout
 
 
+def said_by(out: str, name: str) -> str:
+    """Every line of a run's output that names host ``name`` (a tail may hold none of them)."""
+    return "\n".join(line for line in out.splitlines() if re.search(rf"\[{name}(?:\.local)?\]", line))[-6000:]
+
+
 def test_the_fleet_serves_dense_behind_the_endpoint(testbed, run_pyinfra):
     result = run_pyinfra("deploy.py", *DATA, "--data", "profile=dense")
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
@@ -128,7 +133,8 @@ def test_a_failed_rollout_is_rolled_back_on_the_first_host_and_stops(testbed, ru
     assert watch.ep.states().get(first) == "UP"
     for name in others:
         # Untouched: not restarted, its files put back to what it runs, never out of rotation.
-        assert re.search(rf"\[{name}(?:\.local)?\].*not changed — the rollout stopped at {first}(?:\.local)? \(READY\)", out), out[-4000:]
+        assert re.search(rf"\[{name}(?:\.local)?\].*not changed — the rollout stopped at {first}(?:\.local)? \(READY\)", out), \
+            said_by(out, name)
         assert started_at(testbed, name) == before[name]
         assert "SF_EXTRA_ARGS=\n" in serve_env(testbed, name)
         assert all(s.get(name) == "UP" for _, s in watch.samples if s), name
