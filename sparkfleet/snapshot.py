@@ -5,13 +5,14 @@ its directory's stat, its hash), every ``systemd.service`` two, ``files.sync`` t
 file: ~160 commands per host on a converged run, each a new SSH channel and a sudo.
 Here the steps declare while the deploy plans what they will compare (:func:`expect`,
 called by :func:`file`, :func:`service` and :func:`tree` themselves), and the first
-operation to look reads all of it in one command (a small Python program: DGX OS has
-python3); later operations read the answer. What is declared after that (or not at all)
-is read, with everything else not read yet, when first asked for.
+operation to look reads all of it in one command (:mod:`sparkfleet.hostread`, a small
+Python program: DGX OS has python3); later operations read the answer. What is declared
+after that (or not at all) is read, with everything else not read yet, when first asked for.
 
-An operation that changes anything on the host drops its snapshot: what is read after
-that is read again. So an operation always reads what is there before it runs, the
-answer its own fact would give, and a converged run reads each host once.
+An operation that changes anything on the host drops its snapshot: what is asked after
+that is read again (with what nobody asked yet). So an operation always reads what is
+there before it runs, the answer its own fact would give, and a converged run reads each
+host once.
 """
 
 from __future__ import annotations
