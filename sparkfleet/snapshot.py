@@ -23,14 +23,12 @@ import os
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import quote
 
 from pyinfra import host
 from pyinfra.api import StringCommand, operation
 from pyinfra.api.state import BaseStateCallback
-from pyinfra.facts.docker import DockerContainer, DockerImage, DockerSystemInfo
 
-from sparkfleet import remote
+from sparkfleet import hostread, remote
 from sparkfleet.fleet import once
 from sparkfleet.hostread import _MISSING, UNIT_PROPERTIES, HostState
 
@@ -50,7 +48,7 @@ class _Wanted:
                            "units": sorted(self.units), "programs": sorted(self.programs),
                            "sizes": sorted(self.sizes), "facts": self.facts, "props": list(UNIT_PROPERTIES),
                            "engine": {k: _ENGINE_PATHS[k] for k in self.facts if k in _ENGINE_PATHS},
-                           "docker_socket": DOCKER_SOCKET})
+                           "docker_socket": hostread.DOCKER_SOCKET})
 
 
 #: Constant paths that steps read while the deploy plans, declared as their modules load
@@ -114,15 +112,7 @@ def _known(name: str, state=None) -> dict[str, dict]:
     return once(("snapshot", name), lambda: {**{k: {} for k in _KINDS}, "cpus": None}, state)
 
 
-#: pyinfra's docker facts that the reader asks the Docker Engine API for, in its own
-#: process: the docker CLI prints the API's JSON, and each start of it costs a host ~30 ms
-#: of CPU (7 of them were half a converged run's read). Per fact: its API path, and whether
-#: the CLI prints a list (an inspect: [] when there is no such object).
-_ENGINE = {DockerImage: lambda object_id: (f"/images/{quote(object_id, safe='/:@')}/json", True),
-           DockerContainer: lambda object_id: (f"/containers/{quote(object_id, safe='/:@')}/json", True),
-           DockerSystemInfo: lambda: ("/info", False)}
-_ENGINE_PATHS: dict[str, tuple[str, bool]] = {}
-DOCKER_SOCKET = "/var/run/docker.sock"  # fact key -> the above, as facts are declared
+_ENGINE_PATHS: dict[str, tuple[str, bool]] = {}  # fact key -> hostread.engine_request's, as facts are declared
 
 
 def _fact_entry(cls, kwargs: dict) -> tuple[str, str]:
@@ -135,8 +125,9 @@ def _fact_entry(cls, kwargs: dict) -> tuple[str, str]:
     needs = cls().requires_command(**args)
     if needs:
         command = f"if command -v {needs} >/dev/null 2>&1; then ( {command} ); else echo '{_MISSING}'; fi"
-    if cls in _ENGINE:
-        _ENGINE_PATHS[key] = _ENGINE[cls](**args)
+    request = hostread.engine_request(cls, args)
+    if request:
+        _ENGINE_PATHS[key] = request
     return key, command
 
 
@@ -162,14 +153,18 @@ def _read(kind: str, key: str):
     if kind != "facts":
         getattr(wanted, kind).add(key)  # one nobody declared is read too
     known = _known(host.name)
-    asked = once(("snapshot asked", host.name), set)
     if key not in known[kind]:
-        _read_unread(wanted, known, asked - {(kind, key)})
-    asked.add((kind, key))
+        _read_unread(wanted, known, (kind, key))
+    _asked().add((kind, key))
     return known[kind][key]
 
 
-def _read_unread(wanted: _Wanted, known: dict, asked: set = frozenset()) -> None:
+def _asked() -> set[tuple[str, str]]:
+    """(kind, key) of every answer this run's operations asked of the current host."""
+    return once(("snapshot asked", host.name), set)
+
+
+def _read_unread(wanted: _Wanted, known: dict, asking: tuple[str, str] | None = None) -> None:
     """Everything declared and not read yet, in one command, into ``known``. The host's
     first read of the run takes along what its later reads asked last time (:func:`_hinted`);
     a later read means the hint fell short, and it is kept anew. What was ``asked`` (kind,
@@ -184,6 +179,8 @@ def _read_unread(wanted: _Wanted, known: dict, asked: set = frozenset()) -> None
                          facts={**hint.facts, **wanted.facts})
     else:
         _keep_hint(wanted)
+
+    asked = _asked() - {asking}
 
     def unread(kind: str, keys) -> set:
         return {k for k in keys if k not in known[kind] and (kind, k) not in asked}

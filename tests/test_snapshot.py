@@ -214,8 +214,8 @@ def test_docker_facts_are_read_through_the_engine_api_as_the_cli_prints_them(tmp
     facts = [(DockerImage, {"object_id": "r/x:1@sha256:" + "cd" * 32}), (DockerImage, {"object_id": "r/none"}),
              (DockerContainer, {"object_id": "sparkfleet-serve"}), (DockerSystemInfo, {})]
     entries = dict(snapshot._fact_entry(cls, kwargs) for cls, kwargs in facts)
-    monkeypatch.setattr(snapshot, "DOCKER_SOCKET", str(tmp_path / "docker.sock"))
-    with Server(snapshot.DOCKER_SOCKET, Engine) as server:
+    monkeypatch.setattr(hostread, "DOCKER_SOCKET", str(tmp_path / "docker.sock"))
+    with Server(hostread.DOCKER_SOCKET, Engine) as server:
         threading.Thread(target=server.serve_forever, daemon=True).start()
         try:
             got = read(facts=entries)["facts"]
@@ -227,7 +227,7 @@ def test_docker_facts_are_read_through_the_engine_api_as_the_cli_prints_them(tmp
     assert len(asked) == 4 and "/containers/sparkfleet-serve/json" in asked
 
     # No daemon here: each fact's own command (docker missing: pyinfra's marker, its default).
-    monkeypatch.setattr(snapshot, "DOCKER_SOCKET", str(tmp_path / "gone.sock"))
+    monkeypatch.setattr(hostread, "DOCKER_SOCKET", str(tmp_path / "gone.sock"))
     entries = dict(snapshot._fact_entry(cls, kwargs) for cls, kwargs in facts)
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "sh").symlink_to("/bin/sh")
