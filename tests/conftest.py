@@ -2,7 +2,6 @@
 mark the tests that download as ``network`` (``make test-unit`` leaves them out)."""
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
@@ -11,6 +10,8 @@ import pytest
 _TESTS_DIR = str(Path(__file__).resolve().parent)
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
+
+from support.failures import telling_lines  # noqa: E402  (tests/ on the path first)
 
 #: Fixtures that fetch from the internet on a cold cache (tests/runtime/conftest.py).
 _DOWNLOADING_FIXTURES = {"vllm_tree"}
@@ -43,20 +44,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.network)
 
 
-# The lines of a failed run that say why: pyinfra's per-host errors, a stopped rollout, a
-# traceback. CI's log keeps only the summary's first line of each failure, so they go first.
-_TELLING = re.compile(r"\] Error|rollout stopped|Traceback|\berror:|Error response|timed out after")
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     crash = getattr(report.longrepr, "reprcrash", None)
     if report.failed and crash is not None:
-        telling = [line.strip() for line in crash.message.splitlines() if _TELLING.search(line)]
+        telling = telling_lines(crash.message)
         # An assertion that shows only the tail of a run's output can miss the host that failed
         # early; run_pyinfra printed its telling lines, captured with the test's stdout.
-        telling = telling or [line.strip() for line in report.capstdout.splitlines() if _TELLING.search(line)]
+        telling = telling or telling_lines(report.capstdout)
         if telling:
-            crash.message = " | ".join(telling[-3:])[:600] + "\n" + crash.message
+            crash.message = " | ".join(telling[-4:])[:900] + "\n" + crash.message

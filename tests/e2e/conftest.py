@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import subprocess
 from pathlib import Path
 
 import pytest
+from support.failures import telling_lines
 
 from sparkfleet.testbed import paths as _paths
 
@@ -129,7 +129,7 @@ def run_pyinfra(*args: str, timeout: float = 1200, env: dict[str, str] | None = 
         # Shown (captured) only if the test fails: the lines that say which host failed and why.
         lines = (result.stdout + result.stderr).splitlines()
         print(f"pyinfra {' '.join(args)}: exit {result.returncode}")
-        print("\n".join(line for line in lines if re.search(r"\] Error|\berror:|rollout stopped", line)))
+        print("\n".join(telling_lines("\n".join(lines))))
         if result.returncode == 124:  # where each host's greenlet waited (the stacks config.py printed)
             print("\n".join(block for block in result.stderr.split("\n--- ") if "Host(" in block.split("\n")[0]))
     return result

@@ -1,0 +1,26 @@
+"""What a failed pyinfra run printed that says why, for a test's failure summary."""
+
+from __future__ import annotations
+
+import re
+
+# The lines of a failed run that say why: pyinfra's per-host errors, a stopped rollout, a
+# traceback. CI's log keeps only the summary's first line of each failure, so they go first.
+_TELLING = re.compile(r"\] Error|rollout stopped|Traceback|\berror:|Error response|timed out after")
+#: pyinfra's line for a failed operation; the host's lines just before it say what failed.
+_FAILED_OP = re.compile(r"^(\[[^\]]+\]) Error: executed")
+
+
+def telling_lines(text: str) -> list[str]:
+    """The lines of ``text`` that say why a run failed, each once, in order; before a failed
+    operation's line, that host's last lines before it (what the operation printed)."""
+    lines = [line.strip() for line in text.splitlines()]
+    found: list[str] = []
+    for i, line in enumerate(lines):
+        if not _TELLING.search(line):
+            continue
+        failed = _FAILED_OP.match(line)
+        if failed:
+            found += [before for before in lines[max(0, i - 4):i] if before.startswith(failed[1] + " ")][-3:]
+        found.append(line)
+    return list(dict.fromkeys(found))
