@@ -238,9 +238,12 @@ class ServedAnswer(FactBase["str | None"]):
     def command(self, address: str, port: int, model: str, prompt: str) -> str:
         body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0})
         # The key travels in a 0600 header file, never on the command line. A server
-        # that does not answer yet is an answer (empty): the caller polls.
+        # that does not answer yet is an answer (empty): the caller polls. Each poll waits
+        # on the host up to ~5 s for the port to open (or a 503 to pass), asking every second:
+        # READY is seen within a second of it, at one sudo per poll, not one per second.
         return (
-            f"curl -sS -m 10 -H @{hostpaths.AUTH_HEADER} -H 'Content-Type: application/json' "
+            f"curl -sS -m 10 --retry 5 --retry-connrefused --retry-delay 1 --retry-max-time 5 "
+            f"-H @{hostpaths.AUTH_HEADER} -H 'Content-Type: application/json' "
             f"-d {shlex.quote(body)} http://{address}:{port}/v1/completions || true"
         )
 

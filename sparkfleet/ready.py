@@ -111,7 +111,7 @@ def await_ready(host, address: str, port: int, model: str, timeout_s: int, hint:
             last_report = time.monotonic()
             phase = host.get_fact(EnginePhase, unit=UNIT) or f"unit {unit.get('ActiveState')}"
             host.log(f"waiting for READY: {elapsed:.0f} s, {phase}", logger.info)
-        gevent.sleep(2)
+        gevent.sleep(1)  # the poll itself waited on the host (ServedAnswer)
 
 
 
