@@ -115,6 +115,25 @@ def explain(exc: BaseException, repo: str, revision: str, endpoint: str) -> str 
     return None
 
 
+def refuses(endpoint: str, timeout_s: float = 5.0) -> ConnectionError | None:
+    """Why ``endpoint`` takes no connection now (refused, no route, no answer within
+    ``timeout_s``), or None when it takes one or a proxy stands between. huggingface_hub
+    retries a refused connection with backoff for ~23 s before it gives up; a relay that
+    died is told at once, so its hosts go on to the mirror above without that wait."""
+    import socket
+    import urllib.request
+    from urllib.parse import urlsplit
+
+    url = urlsplit(endpoint)
+    if not url.hostname or urllib.request.getproxies().get(url.scheme) and not urllib.request.proxy_bypass(url.hostname):
+        return None  # through a proxy: only it can say
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout_s).close()
+    except OSError as exc:  # refused, unreachable, timed out: a source that did not answer
+        return ConnectionError(f"{endpoint}: {exc}")
+    return None
+
+
 #: What a source that did not answer raises: a connection refused or reset, a timeout.
 UNANSWERED = {"LocalEntryNotFoundError", "ConnectError", "ConnectionError", "TimeoutException", "Timeout",
               "ReadTimeout", "ConnectTimeout", "RemoteProtocolError", "ReadError", "NetworkError",
@@ -155,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def fetch(where: str | None) -> Path:
         elsewhere = {"endpoint": where} if where else {}  # None: HF_ENDPOINT, as before
+        refused = refuses(where or os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+        if refused is not None:
+            raise refused
         return Path(snapshot_download(
             repo_id=args.repo_id, revision=args.revision, allow_patterns=args.allow, max_workers=4, **elsewhere,
         ))

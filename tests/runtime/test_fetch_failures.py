@@ -116,6 +116,8 @@ def test_a_relay_that_does_not_answer_costs_a_retry_at_the_mirror_above(hub, tmp
     assert done.returncode == 0, done.stdout + done.stderr
     retries = [line for line in done.stdout.splitlines() if line.startswith("report: ")]
     assert len(retries) == 2 and retries[-1].endswith(f"fetching from {hub.url}"), done.stdout
+    # Told at once, not after huggingface_hub's backoff on a refused connection (~23 s each).
+    assert "Retrying in" not in done.stdout + done.stderr
     assert (tmp_path / "hf" / "hub" / "models--acme--tiny" / "snapshots" / REV / "config.json").exists()
 
 
@@ -145,3 +147,19 @@ def test_a_source_back_after_a_pause_is_asked_again(tmp_path):
     assert "every source again in 5 s" in out and out.count("no source answered") == 1, out
     assert "complete: acme/tiny@" in out
     assert (tmp_path / "hf" / "hub" / "models--acme--tiny" / "snapshots" / REV / "config.json").exists()
+
+
+def test_a_source_is_probed_directly_unless_a_proxy_stands_between(monkeypatch):
+    from runtime.fetch_weights import refuses
+
+    dead = f"http://127.0.0.1:{closed_port()}"
+    assert isinstance(refuses(dead), ConnectionError)
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen(1)
+        assert refuses(f"http://127.0.0.1:{listening.getsockname()[1]}") is None
+    monkeypatch.setenv("http_proxy", "http://proxy.example:3128")
+    monkeypatch.setenv("no_proxy", "")
+    assert refuses(dead) is None  # only the proxy can say whether the source answers
+    monkeypatch.setenv("no_proxy", "127.0.0.1")
+    assert isinstance(refuses(dead), ConnectionError)
