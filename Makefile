@@ -46,7 +46,7 @@ status:
 lint: deps
 	$(PYTHON) -m ruff check .
 
-# Three shards side by side, each on its own fleet (instances N, N+1, N+2): tests/shards.py.
+# Four shards side by side, each on its own fleet (instances N to N+3): tests/shards.py.
 test: deps lint
 	$(PYTHON) tests/shards.py
 

@@ -1,8 +1,9 @@
-"""``make test``: the whole suite as three pytest runs side by side, each with its own fleet.
+"""``make test``: the whole suite as four pytest runs side by side, each with its own fleet.
 
 The end-to-end tests spend much of their time waiting on simulated hosts (engines loading,
-units restarting, READY polls), so three fleets of three testbed instances
-(``SPARKFLEET_TESTBED_INSTANCE`` N, N+1 and N+2) share two cores. Shards 1 and 2 run the
+units restarting, READY polls): with three shards the two cores were idle 46% of the
+time. So four fleets of four testbed instances (``SPARKFLEET_TESTBED_INSTANCE`` N to N+3)
+share two cores. Shards 1 to 3 run the
 modules listed in ``SHARDS``; the last shard runs every other test, so a new test file is
 never left out. Each shard keeps pytest's order of files: within a shard the modules that
 boot a fleet of their own still run after those on the session's fleet.
@@ -25,19 +26,21 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-#: The modules of shards 1 and 2; the last shard runs every other test. Balanced by the
-#: modules' measured minutes (``make test`` on two cores, three shards side by side): deploy
-#: 19 + endpoint_rollout 10 + fleet_lock 11 + pair_serving 9; endpoint 12 + endpoint_monitor
-#: 2 + faults 12 + mirror_fleet 12 + pair_link 4 + serving_host 6; the rest 44 (the tests
-#: without a fleet, rollout_faults, wedge, image_patches, fleet_checks, operator_lock, the
-#: real vLLM check, stack_upgrade). A module on the session's fleet must sort before a shard's modules that
-#: boot their own (fleet_lock, mirror_fleet, pair_*, serving_host): those replace the
-#: session's fleet.
+#: The modules of shards 1 to 3; the last shard runs every other test. Balanced by the
+#: modules' minutes in ``make test`` (two cores, three shards side by side, 2026-12-04):
+#: deploy 13 + endpoint_monitor 1.5 + endpoint_rollout 7 + image_patches 4; endpoint 8.5 +
+#: faults 8.5 + fleet_checks 5 + serving_host 4; fleet_lock 8 + mirror_fleet 8 + pair_link 3
+#: + pair_serving 6; the rest 26 (the tests without a fleet ~6, rollout_faults, wedge,
+#: operator_lock, stack_upgrade, the real vLLM check). A module on the session's fleet must
+#: sort before a shard's modules that boot their own (fleet_lock, mirror_fleet, pair_*,
+#: serving_host): those replace the session's fleet.
 SHARDS = (
-    ("tests/e2e/test_deploy.py", "tests/e2e/test_endpoint_rollout.py", "tests/e2e/test_fleet_lock.py",
+    ("tests/e2e/test_deploy.py", "tests/e2e/test_endpoint_monitor.py", "tests/e2e/test_endpoint_rollout.py",
+     "tests/e2e/test_image_patches.py"),
+    ("tests/e2e/test_endpoint.py", "tests/e2e/test_faults.py", "tests/e2e/test_fleet_checks.py",
+     "tests/e2e/test_serving_host.py"),
+    ("tests/e2e/test_fleet_lock.py", "tests/e2e/test_mirror_fleet.py", "tests/e2e/test_pair_link.py",
      "tests/e2e/test_pair_serving.py"),
-    ("tests/e2e/test_endpoint.py", "tests/e2e/test_endpoint_monitor.py", "tests/e2e/test_faults.py",
-     "tests/e2e/test_mirror_fleet.py", "tests/e2e/test_pair_link.py", "tests/e2e/test_serving_host.py"),
 )
 
 
@@ -49,7 +52,7 @@ def commands(extra: list[str]) -> list[list[str]]:
     twice = sorted({path for path in listed if listed.count(path) > 1})
     if twice:
         raise SystemExit(f"tests/shards.py: SHARDS names {', '.join(twice)} in more than one shard")
-    pytest = [sys.executable, "-m", "pytest", "-raR", "--durations=15", *extra]
+    pytest = [sys.executable, "-m", "pytest", "-raR", "--durations=25", *extra]
     # sorted: pytest's own order of the files of one directory.
     return [*([*pytest, *sorted(shard)] for shard in SHARDS),
             [*pytest, "tests", *(f"--ignore={path}" for path in listed)]]
