@@ -174,9 +174,6 @@ def main(argv: list[str] | None = None) -> int:
 
     def fetch(where: str | None) -> Path:
         elsewhere = {"endpoint": where} if where else {}  # None: HF_ENDPOINT, as before
-        refused = refuses(where or os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
-        if refused is not None:
-            raise refused
         return Path(snapshot_download(
             repo_id=args.repo_id, revision=args.revision, allow_patterns=args.allow, max_workers=4, **elsewhere,
         ))
@@ -186,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
         sources = [None, *args.also_endpoint]
         for i, where in enumerate(sources):
             try:
+                # With a source to go on to, one that takes no connection is passed over at
+                # once; the last one gets huggingface_hub's own retries, then a round's pause.
+                refused = refuses(where or endpoint) if i + 1 < len(sources) else None
+                if refused is not None:
+                    raise refused
                 return fetch(where)
             except Exception as exc:
                 if i + 1 == len(sources) or gone(exc):

@@ -26,19 +26,18 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-#: The modules of shards 1 to 3; the last shard runs every other test. Balanced by the
-#: modules' minutes in ``make test`` (two cores, three shards side by side, 2026-12-04):
-#: deploy 13 + endpoint_monitor 1.5 + endpoint_rollout 7 + image_patches 4; endpoint 8.5 +
-#: faults 8.5 + fleet_checks 5 + serving_host 4; fleet_lock 8 + mirror_fleet 8 + pair_link 3
-#: + pair_serving 6; the rest 26 (the tests without a fleet ~6, rollout_faults, wedge,
-#: operator_lock, stack_upgrade, the real vLLM check). A module on the session's fleet must
-#: sort before a shard's modules that boot their own (fleet_lock, mirror_fleet, pair_*,
-#: serving_host): those replace the session's fleet.
+#: The modules of shards 1 to 3; the last shard runs every other test. Balanced by what
+#: each shard took in ``make test`` (two cores, four shards side by side, 2026-12-04):
+#: deploy, endpoint_rollout, image_patches ~26 min; endpoint, endpoint_monitor, faults,
+#: fleet_checks, serving_host ~27; fleet_lock, mirror_fleet, pair_link, pair_serving 25.5;
+#: the rest ~28.5 (the tests without a fleet, dgx_os_login, host_tasks, operator_lock,
+#: rollout_faults, stack_upgrade, wedge, the real vLLM check). A module on the session's
+#: fleet must sort before a shard's modules that boot their own (fleet_lock, mirror_fleet,
+#: pair_*, serving_host): those replace the session's fleet.
 SHARDS = (
-    ("tests/e2e/test_deploy.py", "tests/e2e/test_endpoint_monitor.py", "tests/e2e/test_endpoint_rollout.py",
-     "tests/e2e/test_image_patches.py"),
-    ("tests/e2e/test_endpoint.py", "tests/e2e/test_faults.py", "tests/e2e/test_fleet_checks.py",
-     "tests/e2e/test_serving_host.py"),
+    ("tests/e2e/test_deploy.py", "tests/e2e/test_endpoint_rollout.py", "tests/e2e/test_image_patches.py"),
+    ("tests/e2e/test_endpoint.py", "tests/e2e/test_endpoint_monitor.py", "tests/e2e/test_faults.py",
+     "tests/e2e/test_fleet_checks.py", "tests/e2e/test_serving_host.py"),
     ("tests/e2e/test_fleet_lock.py", "tests/e2e/test_mirror_fleet.py", "tests/e2e/test_pair_link.py",
      "tests/e2e/test_pair_serving.py"),
 )
