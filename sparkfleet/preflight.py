@@ -10,6 +10,7 @@ peer's own connection).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -158,8 +159,12 @@ def host_findings(settings: Settings) -> Findings:
                 "give the key with --data api_key=..."
             )
 
-    ours = (snapshot.fact(DockerContainer, object_id=CONTAINER, _ignore_errors=True) or [{}])[0].get("Id", "")
-    holders = in_container(snapshot.fact(Listeners, ports=sorted({p.port for p in ports})), ours)
+    numbers = sorted({p.port for p in ports})
+    holders = port_holders(
+        lambda: (snapshot.fact(Listeners, ports=numbers),
+                 snapshot.fact(DockerContainer, object_id=CONTAINER, _ignore_errors=True)),
+        lambda: (host.get_fact(Listeners, ports=numbers),  # in this order: see port_holders
+                 host.get_fact(DockerContainer, object_id=CONTAINER, _ignore_errors=True)))
     found.problems += port_problems(ports, holders,
                                     agent_socket_active=snapshot.unit(AGENT_SOCKET).get("ActiveState") == "active")
     found.problems += firewall_problems(ports, snapshot.fact(Firewall))
@@ -247,6 +252,28 @@ def _ours(listen: Listen, holder: dict, agent_socket_active: bool) -> bool:
     return ((listen.container and bool(holder.get("container")))
             or holder.get("unit") in listen.units
             or (listen.agent_socket and agent_socket_active and holder.get("pid") == 1))
+
+
+#: A container's processes carry its id in their cgroup path (either cgroup driver).
+_CONTAINER_CGROUP = re.compile(r"docker[-/][0-9a-f]{12,}")
+
+
+def port_holders(read: Callable[[], tuple], read_again: Callable[[], tuple]) -> dict[int, list[dict]]:
+    """Who holds each port (``Listeners``), marked whether it runs in our serving container.
+
+    ``read`` gives (holders, the ``DockerContainer`` records of ours): the snapshot's. A
+    holder in a container that is not ours there is asked about again with ``read_again``,
+    holders first and then the container: systemd may have started a new engine between
+    the snapshot's two answers (its own restart after a crash races the deploy), and a
+    container whose engine already holds the port is still there when asked after it."""
+    def judged(holders, container) -> dict[int, list[dict]]:
+        return in_container(holders or {}, ((container or [{}])[0] or {}).get("Id", ""))
+
+    holders = judged(*read())
+    if any(not h["container"] and _CONTAINER_CGROUP.search(str(h.get("cgroup", "")))
+           for found in holders.values() for h in found):
+        holders = judged(*read_again())
+    return holders
 
 
 def port_problems(ports: list[Listen], holders: dict[int, list[dict]], agent_socket_active: bool = False) -> list[str]:

@@ -175,6 +175,31 @@ def test_our_own_holders_are_no_problem():
     assert preflight.port_problems([SERVE], {8000: [holder("haproxy", 70, "haproxy.service")]})
 
 
+def test_a_container_started_between_the_snapshots_answers_is_asked_about_again():
+    new = "c0ffee" * 10 + "abcd"
+    engine = {"name": "vllm", "pid": 9, "unit": f"docker-{new}.scope", "cgroup": f"/system.slice/docker-{new}.scope"}
+    asked = []
+
+    def again():
+        asked.append("again")
+        return {8000: [engine]}, [{"Id": new}]
+
+    # The snapshot read the container before systemd's restart made a new one, the port after.
+    holders = preflight.port_holders(lambda: ({8000: [engine]}, []), again)
+    assert asked == ["again"] and holders[8000][0]["container"]
+    assert preflight.port_problems([SERVE], holders) == []
+    # Another container on the port stays another's after the second read.
+    other = dict(engine, cgroup="/system.slice/docker-" + "1" * 64 + ".scope")
+    held = preflight.port_holders(lambda: ({8000: [other]}, [{"Id": new}]), lambda: ({8000: [other]}, [{"Id": new}]))
+    assert "held by vllm (pid 9)" in preflight.port_problems([SERVE], held)[0]
+    # A holder that is no container's, or is ours already, costs no second read.
+    asked.clear()
+    session = {"name": "python3", "pid": 5, "unit": "session-1.scope", "cgroup": "/user.slice/session-1.scope"}
+    preflight.port_holders(lambda: ({8000: [session]}, [{"Id": new}]), again)
+    preflight.port_holders(lambda: ({8000: [engine]}, [{"Id": new}]), again)
+    assert asked == []
+
+
 def test_two_roles_on_one_port_are_a_problem():
     clash = Listen(8000, "the fleet endpoint (HAProxy)", "endpoint_port", units=("haproxy.service",))
     assert preflight.port_problems([SERVE, clash], {}) == [
