@@ -26,7 +26,15 @@ from sparkfleet.config import Settings
 from sparkfleet.facts import BootTarget, FreeSpace, Memory
 from sparkfleet.fleet import fleet_settings, host_mirror, host_pair, once
 from sparkfleet.gpu import Gpu
-from sparkfleet.hostpaths import AGENT_SOCKET, CONTAINER, HF_MIRROR_UNIT, REGISTRY_UNIT, SECRETS_ENV, UNIT
+from sparkfleet.hostpaths import (
+    AGENT_SERVICE,
+    AGENT_SOCKET,
+    CONTAINER,
+    HF_MIRROR_UNIT,
+    REGISTRY_UNIT,
+    SECRETS_ENV,
+    UNIT,
+)
 from sparkfleet.ports import Firewall, Listeners, in_container
 
 EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
@@ -249,11 +257,16 @@ def listens(settings: Settings) -> list[Listen]:
 
 
 def _ours(listen: Listen, holder: dict, agent_socket_active: bool) -> bool:
+    # systemd holds the agent's socket (pid 1); a process it forks for a connection holds the
+    # listening socket too for a moment ("(sd-accept)", in the socket's or the instance's cgroup).
+    unit = str(holder.get("unit", ""))
     return ((listen.container and bool(holder.get("container")))
-            or holder.get("unit") in listen.units
-            or (listen.agent_socket and agent_socket_active and holder.get("pid") == 1))
+            or unit in listen.units
+            or (listen.agent_socket and agent_socket_active
+                and (holder.get("pid") == 1 or unit == AGENT_SOCKET or unit.startswith(_AGENT_INSTANCE))))
 
 
+_AGENT_INSTANCE = AGENT_SERVICE.split("@", 1)[0] + "@"  # sparkfleet-agent@<n>-<addresses>.service
 #: A container's processes carry its id in their cgroup path (either cgroup driver).
 _CONTAINER_CGROUP = re.compile(r"docker[-/][0-9a-f]{12,}")
 

@@ -171,6 +171,12 @@ def test_our_own_holders_are_no_problem():
     assert preflight.port_problems([SERVE, AGENT, FRONT, HF], ours, agent_socket_active=True) == []
     # systemd on the agent's port is ours only while our socket unit is what listens.
     assert "8009" in preflight.port_problems([AGENT], ours, agent_socket_active=False)[0]
+    # ... and so is the process it forks for a connection, caught holding the socket a moment.
+    for unit in ("sparkfleet-agent.socket", "sparkfleet-agent@7-10.0.0.1:8009-10.0.0.9:40000.service"):
+        forked = {8009: [holder("(sd-accept)", 9694, unit)]}
+        assert preflight.port_problems([AGENT], forked, agent_socket_active=True) == []
+        assert preflight.port_problems([AGENT], forked, agent_socket_active=False)
+    assert preflight.port_problems([AGENT], {8009: [holder("python3", 5, "session-1.scope")]}, agent_socket_active=True)
     # haproxy is ours on the endpoint's ports, not on the engine's.
     assert preflight.port_problems([SERVE], {8000: [holder("haproxy", 70, "haproxy.service")]})
 
