@@ -11,7 +11,7 @@ _TESTS_DIR = str(Path(__file__).resolve().parent)
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
-from support.failures import telling_lines  # noqa: E402  (tests/ on the path first)
+from support.failures import explain  # noqa: E402  (tests/ on the path first)
 
 #: Fixtures that fetch from the internet on a cold cache (tests/runtime/conftest.py).
 _DOWNLOADING_FIXTURES = {"vllm_tree"}
@@ -48,11 +48,5 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    crash = getattr(report.longrepr, "reprcrash", None)
-    if report.failed and crash is not None:
-        telling = telling_lines(crash.message)
-        # An assertion that shows only the tail of a run's output can miss the host that failed
-        # early; run_pyinfra printed its telling lines, captured with the test's stdout.
-        telling = telling or telling_lines(report.capstdout)
-        if telling:
-            crash.message = " | ".join(telling[-4:])[:900] + "\n" + crash.message
+    if report.failed:
+        explain(report.longrepr, report.capstdout)

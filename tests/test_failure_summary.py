@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from support.failures import telling_lines
+from _pytest._code import ExceptionInfo
+from support.failures import explain, telling_lines
 
 RUN = """--> Starting operation: preflight: GB10, aarch64, driver, docker, disk, memory
     [spark-1.local] No changes
@@ -30,3 +31,26 @@ def test_a_line_said_twice_is_told_once():
 
 def test_a_run_that_says_nothing_telling_gives_nothing():
     assert telling_lines("--> Loading config...\n    [spark-1.local] Success\n") == []
+
+
+def _failed_report(message: str):
+    try:
+        raise AssertionError(message)
+    except AssertionError:
+        return ExceptionInfo.from_current().getrepr()
+
+
+def test_a_failure_carries_its_telling_lines_where_a_rerun_shows_them():
+    # The assertion shows only the tail of the run; its telling lines were captured.
+    longrepr = _failed_report("Grand total 102 4 1 97")
+    explain(longrepr, "pyinfra deploy.py: exit 1\n" + RUN)
+    assert longrepr.reprcrash.message.startswith("[spark-3.local] preflight failed")
+    shown = str(longrepr)  # what a report prints, a rerun's first attempt included
+    assert "why the run failed" in shown and "held by python3 (pid 3065)" in shown
+
+
+def test_a_failure_without_telling_lines_is_left_as_it_is():
+    longrepr = _failed_report("assert 1 == 2")
+    explain(longrepr, "")
+    assert longrepr.reprcrash.message == "assert 1 == 2"
+    assert "why the run failed" not in str(longrepr)

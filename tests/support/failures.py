@@ -24,3 +24,20 @@ def telling_lines(text: str) -> list[str]:
             found += [before for before in lines[max(0, i - 4):i] if before.startswith(failed[1] + " ")][-3:]
         found.append(line)
     return list(dict.fromkeys(found))
+
+
+def explain(longrepr, captured: str) -> None:
+    """Put a failed test's telling lines where CI's log shows them: first on the summary's
+    line, and as a section of the failure's report, which a rerun's "first attempt" prints
+    too (it prints neither the summary line nor the captured output). An assertion that
+    shows only the tail of a run's output can miss the host that failed early; run_pyinfra
+    printed the telling lines, captured with the test's stdout."""
+    crash = getattr(longrepr, "reprcrash", None)
+    if crash is None:
+        return
+    telling = telling_lines(crash.message) or telling_lines(captured)
+    if not telling:
+        return
+    crash.message = " | ".join(telling[-4:])[:900] + "\n" + crash.message
+    if hasattr(longrepr, "addsection"):
+        longrepr.addsection("why the run failed", "\n".join(telling))
