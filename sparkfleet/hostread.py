@@ -60,34 +60,37 @@ def engine(path):
         answer = b"".join(iter(lambda: sock.recv(65536), b""))
     head, _, body = answer.partition(b"\r\n\r\n")
     return int(head.split()[1]), body
-shell = []
-for key, command in want["facts"].items():
-    asked = want["engine"].get(key)
-    if asked:
-        try:
-            status, body = engine(asked[0])
-            if status == 200 or (status == 404 and asked[1]):
-                doc = json.loads(body) if status == 200 else None
-                out["facts"][key] = json.dumps(([doc] if doc else []) if asked[1] else doc).splitlines()
-                continue
-        except (OSError, ValueError, IndexError):
-            pass  # no daemon here: the command's own answer
-    shell.append((key, command))
-# The other facts' commands in one sh, each in a subshell and followed by a mark line with
+# The facts' shell commands in one sh, each in a subshell and followed by a mark line with
 # its exit status (a last line without its newline gets the mark appended).
 mark = "##sparkfleet-" + os.urandom(8).hex()
-script = "".join("(\n%s\n)\nprintf '%s %d %%d\\n' $?\n" % (command, mark, i) for i, (_, command) in enumerate(shell))
-ran = subprocess.run(["sh", "-c", script], capture_output=True, text=True) if shell else None
-lines = []
-for line in ran.stdout.splitlines() if ran else []:
-    at = line.find(mark + " ")
-    if at < 0:
-        lines.append(line)
-        continue
-    lines += [line[:at]] if at else []
-    i, rc = map(int, line[at + len(mark) + 1:].split())
-    out["facts"][shell[i][0]] = lines if rc == 0 else None
+def shell(facts):
+    script = "".join("(\n%s\n)\nprintf '%s %d %%d\\n' $?\n" % (command, mark, i) for i, (_, command) in enumerate(facts))
+    ran = subprocess.run(["sh", "-c", script], capture_output=True, text=True) if facts else None
     lines = []
+    for line in ran.stdout.splitlines() if ran else []:
+        at = line.find(mark + " ")
+        if at < 0:
+            lines.append(line)
+            continue
+        lines += [line[:at]] if at else []
+        i, rc = map(int, line[at + len(mark) + 1:].split())
+        out["facts"][facts[i][0]] = lines if rc == 0 else None
+        lines = []
+# The shell's facts before dockerd's: a container whose process the shell saw (a port's
+# holder) was started before it, so it is still there when dockerd is asked after.
+shell([(key, command) for key, command in want["facts"].items() if key not in want["engine"]])
+unanswered = []
+for key, asked in want["engine"].items():
+    try:
+        status, body = engine(asked[0])
+        if status == 200 or (status == 404 and asked[1]):
+            doc = json.loads(body) if status == 200 else None
+            out["facts"][key] = json.dumps(([doc] if doc else []) if asked[1] else doc).splitlines()
+            continue
+    except (OSError, ValueError, IndexError):
+        pass  # no daemon here: the command's own answer
+    unanswered.append((key, want["facts"][key]))
+shell(unanswered)
 for p in want["sizes"]:
     du = subprocess.run(["du", "-sb", p], capture_output=True, text=True).stdout.split()
     out["sizes"][p] = int(du[0]) if du and du[0].isdigit() else 0

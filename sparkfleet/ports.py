@@ -62,11 +62,22 @@ _HOLDERS = r"""{
 }"""
 
 
+#: A container's processes carry its id in their cgroup path, under either cgroup driver
+#: (``/system.slice/docker-<id>.scope``, ``/docker/<id>``).
+_CONTAINER_CGROUP = re.compile(r"docker[-/]([0-9a-f]{12,})")
+
+
 def in_container(holders: dict[int, list[dict]], container_id: str) -> dict[int, list[dict]]:
     """``holders`` (:class:`Listeners`) with ``container``: whether each runs in the
     container of that id ("" when there is none)."""
     return {port: [h | {"container": bool(container_id) and container_id in str(h.get("cgroup", ""))} for h in found]
             for port, found in holders.items()}
+
+
+def in_other_container(holders: dict[int, list[dict]]) -> bool:
+    """Whether a holder (:func:`in_container`'s) runs in some container other than the one given."""
+    return any(not h["container"] and _CONTAINER_CGROUP.search(str(h.get("cgroup", "")))
+               for found in holders.values() for h in found)
 
 
 def _ports(spec: str) -> tuple[range, ...] | None:

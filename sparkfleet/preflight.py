@@ -10,7 +10,6 @@ peer's own connection).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -35,7 +34,7 @@ from sparkfleet.hostpaths import (
     SECRETS_ENV,
     UNIT,
 )
-from sparkfleet.ports import Firewall, Listeners, in_container
+from sparkfleet.ports import Firewall, Listeners, in_container, in_other_container
 
 EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 
@@ -267,8 +266,6 @@ def _ours(listen: Listen, holder: dict, agent_socket_active: bool) -> bool:
 
 
 _AGENT_INSTANCE = AGENT_SERVICE.split("@", 1)[0] + "@"  # sparkfleet-agent@<n>-<addresses>.service
-#: A container's processes carry its id in their cgroup path (either cgroup driver).
-_CONTAINER_CGROUP = re.compile(r"docker[-/][0-9a-f]{12,}")
 
 
 def port_holders(read: Callable[[], tuple], read_again: Callable[[], tuple]) -> dict[int, list[dict]]:
@@ -276,15 +273,16 @@ def port_holders(read: Callable[[], tuple], read_again: Callable[[], tuple]) -> 
 
     ``read`` gives (holders, the ``DockerContainer`` records of ours): the snapshot's. A
     holder in a container that is not ours there is asked about again with ``read_again``,
-    holders first and then the container: systemd may have started a new engine between
-    the snapshot's two answers (its own restart after a crash races the deploy), and a
-    container whose engine already holds the port is still there when asked after it."""
+    holders first and then the container: the two answers may come from two reads of the
+    host (one of them hinted into its first read), and systemd may have started a new
+    engine between them (its own restart after a crash races the deploy). One read asks
+    in that order too (:mod:`sparkfleet.hostread`): a container whose engine already holds
+    the port is still there when asked after it."""
     def judged(holders, container) -> dict[int, list[dict]]:
         return in_container(holders or {}, ((container or [{}])[0] or {}).get("Id", ""))
 
     holders = judged(*read())
-    if any(not h["container"] and _CONTAINER_CGROUP.search(str(h.get("cgroup", "")))
-           for found in holders.values() for h in found):
+    if in_other_container(holders):
         holders = judged(*read_again())
     return holders
 

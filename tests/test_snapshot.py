@@ -181,9 +181,10 @@ def test_after_a_change_what_was_asked_already_is_read_again_only_when_asked_aga
 
 
 def test_docker_facts_are_read_through_the_engine_api_as_the_cli_prints_them(tmp_path, monkeypatch):
-    """pyinfra's docker facts, asked of a daemon's socket in the reader's own process: an
-    inspect is a list ([] when there is none), the system info an object; without a
-    daemon the fact's own command answers."""
+    """pyinfra's docker facts, asked of a daemon's socket in the reader's own process, after
+    the shell's facts (a port's holder seen in a container: that container is there when
+    asked after): an inspect is a list ([] when there is none), the system info an object;
+    without a daemon the fact's own command answers."""
     import http.server
     import socketserver
     import threading
@@ -193,10 +194,13 @@ def test_docker_facts_are_read_through_the_engine_api_as_the_cli_prints_them(tmp
     image = {"Id": "sha256:" + "ab" * 32, "RepoDigests": ["r/x@sha256:" + "cd" * 32]}
     answers = {"/images/r/x:1@sha256:" + "cd" * 32 + "/json": image, "/info": {"DockerRootDir": "/var/lib/docker"}}
     asked = []
+    order = tmp_path / "order"
 
     class Engine(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             asked.append(self.path)
+            with order.open("a") as f:
+                f.write("engine\n")
             body = json.dumps(answers.get(self.path, {"message": "No such object"})).encode()
             self.send_response(200 if self.path in answers else 404)
             self.send_header("Content-Length", str(len(body)))
@@ -218,9 +222,10 @@ def test_docker_facts_are_read_through_the_engine_api_as_the_cli_prints_them(tmp
     with Server(hostread.DOCKER_SOCKET, Engine) as server:
         threading.Thread(target=server.serve_forever, daemon=True).start()
         try:
-            got = read(facts=entries)["facts"]
+            got = read(facts={**entries, "shell": f"echo shell >> {order}"})["facts"]
         finally:
             server.shutdown()
+    assert order.read_text().split() == ["shell"] + ["engine"] * 4
     found, none, container, info = (cls().process(got[key]) for (cls, _), key in zip(facts, entries))
     assert found == [image] and none == [] and container == []
     assert info == {"DockerRootDir": "/var/lib/docker"}
