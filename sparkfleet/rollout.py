@@ -79,6 +79,7 @@ class Change:
     apply: Callable[[Host], str | None]
     undo: Callable[[Host], str | None]
     proven: Callable[[Host], str | None] | None = None
+    reboots: bool = False  # the host reboots in its turn (a driver, a kernel)
 
 
 @dataclass
@@ -98,6 +99,9 @@ class Rollout:
     begun: set[str] = field(default_factory=set)  # hosts whose turn began: waited for until it ends
     #: A headless member's change, made in its head's turn (a stack upgrade of a pair).
     changes: dict[str, Change] = field(default_factory=dict)
+    #: Hosts that roll after every other: the fleet endpoint's own host when its turn
+    #: reboots it (HAProxy goes down with it), so a change that fails fails elsewhere first.
+    last: set[str] = field(default_factory=set)
 
     def register(self, name: str, pair: Pair | None = None) -> int:
         slot = pair.head if pair is not None else name
@@ -110,7 +114,7 @@ class Rollout:
 
     def batches(self, state) -> list[list[str]]:
         order = {h.name: i for i, h in enumerate(state.inventory)}
-        names = sorted(self.names, key=lambda n: order.get(n, len(order)))
+        names = sorted(self.names, key=lambda n: (n in self.last, order.get(n, len(order))))
         return [names[i:i + self.batch] for i in range(0, len(names), self.batch)]
 
     def wait_turn(self, state, name: str) -> None:
@@ -143,6 +147,8 @@ def planned(settings: Settings, pair: Pair | None = None, change: Change | None 
     state = current_host.state
     ro = rollout_of(state, settings, change and change.kind)
     ro.register(current_host.name, pair)
+    if change is not None and change.reboots and endpoint.endpoint_name(state) == current_host.name:
+        ro.last.add(pair.head if pair is not None else current_host.name)
     if state.is_executing:  # the generator runs again to execute: planned already
         return
     ro.planning += 1

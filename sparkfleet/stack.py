@@ -243,6 +243,7 @@ def change_of(settings: Settings, moved: dict[str, tuple[str | None, str]], kern
         back="the previous versions (" + (", ".join(f"{p} {v}" for p, v in previous.items()) or "-") + ")",
         apply=partial(_switched, versions={p: new for p, (_, new) in moved.items()}, reboot=reboot,
                       kernel=None if kernel_moves else ""),
+        reboots=reboot,
         # Reinstalled from the host's sources, which must still list them (README: what cannot go back).
         undo=partial(_switched, versions=previous, reboot=reboot, kernel=kernel if kernel_moves else ""),
     )
@@ -306,8 +307,8 @@ def upgraded(settings: Settings, pair: Pair | None = None) -> None:
     if rolling and moved:
         if needs_reboot(settings, list(moved)) and endpoint.endpoint_name(state) == host.name:
             logger.warning(f"{host.print_prefix}serves the fleet endpoint: its reboot takes the endpoint down until "
-                           "it is back (a Spark: ~2 min); upgrade it at a quiet time, or give the endpoint a host "
-                           "of its own (fleet_endpoint)")
+                           "it is back (a Spark: ~2 min), so it rolls last, once every other host passed the gate; "
+                           "upgrade it at a quiet time, or give the endpoint a host of its own (fleet_endpoint)")
         # While the deploy is prepared, every host that rolls registers: with `-y` pyinfra
         # runs no planning pass, and a turn must know every host of the batches before it.
         rollout.planned(settings, pair, change=change_of(settings, moved, _kernel(settings, moved)))

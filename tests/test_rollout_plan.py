@@ -92,6 +92,31 @@ def test_planning_waits_for_every_host_then_says_once_who_rolls_in_which_batch(f
     assert ro.announced and ro.planning == 5 and ro.batches(five) == [[S1, S2], [S4, S5]]
 
 
+def test_a_change_that_reboots_the_endpoints_host_rolls_it_last(five, monkeypatch, caplog):
+    """Its reboot takes HAProxy down with it: every other host proves the change first (a bad
+    kernel fails on spark-4, not on the host every client goes through)."""
+    monkeypatch.setattr(remote, "check_sudo", lambda host: None)
+    caplog.set_level(logging.INFO, logger="pyinfra")
+    s = settings(rollout_batch=1)
+
+    def plan(reboots: bool) -> list[list[str]]:
+        change = rollout.Change(kind=f"stack {reboots}", what="upgrade", back="before", apply=lambda h: None,
+                                undo=lambda h: None, reboots=reboots)
+
+        def one(name: str) -> None:
+            with ctx_host.use(five.inventory.get_host(name)):
+                rollout.planned(s, None, change=change)
+
+        for name in (S1, S4, S5):
+            five.pool.spawn(one, name)
+        five.pool.join(timeout=10, raise_error=True)
+        return rollout.rollout_of(five, s, change.kind).batches(five)
+
+    assert plan(reboots=False) == [[S1], [S4], [S5]]  # an engine restart: the endpoint stays up
+    assert plan(reboots=True) == [[S4], [S5], [S1]]
+    assert f"[{S1}] rolls in batch 3 of 3 (rollout_batch=1): drain, upgrade, gate, back in rotation" in caplog.text
+
+
 def test_without_an_endpoint_the_plan_says_there_is_nothing_to_drain(monkeypatch, caplog):
     monkeypatch.setattr(remote, "check_sudo", lambda host: None)
     caplog.set_level(logging.INFO, logger="pyinfra")
