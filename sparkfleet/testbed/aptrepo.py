@@ -43,6 +43,9 @@ STACK_GOOD_TOOLKIT = "1.17.9-1"
 STACK_BAD_TOOLKIT = "1.18.0-1"
 #: A later driver: installed, it leaves NVML's mismatch until the host reboots.
 STACK_GOOD_DRIVER = "580.126.09-1"
+#: A later kernel the NVIDIA module was not built for: on it the driver does not load (the DGX
+#: OS 7.4.0 OTA's 6.17.0-1008-nvidia: "Failed to query NVIDIA devices" on every boot).
+STACK_BAD_KERNEL = ("6.17.0-1008-nvidia", "6.17.0-1008.8")
 STACK_CANARY = "sparkfleet-sim-canary"
 STACK_CANARY_VERSIONS = ("1.0", "1.1")
 BUILD_DIR = paths.STATE_DIR / "apt-build"
@@ -123,6 +126,48 @@ def driver_deb() -> Path:
     return REPO_DIR / f"{simhw.DRIVER_PACKAGE}_{simhw.DRIVER_VERSION}_all.deb"
 
 
+#: A kernel image's maintainer scripts, as Ubuntu's run GRUB's (simhw/kernel.py).
+_KERNEL_SCRIPT = "#!/bin/sh\nif [ -x /usr/sbin/update-grub ]; then update-grub; fi\n"
+
+
+def build_kernel_debs(out_dir: Path, release: str = simhw.KERNEL_RELEASE, version: str = simhw.KERNEL_VERSION,
+                      nvidia_module: bool = True) -> list[Path]:
+    """A simulated kernel: its image package (``/boot/vmlinuz-<release>`` and, unless
+    ``nvidia_module`` is False, the driver's DKMS module for it) and the meta-package at
+    ``version`` that depends on it. Returns both .debs, the image first."""
+    image = f"linux-image-{release}"
+    files = {f"boot/vmlinuz-{release}": (f"simulated kernel {release}\n", 0o600)}
+    if nvidia_module:
+        files[f"lib/modules/{release}/updates/dkms/nvidia.ko"] = (f"simulated NVIDIA module for {release}\n", 0o644)
+    debs = []
+    for package, depends, content in ((image, "", files), (simhw.KERNEL_META, f"{image} (= {version})", {})):
+        stage = BUILD_DIR / package
+        shutil.rmtree(stage, ignore_errors=True)
+        simhw.write_files(stage, content)
+        (stage / "DEBIAN").mkdir(parents=True)
+        (stage / "DEBIAN/control").write_text(
+            f"Package: {package}\nVersion: {version}\nArchitecture: all\n"
+            + (f"Depends: {depends}\n" if depends else "")
+            + "Maintainer: sparkfleet testbed <testbed@sparkfleet.invalid>\nSection: kernel\nPriority: optional\n"
+            f"Description: Linux kernel {release} (simulated by the sparkfleet testbed)\n"
+            " GRUB's choice among the installed images is the release the host boots.\n")
+        if not depends:
+            for script in ("postinst", "postrm"):
+                (stage / "DEBIAN" / script).write_text(_KERNEL_SCRIPT)
+                (stage / "DEBIAN" / script).chmod(0o755)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        deb = out_dir / f"{package}_{version}_all.deb"
+        run(["dpkg-deb", "--root-owner-group", "-Zgzip", "--build", stage, deb], timeout=60)
+        debs.append(deb)
+    return debs
+
+
+def kernel_debs() -> list[Path]:
+    """The kernel every host boots first (its image, then its meta-package), in the built repository."""
+    return [REPO_DIR / f"linux-image-{simhw.KERNEL_RELEASE}_{simhw.KERNEL_VERSION}_all.deb",
+            REPO_DIR / f"{simhw.KERNEL_META}_{simhw.KERNEL_VERSION}_all.deb"]
+
+
 def archive_debs() -> list[Path]:
     """The .debs of ARCHIVE_PACKAGES for this machine's Debian, downloaded once."""
     ARCHIVE_DEBS.mkdir(parents=True, exist_ok=True)
@@ -185,14 +230,15 @@ def _index(directory: Path, label: str) -> None:
 
 def build_stack_updates() -> None:
     """The vendor's later releases, at STACK_URL (REPO_DIR/stack): a good toolkit, a bad one
-    (its hook fails every GPU container), a later driver (it needs a reboot) and an unheld
-    canary in two versions. No host lists
+    (its hook fails every GPU container), a later driver (it needs a reboot), a later kernel
+    the driver's module was not built for and an unheld canary in two versions. No host lists
     it until a test does (an update published upstream), so the main repository stays as is."""
     stack = REPO_DIR / "stack"
     stack.mkdir(parents=True)
     build_deb(stack, STACK_GOOD_TOOLKIT)
     build_deb(stack, STACK_BAD_TOOLKIT, simhw.BROKEN_HOOK_SH)
     build_driver_deb(stack, STACK_GOOD_DRIVER)
+    build_kernel_debs(stack, *STACK_BAD_KERNEL, nvidia_module=False)
     for version in STACK_CANARY_VERSIONS:
         _canary_deb(stack, version)
     _index(stack, "stack updates (simulated)")
@@ -205,6 +251,7 @@ def build_repo() -> Path:
     REPO_DIR.mkdir(parents=True)
     deb = build_deb(REPO_DIR)
     build_driver_deb(REPO_DIR)
+    build_kernel_debs(REPO_DIR)
     for extra in archive_debs():
         shutil.copy2(extra, REPO_DIR / extra.name)
     _index(REPO_DIR, "nvidia-container-toolkit (simulated)")

@@ -156,12 +156,15 @@ def provision(h: HostState, rootfs: Path, pubkey: str, toolkit_deb: Path, login_
     if not h.switches.get("no_nvidia_runtime"):
         run(["chroot", root, "dpkg", "-i", "/usr/lib/sparkfleet-sim/nvidia-container-toolkit.deb"],
             timeout=120, env={"DEBIAN_FRONTEND": "noninteractive"})
-    # The driver as DGX OS has it: a package, so the stack holds it and an upgrade moves it.
-    driver = root / "var/cache/apt/archives" / aptrepo.driver_deb().name
-    driver.write_bytes(aptrepo.driver_deb().read_bytes())
-    run(["chroot", root, "dpkg", "-i", f"/var/cache/apt/archives/{driver.name}"], timeout=120,
+    # The driver and the kernel as DGX OS has them: packages, so the stack holds them and an
+    # upgrade moves them (the kernel's scripts run the simulated update-grub).
+    debs = [aptrepo.driver_deb(), *aptrepo.kernel_debs()]
+    for deb in debs:
+        (root / "var/cache/apt/archives" / deb.name).write_bytes(deb.read_bytes())
+    run(["chroot", root, "dpkg", "-i", *(f"/var/cache/apt/archives/{deb.name}" for deb in debs)], timeout=120,
         env={"DEBIAN_FRONTEND": "noninteractive"})
-    driver.unlink()
+    for deb in debs:
+        (root / "var/cache/apt/archives" / deb.name).unlink()
     hostkinds.provision(root, h.switches)
 
 

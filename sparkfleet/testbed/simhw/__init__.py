@@ -9,7 +9,9 @@
   (nvidia-container-runtime-hook, nvidia-container-runtime, nvidia-ctk), shipped as the
   simulated `nvidia-container-toolkit` .deb (see aptrepo.py),
 * a boot unit applying the `disk_full` and `desktop` switches (apply_switches.py),
-* a GB10's memory in /proc/meminfo, with what the simulated engine holds (meminfo.py).
+* a GB10's memory in /proc/meminfo, with what the simulated engine holds (meminfo.py),
+* the kernel GRUB boots (kernel.py: `update-grub`, the boot's release in `uname -r`, and
+  whether the NVIDIA module loads with it).
 
 Switches live in /etc/sparkfleet-sim/switches.json on each host; the tools read them
 at run time, so flipping a switch needs no reboot.
@@ -33,6 +35,12 @@ DRIVER_VERSION = "580.95.05-1"
 DRIVER_LIBRARY = "usr/lib/sparkfleet-sim/nvidia-driver.version"
 DRIVER_MODULE = "/run/sparkfleet-sim/nvidia-module.version"
 
+#: The kernel as DGX OS 7 has it: an image package per release and the meta-package that
+#: pulls the newest in (kernel.py boots what GRUB chooses among the installed images).
+KERNEL_META = "linux-image-nvidia-hwe-24.04"
+KERNEL_RELEASE = "6.11.0-1016-nvidia"
+KERNEL_VERSION = "6.11.0-1016.16"
+
 #: dockerd registers its `--gpus` device driver only if it finds this in PATH at start;
 #: runc then runs it as an OCI prestart hook with the container state on stdin.
 HOOK_SH = """#!/bin/sh
@@ -46,6 +54,10 @@ mkdir -p /run/sparkfleet-sim 2>/dev/null
 echo "$(date +%s) $*" >> /run/sparkfleet-sim/hook.log 2>/dev/null
 lib=$(cat /usr/lib/sparkfleet-sim/nvidia-driver.version 2>/dev/null)
 mod=$(cat /run/sparkfleet-sim/nvidia-module.version 2>/dev/null)
+if [ "$mod" = none ]; then
+    echo "nvidia-container-cli: initialization error: nvml error: driver not loaded" >&2
+    exit 1
+fi
 if grep -q '"driver_mismatch": *true' /etc/sparkfleet-sim/switches.json 2>/dev/null \
         || { [ -n "$lib" ] && [ -n "$mod" ] && [ "$lib" != "$mod" ]; }; then
     echo "nvidia-container-cli: initialization error: nvml error: driver/library version mismatch" >&2
@@ -75,12 +87,21 @@ exec runc "$@"
 """
 
 UNAME_SH = """#!/bin/sh
-# Simulated processor (sparkfleet testbed): report aarch64 like a DGX Spark, or the
-# `arch` switch of /etc/sparkfleet-sim/switches.json. The real uname is /usr/bin/uname.
+# Simulated processor and kernel (sparkfleet testbed): report aarch64 like a DGX Spark, or
+# the `arch` switch of /etc/sparkfleet-sim/switches.json, and the release GRUB booted
+# (kernel.py notes it at boot). The real uname is /usr/bin/uname.
 arch=$(sed -n 's/.*"arch": *"\\([^"]*\\)".*/\\1/p' /etc/sparkfleet-sim/switches.json 2>/dev/null | head -n 1)
 [ -n "$arch" ] || arch=aarch64
+release=$(cat /run/sparkfleet-sim/kernel.release 2>/dev/null)
+[ -n "$release" ] || release=$(/usr/bin/uname -r)
 out=$(/usr/bin/uname "$@") || exit $?
-printf '%s\\n' "$out" | sed "s/x86_64/$arch/g"
+printf '%s\\n' "$out" | sed "s/x86_64/$arch/g; s/$(/usr/bin/uname -r)/$release/g"
+"""
+
+UPDATE_GRUB_SH = """#!/bin/sh
+# Simulated GRUB (sparkfleet testbed): writes /boot/grub/grub.cfg as Ubuntu's update-grub
+# does; the host's next boot runs the kernel it chooses (kernel.py).
+exec python3 /usr/lib/sparkfleet-sim/kernel.py update-grub "$@"
 """
 
 ARCH_SH = """#!/bin/sh
@@ -139,6 +160,8 @@ def hardware_files() -> dict[str, tuple[str, int]]:
         "usr/local/bin/uname": (UNAME_SH, 0o755),
         "usr/local/bin/arch": (ARCH_SH, 0o755),
         "usr/lib/sparkfleet-sim/apply-switches": ((HERE / "apply_switches.py").read_text(), 0o755),
+        "usr/lib/sparkfleet-sim/kernel.py": ((HERE / "kernel.py").read_text(), 0o755),
+        "usr/sbin/update-grub": (UPDATE_GRUB_SH, 0o755),
         "etc/systemd/system/sparkfleet-sim-switches.service": (SWITCH_UNIT, 0o644),
         "usr/lib/sparkfleet-sim/meminfo": ((HERE / "meminfo.py").read_text(), 0o755),
         "etc/systemd/system/sparkfleet-sim-meminfo.service": (MEMINFO_UNIT, 0o644),

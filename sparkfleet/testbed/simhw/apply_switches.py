@@ -3,8 +3,10 @@
 
 Installed as /usr/lib/sparkfleet-sim/apply-switches and run by the
 `sparkfleet-sim-switches.service` unit before docker at every boot, and by the
-controller after it flips a switch. At boot it notes the driver's version as the
-loaded kernel module's (a later install leaves NVML's mismatch until a reboot). Of the
+controller after it flips a switch. At boot it boots the kernel GRUB's configuration
+chooses (kernel.py) and notes the driver's version as the loaded kernel module's (a later
+install leaves NVML's mismatch until a reboot; a kernel the module was not built for
+loads none: "none"). Of the
 switches only `disk_full` needs action here: it mounts a tiny
 tmpfs at /var/lib/sparkfleet and fills it to ~95%, so a deploy sees a nearly full disk.
 `desktop` makes graphical.target the default once (DGX OS boots to the desktop; the
@@ -29,6 +31,8 @@ FILL_FRACTION = 0.95
 FILL_FILE = ".sparkfleet-sim-fill"
 DRIVER_LIBRARY = "/usr/lib/sparkfleet-sim/nvidia-driver.version"  # simhw/__init__.py
 DRIVER_MODULE = "/run/sparkfleet-sim/nvidia-module.version"
+KERNEL = "/usr/lib/sparkfleet-sim/kernel.py"  # kernel.py: the boot's release, in /run
+BOOTED = "/run/sparkfleet-sim/kernel.release"
 
 
 def switches() -> dict:
@@ -71,12 +75,21 @@ def load_driver() -> None:
             version = f.read().strip()
     except OSError:
         return  # no driver package: nvidia-smi answers its built-in version
+    try:
+        with open(BOOTED) as f:
+            release = f.read().strip()
+    except OSError:
+        release = ""  # no simulated kernel: the module loads
+    if release and not os.path.exists(f"/lib/modules/{release}/updates/dkms/nvidia.ko"):
+        version = "none"  # DKMS built no module for this kernel: the driver is not loaded
     os.makedirs(os.path.dirname(DRIVER_MODULE), exist_ok=True)
     with open(DRIVER_MODULE, "w") as f:
         f.write(version + "\n")
 
 
 def main() -> int:
+    if os.path.exists(KERNEL):
+        subprocess.run([sys.executable, KERNEL, "boot"], check=False, timeout=30)
     load_driver()
     sw = switches()
     if sw.get("desktop"):

@@ -42,6 +42,10 @@ LIBRARY_FILE = "/usr/lib/sparkfleet-sim/nvidia-driver.version"
 MODULE_FILE = "/run/sparkfleet-sim/nvidia-module.version"
 #: nvidia-smi's status for NVML_ERROR_LIB_RM_VERSION_MISMATCH.
 MISMATCH_STATUS = 18
+#: The module noted at boot when the booted kernel has none (apply_switches.py), and
+#: nvidia-smi's status then (NVML_ERROR_DRIVER_NOT_LOADED).
+NO_MODULE = "none"
+NOT_LOADED_STATUS = 9
 
 
 #: Known compute capabilities, for a `gpu` switch given without `compute_cap`.
@@ -189,9 +193,18 @@ def mismatch(library: str) -> int:
     return MISMATCH_STATUS
 
 
+def not_loaded() -> int:
+    """What nvidia-smi prints when no NVIDIA kernel module is loaded."""
+    print("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+          "Make sure that the latest NVIDIA driver is installed and running.")
+    return NOT_LOADED_STATUS
+
+
 def main(argv: list[str]) -> int:
     if not {"-h", "--help"} & set(argv):
         module, library = driver()
+        if module == NO_MODULE:
+            return not_loaded()
         if load_switches().get("driver_mismatch"):
             return mismatch(UPDATED_LIBRARY)
         if module != library:
