@@ -4,7 +4,8 @@ moves none of them while it moves what is not held.
 
 The testbed's apt repository publishes the vendor's later releases at its ``stack/`` path
 (sparkfleet/testbed/aptrepo.py): a good toolkit, a bad one (its hook fails every GPU
-container) and an unheld canary in two versions. A test lists it on a host as an update
+container), a later driver, a kernel the driver's module was not built for and an unheld
+canary in two versions. A test lists it on a host as an update
 published upstream would reach it. The tests run in file order.
 """
 
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.e2e
 ROUTER = "spark-1"
 DATA = ("--data", f"fleet_endpoint={login.inventory_name(ROUTER, login.DEFAULT_NAMES)}")
 TOOLKIT = simhw.TOOLKIT_PACKAGE
+KERNEL = simhw.KERNEL_META
 KEYRING = "/etc/apt/keyrings/sparkfleet-sim-stack.asc"
 UPDATES = "/etc/apt/sources.list.d/sparkfleet-sim-stack.list"
 
@@ -56,8 +58,9 @@ def test_the_deploy_holds_the_stack(testbed, run_pyinfra):
     result = run_pyinfra("deploy.py", *DATA)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     for name in testbed.names:  # the toolkit and Docker (docker.io, containerd: Debian's) held
-        held = versions(testbed, name, TOOLKIT, "docker.io", "containerd")
+        held = versions(testbed, name, TOOLKIT, "docker.io", "containerd", KERNEL)
         assert held[TOOLKIT] == f"hi {simhw.TOOLKIT_VERSION}" and held["docker.io"].startswith("hi "), held
+        assert held[KERNEL] == f"hi {simhw.KERNEL_VERSION}", held
     again = run_pyinfra("deploy.py", *DATA)  # converged: nothing to hold again
     said = again.stdout + again.stderr
     assert again.returncode == 0 and re.search(r"held \(apt-mark hold\)\s+3\s+-\s+-\s+3", said), said[-4000:]
@@ -79,9 +82,10 @@ def test_an_upgrade_run_on_a_host_moves_no_held_package(testbed):
                    "DEBIAN_FRONTEND=noninteractive apt-get upgrade -y")
         done = testbed.exec(name, upgrade, timeout=300)
         assert done.returncode == 0, done.stdout + done.stderr
-        after = versions(testbed, name, TOOLKIT, aptrepo.STACK_CANARY)
+        after = versions(testbed, name, TOOLKIT, aptrepo.STACK_CANARY, KERNEL)
         assert after[aptrepo.STACK_CANARY] == f"ii {aptrepo.STACK_CANARY_VERSIONS[-1]}", (after, done.stdout)
         assert after[TOOLKIT] == f"hi {simhw.TOOLKIT_VERSION}", (after, done.stdout)
+        assert after[KERNEL] == f"hi {simhw.KERNEL_VERSION}", (after, done.stdout)
         assert TOOLKIT in done.stdout.split("kept back:")[-1] or "held" in done.stdout, done.stdout
     finally:
         testbed.exec(name, f"dpkg --purge {aptrepo.STACK_CANARY}; rm -f {UPDATES} {KEYRING}; apt-get update -qq",
@@ -212,6 +216,57 @@ def test_a_driver_upgrade_reboots_each_host_in_its_turn_with_no_failed_request(t
         assert load.ok > 0 and load.failed == [], load.failed[:5]
         shown = status_json()  # the deploy saw its own reboots: none to report
         assert all(r["rebooted"] is None and r["stack_drift"] == [] for r in shown["hosts"]), shown["hosts"]
+    finally:
+        for name in testbed.names:
+            testbed.exec(name, f"rm -f {UPDATES} {KEYRING}; apt-get update -qq", timeout=180)
+
+
+def declared_kernel(version: str) -> tuple[str, str]:
+    """--data stack_versions: the defaults, with the kernel's meta-package version declared."""
+    wanted = project_defaults()["stack_versions"]
+    wanted["kernel"] = {**wanted["kernel"], KERNEL: version}
+    return ("--data", f"stack_versions={json.dumps(wanted)}")
+
+
+def kernel_of(testbed, name: str) -> str:
+    return testbed.exec(name, "uname -r").stdout.strip()
+
+
+def test_a_kernel_that_loses_the_gpu_is_undone_and_its_host_boots_the_one_before(testbed, run_pyinfra):
+    """A later kernel declared that the driver's module was not built for (DGX OS 7.4.0's
+    6.17.0-1008-nvidia: nvidia-smi cannot reach the driver, no GPU container starts). The
+    endpoint's own host rolls last, so the first turn is spark-2's: drained, upgraded,
+    rebooted into the new kernel, it fails the check of its new boot and goes back: its
+    kernel package reinstalled, GRUB pinned to the kernel before, rebooted again, checked
+    on that kernel, READY, gated and put back. The rollout stops there: no other host is
+    touched, and no client request through the endpoint fails."""
+    release, version = aptrepo.STACK_BAD_KERNEL
+    for name in testbed.names:
+        publish_updates(testbed, name)
+    try:
+        assert {kernel_of(testbed, n) for n in testbed.names} == {simhw.KERNEL_RELEASE}
+        boots = {n: boot_of(testbed, n) for n in testbed.names}
+        before = {n: started_at(testbed, n) for n in testbed.names}
+        ep = traffic.Endpoint(testbed, ROUTER, testbed.api_key_file)
+        with traffic.Load(ep, workers=3) as load:
+            result = run_pyinfra("deploy.py", *DATA, *declared_kernel(version))
+        out = result.stdout + result.stderr
+        assert result.returncode != 0, out[-4000:]
+        first = testbed.inventory_name("spark-2")
+        assert f"rollout stopped at {first}" in out and "went back: the previous versions" in out, out[-6000:]
+        assert "nvidia-smi answers" in out, out[-6000:]  # why the new kernel failed
+        assert kernel_of(testbed, "spark-2") == simhw.KERNEL_RELEASE  # GRUB boots the kernel before
+        held = versions(testbed, "spark-2", KERNEL, f"linux-image-{release}")
+        assert held[KERNEL] == f"hi {simhw.KERNEL_VERSION}", held
+        assert held[f"linux-image-{release}"].startswith("ii "), held  # the new image stays (README)
+        assert boot_of(testbed, "spark-2") != boots["spark-2"]
+        assert testbed.exec("spark-2", "nvidia-smi -L").stdout.startswith("GPU 0: NVIDIA GB10")  # the driver loads
+        for name in ("spark-1", "spark-3"):  # untouched: neither upgraded, rebooted nor restarted
+            assert versions(testbed, name, KERNEL)[KERNEL] == f"hi {simhw.KERNEL_VERSION}", name
+            assert boot_of(testbed, name) == boots[name] and started_at(testbed, name) == before[name], name
+        ep.wait_state("spark-2", {"UP"}, timeout=60)  # serves again, in rotation
+        print(f"bad kernel: {load.ok} requests ok, {len(load.failed)} failed")
+        assert load.ok > 0 and load.failed == [], load.failed[:5]
     finally:
         for name in testbed.names:
             testbed.exec(name, f"rm -f {UPDATES} {KEYRING}; apt-get update -qq", timeout=180)
