@@ -241,6 +241,9 @@ class ServedAnswer(FactBase["str | None"]):
         # that does not answer yet is an answer (empty): the caller polls. Each poll waits
         # on the host up to ~5 s for the port to open (or a 503 to pass), asking every second:
         # READY is seen within a second of it, at one sudo per poll, not one per second.
+        # vLLM binds its port before it builds the engine but listens only once it serves
+        # (create_server_socket, then uvicorn), so a loading engine refuses at once: no poll
+        # waits out -m 10 on a connection the engine does not accept.
         return (
             f"curl -sS -m 10 --retry 5 --retry-connrefused --retry-delay 1 --retry-max-time 5 "
             f"-H @{hostpaths.AUTH_HEADER} -H 'Content-Type: application/json' "
