@@ -320,12 +320,31 @@ def upgraded(settings: Settings, pair: Pair | None = None) -> None:
 
 
 def status_command(settings: Settings) -> str:
-    """The shell command whose output :func:`status_of` reads (a section of status' one command)."""
+    """The shell command whose output :func:`status_of` reads (a section of status' one command):
+    the stack's packages, the kernel that runs, the kernel images installed and GRUB's pin."""
     names = packages(settings)
-    return StackPackages().command(names) if names else "true"
+    return "; ".join([
+        StackPackages().command(names) if names else "true",
+        'echo "kernel $(uname -r)"',
+        "for f in /boot/vmlinuz-*; do [ -e \"$f\" ] && echo \"image ${f#/boot/vmlinuz-}\"; done",
+        f"sed -n 's/^GRUB_DEFAULT=/pinned /p' {KERNEL_PIN} 2>/dev/null; true",
+    ])
+
+
+def _release_key(release: str) -> list:
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in release.replace("-", ".").split(".")]
 
 
 def status_of(lines: list[str], settings: Settings) -> dict[str, object]:
-    """The host's stack packages and its drift from the data, for status' row."""
+    """The host's stack packages, the kernel it runs and its drift from the data, for status'
+    row. A newer kernel image than the one running is a reboot to come, unless GRUB is pinned
+    to the one running (an upgrade that was undone: the new image stays installed)."""
     have = parse_packages(lines)
-    return {"stack": have, "stack_drift": drift(settings, have)}
+    said = [line.strip().split(" ", 1) for line in lines if " " in line.strip()]
+    kernel = next((v for k, v in said if k == "kernel"), "")
+    images = sorted((v for k, v in said if k == "image"), key=_release_key)
+    pinned = any(k == "pinned" for k, _ in said)
+    found = drift(settings, have)
+    if kernel and images and images[-1] != kernel and not pinned:
+        found.append(f"kernel {images[-1]} installed, {kernel} runs: it boots at the next reboot")
+    return {"stack": have, "stack_drift": found, "kernel": kernel, "kernel_pinned": pinned}

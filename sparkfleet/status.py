@@ -443,6 +443,9 @@ def table(doc: dict[str, Any]) -> str:
     for r in doc["hosts"]:
         if r.get("reachable") and (r.get("stack") or r.get("stack_drift")):
             versions = ", ".join(f"{p} {v['version']}" for p, v in r["stack"].items())
+            if r.get("kernel"):
+                pinned = " (GRUB pinned to it: an upgrade was undone)" if r.get("kernel_pinned") else ""
+                versions += f"; kernel {r['kernel']} runs{pinned}"
             out.append(f"\nstack on {r['host']}: {versions or '-'}"
                        + (f" — DRIFT: {'; '.join(r['stack_drift'])}" if r.get("stack_drift") else ", held"))
     mon = doc.get("monitor")

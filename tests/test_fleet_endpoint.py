@@ -147,7 +147,8 @@ def test_a_host_row_from_what_it_printed():
         "model": "Intel/Qwen3.5-122B-A10B-int4-AutoRound", "revision": "main",
         "commit": "0123456789abcdef0123456789abcdef01234567", "ready": True, "running": 2, "waiting": 1,
         "kv_cache": 0.25, "acceptance_length": 4.5, "pending": None, "operator_lock": None, "link": None,
-        "agent": None, "watchdog": None, "stack": {}, "stack_drift": [], "rebooted": None,
+        "agent": None, "watchdog": None, "stack": {}, "stack_drift": [], "kernel": "", "kernel_pinned": False,
+        "rebooted": None,
     }
     down = status.parse_host("== unit\nActiveState=failed\n== models\n\n== metrics\n".splitlines(), s)
     assert down["ready"] is False and down["uptime_s"] is None and down["acceptance_length"] is None

@@ -116,6 +116,29 @@ def test_status_shows_each_hosts_stack_and_its_drift():
                                                      "endpoint": None})
 
 
+def test_status_says_which_kernel_runs_and_a_newer_one_waiting_for_a_reboot():
+    """Read from what the status command prints on a host (its own sh runs it over a /boot here)."""
+    from sparkfleet import status
+
+    s = settings()
+    command = stack.status_command(s)
+    assert 'echo "kernel $(uname -r)"' in command and stack.KERNEL_PIN in command
+
+    def row(*lines: str) -> dict:
+        return status.parse_host(["== stack", "hi |linux-image-nvidia-hwe-24.04|6.17.0-1008.8", *lines], s)
+
+    waiting = row("kernel 6.11.0-1016-nvidia", "image 6.11.0-1016-nvidia", "image 6.17.0-1008-nvidia")
+    assert waiting["kernel"] == "6.11.0-1016-nvidia" and waiting["stack_drift"] == [
+        "kernel 6.17.0-1008-nvidia installed, 6.11.0-1016-nvidia runs: it boots at the next reboot"]
+    undone = row("kernel 6.11.0-1016-nvidia", "image 6.17.0-1008-nvidia", "image 6.11.0-1016-nvidia",
+                 'pinned "gnulinux-advanced-x>gnulinux-6.11.0-1016-nvidia-advanced-x"')
+    assert undone["stack_drift"] == [] and undone["kernel_pinned"]
+    table = status.table({"hosts": [{"host": "spark-01", "reachable": True, **undone}], "endpoint": None})
+    assert "kernel 6.11.0-1016-nvidia runs (GRUB pinned to it: an upgrade was undone), held" in table, table
+    newest = row("kernel 6.17.0-1008-nvidia", "image 6.9.0-1001-nvidia", "image 6.17.0-1008-nvidia")
+    assert newest["stack_drift"] == []  # 6.17 is newer than 6.9: versions, not strings
+
+
 def test_going_back_with_no_earlier_version_says_so_and_touches_nothing():
     s = settings(stack_versions={"toolkit": {"nvidia-container-toolkit": "1.17.9-1"}})
     change = stack.change_of(s, {"nvidia-container-toolkit": (None, "1.17.9-1")})

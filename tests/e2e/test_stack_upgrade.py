@@ -265,6 +265,10 @@ def test_a_kernel_that_loses_the_gpu_is_undone_and_its_host_boots_the_one_before
             assert versions(testbed, name, KERNEL)[KERNEL] == f"hi {simhw.KERNEL_VERSION}", name
             assert boot_of(testbed, name) == boots[name] and started_at(testbed, name) == before[name], name
         ep.wait_state("spark-2", {"UP"}, timeout=60)  # serves again, in rotation
+        rows = {r["host"]: r for r in status_json()["hosts"]}  # the kernel that runs, and why
+        shown = rows[first]
+        assert shown["kernel"] == simhw.KERNEL_RELEASE and shown["kernel_pinned"], shown
+        assert shown["stack_drift"] == [], shown  # a newer image that GRUB is kept from is no reboot to come
         print(f"bad kernel: {load.ok} requests ok, {len(load.failed)} failed")
         assert load.ok > 0 and load.failed == [], load.failed[:5]
     finally:
