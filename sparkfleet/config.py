@@ -40,6 +40,7 @@ from sparkfleet.values import (
     Requirement,
     Revisions,
     RoleHost,
+    RolloutBatch,
     RunId,
     ServeArgs,
     ServeEnv,
@@ -218,7 +219,7 @@ class Settings(BaseModel):
     startup_time_scale: float = Field(gt=0, le=1)
     # Rolling changes (sparkfleet/rollout.py)
     rollout: Literal["rolling", "all"]
-    rollout_batch: int = Field(ge=1, le=1024)
+    rollout_batch: RolloutBatch
     drain_timeout_s: int = Field(ge=0, le=86400)
     rollout_min_acceptance: float = Field(ge=1.0, le=17.0)
     rollout_min_decode_tok_s: float = Field(ge=0, le=1000)

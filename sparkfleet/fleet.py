@@ -125,7 +125,8 @@ def _disagreements(settings: dict[str, Settings]) -> list[str]:
             value = getattr(s, key)
             values.setdefault(tuple(value) if isinstance(value, list) else value, []).append(name)
         if len(values) > 1:
-            shown = "; ".join(f"{value!r} on {', '.join(names)}" for value, names in values.items())
+            shown = "; ".join(f"{', '.join(map(str, value)) if isinstance(value, tuple) else repr(value)} on "
+                              f"{', '.join(names)}" for value, names in values.items())
             problems.append(f"`{key}` differs between hosts ({shown}); it applies to the whole fleet. "
                             f"Fix: set {key} once for every host (group_data/all.py or --data {key}=...)")
     return problems

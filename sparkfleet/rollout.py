@@ -86,7 +86,7 @@ class Change:
 class Rollout:
     """One deploy's rollout: who rolls, in which batch, and whether it stopped."""
 
-    batch: int
+    batch: int | list[int | str]  # rollout_batch: counts and shares of the hosts (batch_sizes)
     names: list[str] = field(default_factory=list)
     ended: dict[str, gevent.event.Event] = field(default_factory=dict)
     stopped: str | None = None  # "host (step)" that stopped it
@@ -103,19 +103,22 @@ class Rollout:
     #: reboots it (HAProxy goes down with it), so a change that fails fails elsewhere first.
     last: set[str] = field(default_factory=set)
 
-    def register(self, name: str, pair: Pair | None = None) -> int:
+    def register(self, name: str, pair: Pair | None = None) -> None:
         slot = pair.head if pair is not None else name
         if pair is not None and pair.headless:
             self.workers.setdefault(slot, {}).setdefault(name, gevent.event.Event())
         if slot not in self.ended:
             self.names.append(slot)
             self.ended[slot] = gevent.event.Event()
-        return self.names.index(slot) // self.batch + 1
 
     def batches(self, state) -> list[list[str]]:
         order = {h.name: i for i, h in enumerate(state.inventory)}
         names = sorted(self.names, key=lambda n: (n in self.last, order.get(n, len(order))))
-        return [names[i:i + self.batch] for i in range(0, len(names), self.batch)]
+        found, at = [], 0
+        for size in batch_sizes(self.batch, len(names)):
+            found.append(names[at:at + size])
+            at += size
+        return found
 
     def wait_turn(self, state, name: str) -> None:
         """Until every host of the earlier batches has ended its turn (or failed before it).
@@ -132,6 +135,23 @@ class Rollout:
                     other_host = state.inventory.get_host(other)
                     if other not in self.begun and other_host in state.failed_hosts:  # failed before its turn
                         break
+
+
+def batch_sizes(steps: int | list[int | str], total: int) -> list[int]:
+    """How many of ``total`` turns each batch takes: ``rollout_batch``'s counts and shares of
+    ``total`` (rounded down, at least one), the last one repeating, as Ansible's ``serial``."""
+    steps = steps if isinstance(steps, list) else [steps]
+    sizes: list[int] = []
+    while sum(sizes) < total:
+        step = steps[min(len(sizes), len(steps) - 1)]
+        size = int(step[:-1]) * total // 100 if isinstance(step, str) else int(step)
+        sizes.append(max(1, min(size, total - sum(sizes))))
+    return sizes
+
+
+def batch_text(steps: int | list[int | str]) -> str:
+    """``rollout_batch`` as the data says it: ``2``, ``1, 25%``."""
+    return ", ".join(map(str, steps if isinstance(steps, list) else [steps]))
 
 
 def rollout_of(state, settings: Settings, kind: str | None = None) -> Rollout:
@@ -166,7 +186,7 @@ def planned(settings: Settings, pair: Pair | None = None, change: Change | None 
         for name in names:
             with_pair = "".join(f" with {w}" for w in ro.workers.get(name, {}))
             logger.info(f"{state.inventory.get_host(name).print_prefix}rolls in batch {number} of {len(batches)}"
-                        f"{with_pair} (rollout_batch={settings.rollout_batch}): {steps}")
+                        f"{with_pair} (rollout_batch={batch_text(settings.rollout_batch)}): {steps}")
 
 
 # --- one host's turn (controller side, in the host's greenlet) -------------------------------

@@ -200,3 +200,28 @@ def _stack(value: dict[str, dict[str, str | None]]) -> dict[str, dict[str, str |
 
 #: {component: {apt package: version, or None: held where it is}}
 StackVersions = Annotated[dict[str, dict[str, str | None]], AfterValidator(_stack)]
+
+
+def _rollout_batch(value: Any) -> list[int | str]:
+    """A count of hosts, a share of them ("25%"), or a list of those: each batch takes the next
+    and the last repeats ([1, "25%"]: one host first, then a quarter of the fleet at a time)."""
+    if isinstance(value, str) and value.strip().startswith("["):
+        raise ValueError("give a list as JSON: [1, \"25%\"]")
+    steps = value if isinstance(value, list) else [value]
+    if not steps:
+        raise ValueError("give at least one batch size")
+    found: list[int | str] = []
+    for step in steps:
+        text = str(step).strip()
+        share = re.fullmatch(r"(\d{1,3})%", text)
+        if share and 1 <= int(share[1]) <= 100:
+            found.append(f"{int(share[1])}%")
+        elif isinstance(step, int | str) and not isinstance(step, bool) and text.isdigit() and 1 <= int(text) <= 1024:
+            found.append(int(text))
+        else:
+            raise ValueError(f"{step!r} is not a batch size: a number of hosts (1-1024) or a share of them (1%-100%)")
+    return found
+
+
+#: Hosts per batch of a rollout: counts and shares, the last one repeating (rollout.batch_sizes).
+RolloutBatch = Annotated[list[int | str], BeforeValidator(_rollout_batch)]

@@ -152,3 +152,16 @@ def test_fleet_wide_keys_must_agree_across_hosts():
     assert "`rollout_batch` differs between hosts" in text and "1 on spark-1" in text
     assert "2 on spark-2, spark-3" in text and "nothing was changed on any host" in text
     assert validate_fleet(fleet(("spark-1", {"rollout_batch": 2}), ("spark-2", {"rollout_batch": 2})))
+
+
+@pytest.mark.parametrize(("given", "steps"), [
+    (1, [1]), ("3", [3]), ("25%", ["25%"]), ([1, "25%"], [1, "25%"]), (["1", " 50% "], [1, "50%"]),
+])
+def test_rollout_batch_is_counts_and_shares_of_the_fleet(given, steps):
+    assert validate_host_data("spark-1", {**defaults(), "rollout_batch": given}).rollout_batch == steps
+
+
+@pytest.mark.parametrize("given", [0, "0%", "150%", [], True, "[1, 25%]", 2000, "a quarter"])
+def test_a_rollout_batch_that_is_no_size_names_the_key_and_the_forms(given):
+    text = error_for(rollout_batch=given)
+    assert "rollout_batch" in text and "spark-7" in text, text

@@ -59,6 +59,24 @@ def test_batches_follow_the_inventory_order_whatever_order_hosts_register_in(fiv
     assert Rollout(batch=8).batches(five) == []  # nobody registered: nothing rolls
 
 
+@pytest.mark.parametrize(("steps", "total", "sizes"), [
+    ([1], 5, [1, 1, 1, 1, 1]), ([2], 5, [2, 2, 1]),
+    ([1, "25%"], 16, [1, 4, 4, 4, 3]),  # a canary, then a quarter of the fleet at a time
+    ([1, "25%"], 32, [1, 8, 8, 8, 7]), (["25%"], 3, [1, 1, 1]),  # a share of a few hosts: at least one
+    (["100%"], 7, [7]), ([1, 2, "50%"], 10, [1, 2, 5, 2]),
+])
+def test_batches_take_counts_and_shares_of_the_fleet_the_last_repeating(steps, total, sizes):
+    assert rollout.batch_sizes(steps, total) == sizes
+
+
+def test_batches_of_a_canary_then_shares_follow_the_inventory(five):
+    ro = Rollout(batch=[1, "50%"])
+    for name in reversed(NAMES):
+        ro.register(name)
+    assert ro.batches(five) == [[S1], [S2, S3], [S4, S5]]
+    assert rollout.batch_text([1, "50%"]) == "1, 50%" and rollout.batch_text([2]) == "2"
+
+
 def test_a_pair_takes_one_turn_its_heads_and_its_headless_member_rolls_with_it(five):
     pair = members(five)
     ro = Rollout(batch=2)

@@ -51,7 +51,8 @@ def test_the_fleet_serves_dense_behind_the_endpoint(testbed, run_pyinfra):
 
 def test_dry_shows_the_batches_and_changes_nothing(testbed, run_pyinfra):
     before = {n: started_at(testbed, n) for n in testbed.names}
-    result = run_pyinfra("deploy.py", *DATA, "--data", "profile=dflash", "--data", "rollout_batch=2", "--dry")
+    # A share of the fleet: 67% of 3 hosts is 2 per batch (rounded down).
+    result = run_pyinfra("deploy.py", *DATA, "--data", "profile=dflash", "--data", "rollout_batch=67%", "--dry")
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     batches = dict(re.findall(r"\[(spark-\d)(?:\.local)?\] rolls in batch (\d)", out))
