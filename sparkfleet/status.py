@@ -440,14 +440,19 @@ def table(doc: dict[str, Any]) -> str:
         if boot:
             out.append(f"\n{r['host']}: {rebooted(boot)}")
             out.extend(f"    {line}" for line in boot["errors"])
+    stacks: dict[str, list[str]] = {}  # one line per stack, not per host: 32 Sparks mostly share one
     for r in doc["hosts"]:
         if r.get("reachable") and (r.get("stack") or r.get("stack_drift")):
             versions = ", ".join(f"{p} {v['version']}" for p, v in r["stack"].items())
             if r.get("kernel"):
                 pinned = " (GRUB pinned to it: an upgrade was undone)" if r.get("kernel_pinned") else ""
                 versions += f"; kernel {r['kernel']} runs{pinned}"
-            out.append(f"\nstack on {r['host']}: {versions or '-'}"
-                       + (f" — DRIFT: {'; '.join(r['stack_drift'])}" if r.get("stack_drift") else ", held"))
+            said = (versions or "-") + (f" — DRIFT: {'; '.join(r['stack_drift'])}" if r.get("stack_drift") else ", held")
+            stacks.setdefault(said, []).append(r["host"])
+    reachable = [r["host"] for r in doc["hosts"] if r.get("reachable")]
+    for said, names in stacks.items():
+        who = f"every host ({len(names)})" if len(names) > 1 and names == reachable else ", ".join(names)
+        out.append(f"\nstack on {who}: {said}")
     mon = doc.get("monitor")
     if mon is not None:
         alerts = mon.get("alerts")

@@ -139,6 +139,25 @@ def test_status_says_which_kernel_runs_and_a_newer_one_waiting_for_a_reboot():
     assert newest["stack_drift"] == []  # 6.17 is newer than 6.9: versions, not strings
 
 
+def test_status_says_a_stack_once_for_the_hosts_that_share_it():
+    from sparkfleet import status
+
+    s = settings(stack_versions={"toolkit": {"nvidia-container-toolkit": None}})
+
+    def row(name: str, held: str) -> dict:
+        lines = ["== stack", f"{held} |nvidia-container-toolkit|1.17.8-1", "kernel 6.11.0-1016-nvidia"]
+        return {"host": name, "reachable": True, **status.parse_host(lines, s)}
+
+    rows = [row(f"spark-{i:02d}", "hi") for i in range(1, 33)]
+    shared = "nvidia-container-toolkit 1.17.8-1; kernel 6.11.0-1016-nvidia runs, held"
+    table = status.table({"hosts": rows, "endpoint": None})
+    assert table.count("stack on") == 1 and f"stack on every host (32): {shared}" in table, table
+    rows[6] = row("spark-07", "ii")  # one host's hold was lifted
+    table = status.table({"hosts": rows, "endpoint": None})
+    assert table.count("stack on") == 2 and "stack on spark-07: nvidia-container-toolkit 1.17.8-1; kernel " in table
+    assert "stack on spark-01, spark-02, spark-03, spark-04, spark-05, spark-06, spark-08, " in table, table
+
+
 def test_going_back_with_no_earlier_version_says_so_and_touches_nothing():
     s = settings(stack_versions={"toolkit": {"nvidia-container-toolkit": "1.17.9-1"}})
     change = stack.change_of(s, {"nvidia-container-toolkit": (None, "1.17.9-1")})
