@@ -28,6 +28,7 @@ DFLASH = "z-lab/Qwen3.5-122B-A10B-DFlash"
 INTEL = "Intel/Qwen3.5-122B-A10B-int4-AutoRound"
 IMAGE_REPO = "sparkfleet/vllm-sim"
 HF = "/var/lib/sparkfleet/hf/hub"
+MIRROR = "/var/lib/sparkfleet/mirror"  # mirror_dir: olah's cache and the registry's storage
 CHANGED = re.compile(r"\[(spark-\d+)(?:\.local)?\] (Success|Error)")  # .local: --names alias
 REPO_ROOT = paths.REPO_ROOT
 INVENTORY = str(paths.INVENTORY.relative_to(REPO_ROOT))
@@ -41,10 +42,10 @@ def hub(tb, method: str, path: str, body: dict | None = None):
     return response.json()
 
 
-def hold(tb, repo: str, path: str) -> None:
-    """The hub's next GET of ``path`` trickles, a piece a second (no proxy's read timeout
-    cuts it), until release(): a transfer held exactly as long as a test needs it."""
-    hub(tb, "POST", "fault", {"repo": repo, "path": path, "delay_s": 900, "times": 1})
+def hold(tb, repo: str, path: str, times: int = 1) -> None:
+    """The hub's next GET (``times``: GETs) of ``path`` trickles, a piece a second (no proxy's
+    read timeout cuts it), until release(): a transfer held exactly as long as a test needs it."""
+    hub(tb, "POST", "fault", {"repo": repo, "path": path, "delay_s": 900, "times": times})
 
 
 def release(tb, repo: str, path: str) -> None:
@@ -377,12 +378,21 @@ def test_past_the_fanout_hosts_fetch_from_relays_and_a_dead_relay_costs_a_retry(
     names = "{{range .RepoTags}}{{.}} {{end}}{{range .RepoDigests}}{{.}} {{end}}"
     tb.exec(last.name, f"names=$(docker image inspect -f '{names}' {local_name(tb)} 2>/dev/null); "
                        '[ -z "$names" ] || docker rmi -f $names', check=True)
-    tb.exec(first.name, f"rm -rf /var/lib/sparkfleet/mirror/hf/repos/files/models/{DFLASH} "
-                        f"/var/lib/sparkfleet/mirror/hf/repos/api/models/{DFLASH}")
+    # What the mirror's olah holds of it, and what a run before made the relays hold (this
+    # test's first try): their olah's copy and their registry's image, so the chain carries
+    # both again and each registry's log shows who pulled from it.
+    for host in (first, second, third):
+        tb.exec(host.name, f"rm -rf {MIRROR}/hf/repos/files/models/{DFLASH} {MIRROR}/hf/repos/api/models/{DFLASH}")
+    for host in (second, third):
+        tb.exec(host.name, f"if systemctl -q is-active docker-registry; then systemctl stop docker-registry; "
+                           f"rm -rf {MIRROR}/registry/*; systemctl start docker-registry; fi")
     files = repo_files(tb, DFLASH)
     slow = "model-00003-of-00003.safetensors"
     hub(tb, "POST", "reset")
-    hold(tb, DFLASH, slow)  # until the relay is dead: spark-4 cannot have the whole repository before
+    # Until the relay is dead: spark-4 cannot have the whole repository before. Every GET of
+    # it: two olah requests racing for one block (a loaded machine widens the race) each ask
+    # the hub, and an unheld second one let the chain finish before the relay died.
+    hold(tb, DFLASH, slow, times=100)
     since = time.time()
     time.sleep(1)
     cmd = ["pyinfra", "-y", INVENTORY, "deploy.py", "--data", "fleet_fanout=1"]
