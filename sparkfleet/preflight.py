@@ -257,12 +257,13 @@ def listens(settings: Settings) -> list[Listen]:
 
 def _ours(listen: Listen, holder: dict, agent_socket_active: bool) -> bool:
     # systemd holds the agent's socket (pid 1); a process it forks for a connection holds the
-    # listening socket too for a moment ("(sd-accept)", in the socket's or the instance's cgroup).
+    # listening socket too for a moment ("(sd-accept)": forked in PID 1's init.scope, then
+    # moved into the socket's cgroup, or the instance's).
     unit = str(holder.get("unit", ""))
     return ((listen.container and bool(holder.get("container")))
             or unit in listen.units
             or (listen.agent_socket and agent_socket_active
-                and (holder.get("pid") == 1 or unit == AGENT_SOCKET or unit.startswith(_AGENT_INSTANCE))))
+                and (holder.get("pid") == 1 or unit in ("init.scope", AGENT_SOCKET) or unit.startswith(_AGENT_INSTANCE))))
 
 
 _AGENT_INSTANCE = AGENT_SERVICE.split("@", 1)[0] + "@"  # sparkfleet-agent@<n>-<addresses>.service
