@@ -27,19 +27,20 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 #: The modules of shards 1 to 3; the last shard runs every other test. Balanced by what
-#: each shard took in ``make test`` (two cores, four shards side by side, 2026-12-04):
-#: deploy, endpoint_rollout, image_patches ~26 min; endpoint, endpoint_monitor, faults,
-#: fleet_checks, serving_host ~27; fleet_lock, mirror_fleet, pair_link, pair_serving 25.5;
-#: the rest ~28.5 (the tests without a fleet, dgx_os_login, host_tasks, operator_lock,
-#: rollout_faults, stack_upgrade, wedge, the real vLLM check). A module on the session's
-#: fleet must sort before a shard's modules that boot their own (fleet_lock, mirror_fleet,
-#: pair_*, serving_host): those replace the session's fleet.
+#: each shard took in ``make test`` (two cores, four shards side by side, 2026-12-05):
+#: deploy, endpoint_rollout, image_patches ~28.5 min; endpoint, endpoint_monitor, faults,
+#: fleet_checks, serving_host ~28.5; fleet_lock, mirror_fleet, pair_link, pair_serving
+#: 25.5, so dgx_os_login (~1 min, and the session's fleet) joins them; the rest 29.7 with it
+#: (the tests without a fleet, host_tasks, operator_lock, rollout_faults, stack_upgrade,
+#: wedge, the real vLLM check). A module on the session's fleet must sort before a shard's
+#: modules that boot their own (fleet_lock, mirror_fleet, pair_*, serving_host): those
+#: replace the session's fleet.
 SHARDS = (
     ("tests/e2e/test_deploy.py", "tests/e2e/test_endpoint_rollout.py", "tests/e2e/test_image_patches.py"),
     ("tests/e2e/test_endpoint.py", "tests/e2e/test_endpoint_monitor.py", "tests/e2e/test_faults.py",
      "tests/e2e/test_fleet_checks.py", "tests/e2e/test_serving_host.py"),
-    ("tests/e2e/test_fleet_lock.py", "tests/e2e/test_mirror_fleet.py", "tests/e2e/test_pair_link.py",
-     "tests/e2e/test_pair_serving.py"),
+    ("tests/e2e/test_dgx_os_login.py", "tests/e2e/test_fleet_lock.py", "tests/e2e/test_mirror_fleet.py",
+     "tests/e2e/test_pair_link.py", "tests/e2e/test_pair_serving.py"),
 )
 
 
