@@ -138,7 +138,7 @@ def build_kernel_debs(out_dir: Path, release: str = simhw.KERNEL_RELEASE, versio
     image = f"linux-image-{release}"
     files = {f"boot/vmlinuz-{release}": (f"simulated kernel {release}\n", 0o600)}
     if nvidia_module:
-        files[f"lib/modules/{release}/updates/dkms/nvidia.ko"] = (f"simulated NVIDIA module for {release}\n", 0o644)
+        files[simhw.NVIDIA_MODULE.format(release=release)] = (f"simulated NVIDIA module for {release}\n", 0o644)
     debs = []
     for package, depends, content in ((image, "", files), (simhw.KERNEL_META, f"{image} (= {version})", {})):
         stage = BUILD_DIR / package

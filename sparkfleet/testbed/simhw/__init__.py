@@ -40,6 +40,9 @@ DRIVER_MODULE = "/run/sparkfleet-sim/nvidia-module.version"
 KERNEL_META = "linux-image-nvidia-hwe-24.04"
 KERNEL_RELEASE = "6.11.0-1016-nvidia"
 KERNEL_VERSION = "6.11.0-1016.16"
+#: Where a kernel's image package puts the driver's DKMS module (apply_switches.py: a boot
+#: without it loads no driver).
+NVIDIA_MODULE = "lib/modules/{release}/updates/dkms/nvidia.ko"
 
 #: dockerd registers its `--gpus` device driver only if it finds this in PATH at start;
 #: runc then runs it as an OCI prestart hook with the container state on stdin.

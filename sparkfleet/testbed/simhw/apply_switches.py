@@ -33,6 +33,7 @@ DRIVER_LIBRARY = "/usr/lib/sparkfleet-sim/nvidia-driver.version"  # simhw/__init
 DRIVER_MODULE = "/run/sparkfleet-sim/nvidia-module.version"
 KERNEL = "/usr/lib/sparkfleet-sim/kernel.py"  # kernel.py: the boot's release, in /run
 BOOTED = "/run/sparkfleet-sim/kernel.release"
+NVIDIA_MODULE = "/lib/modules/{release}/updates/dkms/nvidia.ko"  # simhw/__init__.py
 
 
 def switches() -> dict:
@@ -80,7 +81,7 @@ def load_driver() -> None:
             release = f.read().strip()
     except OSError:
         release = ""  # no simulated kernel: the module loads
-    if release and not os.path.exists(f"/lib/modules/{release}/updates/dkms/nvidia.ko"):
+    if release and not os.path.exists(NVIDIA_MODULE.format(release=release)):
         version = "none"  # DKMS built no module for this kernel: the driver is not loaded
     os.makedirs(os.path.dirname(DRIVER_MODULE), exist_ok=True)
     with open(DRIVER_MODULE, "w") as f:

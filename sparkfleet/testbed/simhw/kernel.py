@@ -107,10 +107,6 @@ def chosen(cfg: str) -> str | None:
     return entries[int(wanted)][1] if wanted.isdigit() and int(wanted) < len(entries) else entries[0][1]
 
 
-def has_nvidia_module(release: str) -> bool:
-    return os.path.exists(_path(f"lib/modules/{release}/updates/dkms/nvidia.ko"))
-
-
 def boot() -> int:
     """This boot's kernel, as GRUB chooses it, noted in /run (once per boot)."""
     if os.path.exists(_path(BOOTED)):
