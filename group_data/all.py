@@ -268,8 +268,9 @@ rollout = "rolling"
 # Hosts per batch: a count, a share of the rolling hosts ("25%", rounded down, at least one),
 # or a list whose last value repeats, as Ansible's `serial`. One host at a time: the fleet
 # loses at most one replica's capacity during a change, but a turn on a Spark takes ~4 min
-# (READY ~3 min with fastsafetensors, the gate), so 32 Sparks take ~2 h; [1, "25%"] rolls one
-# host first, then a quarter of the fleet at a time: 5 batches, ~20 min, at 75% capacity.
+# (an estimate, not measured on Sparks: READY ~3 min with fastsafetensors, runtime/startup.py,
+# plus drain and gate), so 32 Sparks take ~2 h; [1, "25%"] rolls one host first, then a
+# quarter of the fleet at a time: 5 batches, ~20 min, at 75% capacity.
 rollout_batch = 1
 # Time for a drained host's in-flight requests to finish before its restart cuts them: long
 # agent turns (minutes of decode at 262k context) finish within it.

@@ -64,7 +64,7 @@ _HOLDERS = r"""{
 
 #: A container's processes carry its id in their cgroup path, under either cgroup driver
 #: (``/system.slice/docker-<id>.scope``, ``/docker/<id>``).
-_CONTAINER_CGROUP = re.compile(r"docker[-/]([0-9a-f]{12,})")
+_CONTAINER_CGROUP = re.compile(r"docker[-/][0-9a-f]{12,}")
 
 
 def in_container(holders: dict[int, list[dict]], container_id: str) -> dict[int, list[dict]]:
