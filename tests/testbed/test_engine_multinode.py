@@ -237,6 +237,20 @@ def test_an_unreachable_master_fails_after_the_timeout():
     assert 1.4 < time.monotonic() - t0 < 5
 
 
+def test_sigterm_while_node_0_has_not_answered_is_a_clean_stop():
+    # Something accepts on the master port and never answers (a head still waiting for other
+    # nodes, or another program on that port): SIGTERM must still end the worker's wait.
+    with socket.socket() as silent:
+        silent.bind((HEAD_IP, 0))
+        silent.listen(1)
+        stop = threading.Event()
+        threading.Timer(0.5, stop.set).start()
+        t0 = time.monotonic()
+        with pytest.raises(SystemExit) as ended:
+            multinode._connect(node(1, silent.getsockname()[1], timeout=60), stop)
+        assert ended.value.code == 0 and time.monotonic() - t0 < 5
+
+
 def test_the_head_waits_a_bounded_time_and_needs_its_own_address_and_a_free_port():
     port = free_port(HEAD_IP)
     with pytest.raises(StartupError, match=r"Timed out after 1 seconds waiting for clients. 1/2 clients joined"):

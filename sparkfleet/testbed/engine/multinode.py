@@ -472,10 +472,22 @@ def _connect(node: Node, stop: threading.Event) -> socket.socket:
             sock.close()
             last = str(exc) or type(exc).__name__
             stop.wait(min(1.0, max(0.0, deadline - time.monotonic())))
-    sock.settimeout(max(1.0, deadline - time.monotonic()))
+    deadline = max(deadline, time.monotonic() + 1.0)
+    lines = _Lines(sock)
     try:
         _send(sock, {**node.contract(), "node_rank": node.node_rank, "headless": node.headless})
-        reply = _Lines(sock).read()
+        while True:  # until node 0 has every node; SIGTERM ends this wait too, as it ends vLLM's
+            if stop.is_set():
+                sock.close()
+                _stopped()
+            if (left := deadline - time.monotonic()) <= 0:
+                raise TimeoutError
+            sock.settimeout(min(left, 0.5))
+            try:
+                reply = lines.read()
+                break
+            except TimeoutError:
+                continue
     except TimeoutError:
         sock.close()
         raise StartupError(f"torch.distributed.DistStoreError: Timed out after {node.timeout_s:g} seconds waiting "
