@@ -11,7 +11,10 @@ frees it), naming who holds it: user@controller, the controller's machine id, py
 pid, since when (the host's clock), the run's id and what it runs. Every take, give-back
 and removal is one command under flock(2) on that file, so two runs racing for a host see
 one winner. The file is emptied, never removed (a run waiting on the lock of a removed
-file would take a lock nobody else sees): empty is free.
+file would take a lock nobody else sees): empty is free. It is group ``sudo``'s to write
+(DGX OS's admins, who could write it through sudo anyway), so a take or a give runs as the
+login: no sudo, whose password hash is the largest cost of a converged run on a host.
+Root makes it so the first time after a boot, when the login cannot create it in ``/run``.
 
 - All or nothing: the first host of the run first (two runs racing meet there), then the
   others at once. A host another run holds makes every host fail at this step, naming
@@ -54,14 +57,28 @@ from sparkfleet import remote, snapshot
 from sparkfleet.fleet import once
 from sparkfleet.hostpaths import OPERATOR_LOCK
 
-#: Runs on the host as root. argv: the lock's path, the action, its JSON argument:
+_NOT_MINE = 77  # the lock program's exit when the login may not write the lock
+#: Runs on the host as the login, or as root where the login may not write the lock (exit
+#: :data:`_NOT_MINE`). argv: the lock's path, the action, its JSON argument:
 #: take {"holder": {...}, "stale": a dead run's id or ""}, give {"run": id}, show {}.
 #: Prints one JSON object: the record found ("held", None when free), the host's clock
 #: ("now") and, for take and give, whether it did ("done").
 _PROGRAM = r"""
-import fcntl, json, os, sys, time
+import fcntl, grp, json, os, sys, time
 path, action, arg = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+try:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o660)
+except PermissionError:
+    sys.exit(NOT_MINE)
+if os.geteuid() == 0:
+    try:
+        admins = grp.getgrnam("sudo").gr_gid
+    except KeyError:
+        admins = None
+    found = os.fstat(fd)
+    if admins is not None and (found.st_gid, found.st_mode & 0o7777) != (admins, 0o660):
+        os.fchown(fd, 0, admins)
+        os.fchmod(fd, 0o660)
 fcntl.flock(fd, fcntl.LOCK_EX)
 raw = os.read(fd, 65536).decode(errors="replace")
 try:
@@ -86,7 +103,7 @@ elif action == "give":
     if out["done"]:
         write(None)
 print(json.dumps(out))
-"""
+""".replace("NOT_MINE", str(_NOT_MINE))
 
 
 # --- who holds it ---------------------------------------------------------------------------
@@ -194,10 +211,13 @@ def unlock_command() -> str:
 
 
 def ask(target, action: str, arg: dict) -> dict:
-    """One command on ``target``: the lock program's answer (``held``, ``now``, ``done``)."""
+    """The lock program's answer on ``target`` (``held``, ``now``, ``done``): as the login,
+    or through sudo where the login may not write the lock."""
     command = StringCommand("python3", "-c", shlex.quote(_PROGRAM), shlex.quote(OPERATOR_LOCK), action,
                             shlex.quote(json.dumps(arg)))
-    done = remote.run(target, command, timeout=60)
+    done = remote.run(target, command, timeout=60, as_login=True, success_exit_codes=[0, _NOT_MINE])
+    if not (done.ok and done.stdout):  # exit _NOT_MINE prints nothing
+        done = remote.run(target, command, timeout=60)
     if not done.ok:
         raise OperationError(f"the lock program failed: {' '.join(done.stderr + done.stdout)[-300:] or 'no output'}")
     try:

@@ -12,6 +12,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -50,6 +51,44 @@ def test_a_free_lock_is_taken_with_the_hosts_time_and_the_run_passes_again(tmp_p
     assert record["run"] == "run-a" and abs(record["since"] - first["now"]) < 5
     again = program(lock, "take", {"holder": mine, "stale": ""})
     assert again["done"] and again["held"]["since"] == record["since"]  # the run itself: kept as it was
+
+
+@pytest.fixture()
+def public_dir():
+    """A directory any user reaches (pytest's own are root's only)."""
+    import shutil
+    import tempfile
+
+    made = Path(tempfile.mkdtemp(prefix="sparkfleet-oplock-"))
+    made.chmod(0o755)
+    yield made
+    shutil.rmtree(made)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/bin/python3").exists(),
+                    reason="root makes the lock group sudo's; a login runs the host's python3")
+def test_root_makes_the_lock_group_sudos_and_an_admin_login_takes_it_without_sudo(public_dir):
+    import grp
+
+    admins = grp.getgrnam("sudo").gr_gid  # DGX OS's admins; Ubuntu has the group
+    lock = public_dir / "lock"
+    lock.write_text("")
+    lock.chmod(0o644)  # as an earlier version left it
+    program(lock, "show", {})
+    assert (lock.stat().st_gid, lock.stat().st_mode & 0o7777) == (admins, 0o660)
+
+    def as_login(path: Path, action: str, arg: dict, *groups: int) -> subprocess.CompletedProcess:
+        return subprocess.run(["/usr/bin/python3", "-c", oplock._PROGRAM, str(path), action, json.dumps(arg)],
+                              capture_output=True, text=True, timeout=30, user=65534, group=65534,
+                              extra_groups=list(groups))
+
+    take = {"holder": asdict(holder("run-a")), "stale": ""}
+    refused = as_login(lock, "take", take)  # a login outside the group: the deploy asks again through sudo
+    assert refused.returncode == oplock._NOT_MINE and refused.stdout == "" and lock.read_text() == ""
+    taken = as_login(lock, "take", take, admins)
+    assert taken.returncode == 0 and json.loads(taken.stdout)["done"]
+    assert json.loads(lock.read_text())["run"] == "run-a"
+    assert as_login(public_dir / "missing", "show", {}, admins).returncode == oplock._NOT_MINE  # root makes it
 
 
 def test_another_run_is_refused_and_told_who_holds_it(tmp_path):
