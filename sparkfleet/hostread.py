@@ -3,8 +3,9 @@ the deploy declared (:mod:`sparkfleet.snapshot`), and the pyinfra fact that runs
 
 The program is python3 (DGX OS has it) given the wanted items as JSON in argv; it prints
 one JSON object. pyinfra's docker facts it answers from dockerd's Engine API in its own
-process (what the docker CLI would print, without starting it); every other fact's shell
-command runs in one shell for all of them.
+process (what the docker CLI would print, without starting it), and a fact that is a
+python3 program in its own interpreter; every other fact's shell command runs in one shell
+for all of them.
 """
 
 from __future__ import annotations
@@ -78,7 +79,25 @@ def shell(facts):
         lines = []
 # The shell's facts before dockerd's: a container whose process the shell saw (a port's
 # holder) was started before it, so it is still there when dockerd is asked after.
-shell([(key, command) for key, command in want["facts"].items() if key not in want["engine"]])
+shell([(key, command) for key, command in want["facts"].items() if key not in want["engine"]
+       and key not in want["python"]])
+def python(program, args):
+    # A fact that is `python3 -c PROGRAM ARGS`, in this interpreter: its stdout, None if it failed.
+    import contextlib, io
+    printed, argv, rc = io.StringIO(), sys.argv, 0
+    sys.argv = ["-c", *args]
+    try:
+        with contextlib.redirect_stdout(printed):
+            exec(compile(program, "<fact>", "exec"), {"__name__": "__main__"})
+    except SystemExit as exc:
+        rc = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    except Exception:
+        rc = 1
+    finally:
+        sys.argv = argv
+    return printed.getvalue().splitlines() if rc == 0 else None
+for key, (program, *args) in want["python"].items():
+    out["facts"][key] = python(program, args)
 unanswered = []
 for key, asked in want["engine"].items():
     try:

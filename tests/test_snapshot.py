@@ -7,6 +7,7 @@ import hashlib
 import io
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tarfile
@@ -252,3 +253,50 @@ def test_the_facts_commands_answer_in_one_shell_as_each_would_alone():
         alone = subprocess.run(["sh", "-c", command], capture_output=True, text=True)
         assert got[key] == (alone.stdout.splitlines() if alone.returncode == 0 else None), key
     assert got["no newline"] == ["x", "y"] and got["fails"] is None and got["nothing"] == []
+
+
+def test_a_python3_fact_runs_in_the_readers_interpreter_and_answers_as_alone(tmp_path):
+    """A fact that is ``python3 -c PROGRAM ARGS`` (no shell in it) costs no python3 start:
+    the same lines as its own process gives, None when it fails, and a shell fact beside it."""
+    from pyinfra.api import FactBase
+
+    from sparkfleet.facts import CachedSnapshot, hostpaths
+
+    class Program(FactBase):
+        def command(self, code: str, arg: str = "x"):
+            return f"python3 -c {shlex.quote(code)} {shlex.quote(arg)}"
+
+    hf_home, repo, commit = str(tmp_path / "hf"), "acme/model", "a" * 40
+    blob = Path(hostpaths.repo_cache_dir(hf_home, repo)) / "blobs" / "b1"
+    blob.parent.mkdir(parents=True)
+    blob.write_bytes(b"weights")
+    snap = Path(hostpaths.repo_cache_dir(hf_home, repo)) / "snapshots" / commit
+    snap.mkdir(parents=True)
+    (snap / "model.safetensors").symlink_to(blob)
+    marker = Path(hostpaths.snapshot_marker(hf_home, repo, commit))
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(commit + "\n")
+    (tmp_path / "hf" / "sparkfleet" / "verified").mkdir(parents=True)
+    (tmp_path / "hf" / "sparkfleet" / "verified" / "b1").write_text("7")
+    facts = [(CachedSnapshot, {"hf_home": hf_home, "repo_id": repo, "revision": commit}),
+             (Program, {"code": "import __main__, sys; print('want' in dir(__main__), sys.argv[1:])", "arg": "a b"}),
+             (Program, {"code": "import sys; print('partial'); sys.exit(3)"}),
+             (Program, {"code": "raise ValueError"}),
+             (Program, {"code": "import sys; print('done'); sys.exit()"})]
+    entries = dict(snapshot._fact_entry(cls, kwargs) for cls, kwargs in facts)
+    assert set(snapshot._PYTHON_PROGRAMS) >= set(entries)
+    got = read(facts={**entries, "shell": "echo shell"})["facts"]
+    cached, inside, fails, raises, done = (got[key] for key in entries)
+    assert CachedSnapshot().process(cached) == commit
+    assert inside == ["True ['a b']"]  # the reader's own __main__: no process of its own
+    assert fails is None and raises is None and done == ["done"] and got["shell"] == ["shell"]
+    alone = subprocess.run(["sh", "-c", entries[next(iter(entries))]], capture_output=True, text=True,
+                           env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
+    assert alone.stdout.splitlines() == cached
+
+    class Piped(FactBase):
+        def command(self):
+            return "python3 -c 'print(1)' || true"
+
+    key, command = snapshot._fact_entry(Piped, {})  # anything of the shell's: the shell runs it
+    assert key not in snapshot._PYTHON_PROGRAMS and read(facts={key: command})["facts"] == {key: ["1"]}
