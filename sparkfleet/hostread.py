@@ -18,7 +18,9 @@ from pyinfra.api import FactBase, StringCommand
 from pyinfra.facts.docker import DockerContainer, DockerImage, DockerSystemInfo
 
 _MISSING = "##PYINFRA_NOCMD##"  # pyinfra's marker for a missing required command
-UNIT_PROPERTIES = ("ActiveState", "SubState", "UnitFileState", "ExecMainStartTimestampMonotonic", "NRestarts")
+#: Listen: a socket unit's addresses ("[::]:8009 (Stream)"; a service has none).
+UNIT_PROPERTIES = ("ActiveState", "SubState", "UnitFileState", "ExecMainStartTimestampMonotonic", "NRestarts",
+                   "Listen")
 
 #: Where the program asks dockerd (Docker's default socket, as on DGX OS).
 DOCKER_SOCKET = "/var/run/docker.sock"

@@ -10,6 +10,7 @@ peer's own connection).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -26,7 +27,6 @@ from sparkfleet.facts import BootTarget, FreeSpace, Memory
 from sparkfleet.fleet import fleet_settings, host_mirror, host_pair, once
 from sparkfleet.gpu import Gpu
 from sparkfleet.hostpaths import (
-    AGENT_SERVICE,
     AGENT_SOCKET,
     CONTAINER,
     HF_MIRROR_UNIT,
@@ -172,8 +172,7 @@ def host_findings(settings: Settings) -> Findings:
                  snapshot.fact(DockerContainer, object_id=CONTAINER, _ignore_errors=True)),
         lambda: (host.get_fact(Listeners, ports=numbers),  # in this order: see port_holders
                  host.get_fact(DockerContainer, object_id=CONTAINER, _ignore_errors=True)))
-    found.problems += port_problems(ports, holders,
-                                    agent_socket_active=snapshot.unit(AGENT_SOCKET).get("ActiveState") == "active")
+    found.problems += port_problems(ports, holders, socket_ports(snapshot.unit(AGENT_SOCKET)))
     found.problems += firewall_problems(ports, snapshot.fact(Firewall))
 
     pair = host_pair()
@@ -255,18 +254,20 @@ def listens(settings: Settings) -> list[Listen]:
     return found
 
 
-def _ours(listen: Listen, holder: dict, agent_socket_active: bool) -> bool:
-    # systemd holds the agent's socket (pid 1); a process it forks for a connection holds the
-    # listening socket too for a moment ("(sd-accept)": forked in PID 1's init.scope, then
-    # moved into the socket's cgroup, or the instance's).
-    unit = str(holder.get("unit", ""))
+def socket_ports(unit: dict) -> set[int]:
+    """The ports a socket unit listens on now (its ``Listen``, while it is active)."""
+    if unit.get("ActiveState") != "active":
+        return set()
+    return {int(port) for port in re.findall(r":(\d+) \(Stream\)", str(unit.get("Listen", "")))}
+
+
+def _ours(listen: Listen, holder: dict, agent_listens: set[int]) -> bool:
+    # While our agent socket listens on the port, nothing else can bind it: every holder is
+    # systemd or a process it handed the socket (its accept helper, "(sd-accept)", wherever
+    # its cgroup is at that moment; the agent's instances).
     return ((listen.container and bool(holder.get("container")))
-            or unit in listen.units
-            or (listen.agent_socket and agent_socket_active
-                and (holder.get("pid") == 1 or unit in ("init.scope", AGENT_SOCKET) or unit.startswith(_AGENT_INSTANCE))))
-
-
-_AGENT_INSTANCE = AGENT_SERVICE.split("@", 1)[0] + "@"  # sparkfleet-agent@<n>-<addresses>.service
+            or str(holder.get("unit", "")) in listen.units
+            or (listen.agent_socket and listen.port in agent_listens))
 
 
 def port_holders(read: Callable[[], tuple], read_again: Callable[[], tuple]) -> dict[int, list[dict]]:
@@ -288,7 +289,8 @@ def port_holders(read: Callable[[], tuple], read_again: Callable[[], tuple]) -> 
     return holders
 
 
-def port_problems(ports: list[Listen], holders: dict[int, list[dict]], agent_socket_active: bool = False) -> list[str]:
+def port_problems(ports: list[Listen], holders: dict[int, list[dict]], agent_listens: set[int] = frozenset()
+                  ) -> list[str]:
     """A port two roles of this host want, and a port held by a process that is not ours
     (not our container, not our own service of that role), each with its fix."""
     problems = []
@@ -301,7 +303,7 @@ def port_problems(ports: list[Listen], holders: dict[int, list[dict]], agent_soc
                             f"give one another port, e.g. --data {wanted[-1].key}=N")
             continue
         listen = wanted[0]
-        others = [h for h in holders.get(port, []) if not _ours(listen, h, agent_socket_active)]
+        others = [h for h in holders.get(port, []) if not _ours(listen, h, agent_listens)]
         if not others:
             continue
         held = ", ".join(f"{h.get('name') or '?'} (pid {h.get('pid')})" for h in others)

@@ -168,16 +168,28 @@ def test_our_own_holders_are_no_problem():
             8009: [holder("systemd", 1, "init.scope")],
             8080: [holder("haproxy", 70, "haproxy.service")],
             8090: [holder("olah-cli", 80, "sparkfleet-hf-mirror.service")]}
-    assert preflight.port_problems([SERVE, AGENT, FRONT, HF], ours, agent_socket_active=True) == []
-    # systemd on the agent's port is ours only while our socket unit is what listens.
-    assert "8009" in preflight.port_problems([AGENT], ours, agent_socket_active=False)[0]
-    # ... and so is the process it forks for a connection, caught holding the socket a moment.
-    # It is forked in PID 1's init.scope and moves into the socket's cgroup (CI caught it in both).
+    assert preflight.port_problems([SERVE, AGENT, FRONT, HF], ours, agent_listens={8009}) == []
+    # systemd on the agent's port is ours only while our socket unit listens there: a socket
+    # inactive, or moved to another port (a changed watchdog_agent_port), is not.
+    assert "8009" in preflight.port_problems([AGENT], ours, agent_listens=set())[0]
+    assert "8009" in preflight.port_problems([AGENT], ours, agent_listens={8010})[0]
+    # While it listens there, whoever holds the socket got it from systemd: its accept
+    # helper, caught in PID 1's init.scope, the socket's or an instance's cgroup (CI caught
+    # two of them), whatever systemd names it.
     for unit in ("init.scope", "sparkfleet-agent.socket", "sparkfleet-agent@7-10.0.0.1:8009-10.0.0.9:40000.service"):
         forked = {8009: [holder("(sd-accept)", 9694, unit)]}
-        assert preflight.port_problems([AGENT], forked, agent_socket_active=True) == []
-        assert preflight.port_problems([AGENT], forked, agent_socket_active=False)
-    assert preflight.port_problems([AGENT], {8009: [holder("python3", 5, "session-1.scope")]}, agent_socket_active=True)
+        assert preflight.port_problems([AGENT], forked, agent_listens={8009}) == []
+        assert preflight.port_problems([AGENT], forked, agent_listens=set())
+
+
+def test_a_socket_units_ports_are_read_from_systemds_listen_while_it_is_active():
+    assert preflight.socket_ports({"ActiveState": "active", "Listen": "[::]:8009 (Stream)"}) == {8009}
+    assert preflight.socket_ports({"ActiveState": "active", "Listen": "0.0.0.0:8010 (Stream)"}) == {8010}
+    assert preflight.socket_ports({"ActiveState": "inactive", "Listen": "[::]:8009 (Stream)"}) == set()
+    assert preflight.socket_ports({}) == set()
+
+
+def test_a_units_holder_is_ours_only_on_that_units_ports():
     # haproxy is ours on the endpoint's ports, not on the engine's.
     assert preflight.port_problems([SERVE], {8000: [holder("haproxy", 70, "haproxy.service")]})
 
