@@ -132,9 +132,13 @@ def _fact_entry(cls, kwargs: dict) -> tuple[str, str]:
     request = hostread.engine_request(cls, args)
     if request:
         _ENGINE_PATHS[key] = request
-    argv = shlex.split(command)
-    if argv[:2] == ["python3", "-c"] and len(argv) > 2 and shlex.join(argv) == command:  # nothing of the shell's
-        _PYTHON_PROGRAMS[key] = argv[2:]
+    if command.startswith("python3 -c "):
+        try:
+            argv = shlex.split(command)
+        except ValueError:  # quoting of the shell's own that shlex does not read
+            argv = []
+        if len(argv) > 2 and shlex.join(argv) == command:  # nothing of the shell's in it
+            _PYTHON_PROGRAMS[key] = argv[2:]
     return key, command
 
 

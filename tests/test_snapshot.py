@@ -298,5 +298,10 @@ def test_a_python3_fact_runs_in_the_readers_interpreter_and_answers_as_alone(tmp
         def command(self):
             return "python3 -c 'print(1)' || true"
 
-    key, command = snapshot._fact_entry(Piped, {})  # anything of the shell's: the shell runs it
-    assert key not in snapshot._PYTHON_PROGRAMS and read(facts={key: command})["facts"] == {key: ["1"]}
+    class Commented(FactBase):
+        def command(self):
+            return "python3 -c 'print(2)' # a comment of the shell's"
+
+    for cls, answer in ((Piped, ["1"]), (Commented, ["2"])):  # anything of the shell's: the shell runs it
+        key, command = snapshot._fact_entry(cls, {})
+        assert key not in snapshot._PYTHON_PROGRAMS and read(facts={key: command})["facts"] == {key: answer}
