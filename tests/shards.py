@@ -29,20 +29,22 @@ REPO = Path(__file__).resolve().parents[1]
 #: The modules of shards 1 to 3; the last shard runs every other test. Balanced by what
 #: each shard took in ``make test`` (two cores, four shards side by side): in CI on
 #: 2026-12-05 26.7 / 28.4 / 28.9 / 31.0 min, so host_tasks (~1.6 min, the session's fleet)
-#: and the int8 lm-head kernels' test (~1 min, no fleet) move from the rest to shard 1.
-#: Shard 1: deploy, endpoint_rollout, image_patches; 2: endpoint, endpoint_monitor, faults,
-#: fleet_checks, serving_host; 3: dgx_os_login, fleet_lock, mirror_fleet, pair_*; the rest:
-#: the tests without a fleet, operator_lock, rollout_faults, stack_upgrade, wedge, the real
-#: vLLM check. A module on the session's fleet must sort before a shard's modules that boot
-#: their own (fleet_lock, mirror_fleet, pair_*, serving_host): those replace the session's
-#: fleet.
+#: and the int8 lm-head kernels' test (~1 min, no fleet) moved from the rest to shard 1;
+#: then here 32.4 / 31.6 / 31.2 / 34.3 (a slower day), so the real vLLM check (~1.7 min, no
+#: fleet) moves from the rest to shard 3.
+#: Shard 1: deploy, endpoint_rollout, host_tasks, image_patches; 2: endpoint,
+#: endpoint_monitor, faults, fleet_checks, serving_host; 3: dgx_os_login, fleet_lock,
+#: mirror_fleet, pair_*; the rest: the tests without a fleet, operator_lock,
+#: rollout_faults, stack_upgrade, wedge. A module on the session's fleet must sort before a
+#: shard's modules that boot their own (fleet_lock, mirror_fleet, pair_*, serving_host):
+#: those replace the session's fleet.
 SHARDS = (
     ("tests/e2e/test_deploy.py", "tests/e2e/test_endpoint_rollout.py", "tests/e2e/test_host_tasks.py",
      "tests/e2e/test_image_patches.py", "tests/runtime/test_int8_lmhead.py"),
     ("tests/e2e/test_endpoint.py", "tests/e2e/test_endpoint_monitor.py", "tests/e2e/test_faults.py",
      "tests/e2e/test_fleet_checks.py", "tests/e2e/test_serving_host.py"),
     ("tests/e2e/test_dgx_os_login.py", "tests/e2e/test_fleet_lock.py", "tests/e2e/test_mirror_fleet.py",
-     "tests/e2e/test_pair_link.py", "tests/e2e/test_pair_serving.py"),
+     "tests/e2e/test_pair_link.py", "tests/e2e/test_pair_serving.py", "tests/runtime/test_serve_check_real_vllm.py"),
 )
 
 
