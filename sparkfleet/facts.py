@@ -386,7 +386,7 @@ class BootReport(FactBase["dict"]):
     def command(self) -> str:
         seen = hostpaths.BOOT_SEEN
         return (
-            f"b=$(cat /proc/sys/kernel/random/boot_id); s=$(cat {seen} 2>/dev/null); echo \"boot $b\"; "
+            f"read -r b < /proc/sys/kernel/random/boot_id; s=; [ -r {seen} ] && read -r s < {seen}; echo \"boot $b\"; "
             f'echo "seen $s"; if [ -n "$s" ] && [ "$s" != "$b" ]; then '
             "journalctl -b -1 -p err --no-pager -q -o short-iso -n 200 2>/dev/null "
             "| grep -Ei 'xid|nvrm|nvidia|gpu|kernel|oom|panic|mce|hardware' | tail -n 10; fi; true"

@@ -39,8 +39,29 @@ def engine_request(cls, args: dict) -> tuple[str, bool] | None:
     return made(**args) if made else None
 
 
+#: Python source of the host programs (this reader, status'): one HTTP/1.0 GET (one answer,
+#: then the server closes) to a unix socket's path (dockerd's) or a (host, port), with header
+#: lines; returns (status, body). Asked in the program's own process: a curl or docker CLI
+#: start costs a host more than the request.
+HTTP_GET = r"""
+def http_get(where, path, headers=(), timeout=30):
+    import socket
+    unix = isinstance(where, str)
+    sock = socket.socket(socket.AF_UNIX) if unix else socket.create_connection(tuple(where), timeout=timeout)
+    name = "docker" if unix else ("[%s]:%s" if ":" in where[0] else "%s:%s") % tuple(where)
+    with sock:
+        if unix:
+            sock.settimeout(timeout)
+            sock.connect(where)
+        asked = "GET %s HTTP/1.0\r\nHost: %s\r\n%s\r\n" % (path, name, "".join(h + "\r\n" for h in headers))
+        sock.sendall(asked.encode())
+        answer = b"".join(iter(lambda: sock.recv(65536), b""))
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+"""
+
 #: Runs on the host with the wanted paths and units as JSON in argv; prints one JSON object.
-_READER = r"""
+_READER = HTTP_GET + r"""
 import hashlib, json, os, subprocess, sys
 want = json.loads(sys.argv[1])
 def owner(st):
@@ -54,15 +75,6 @@ def sha(path):
         return hashlib.sha256(f.read()).hexdigest()
 out = {"files": {}, "texts": {}, "trees": {}, "units": {}, "programs": {}, "sizes": {}, "facts": {},
        "cpus": os.cpu_count()}
-def engine(path):
-    import socket
-    with socket.socket(socket.AF_UNIX) as sock:  # HTTP/1.0: one answer, then the daemon closes
-        sock.settimeout(30)
-        sock.connect(want["docker_socket"])
-        sock.sendall(("GET %s HTTP/1.0\r\nHost: docker\r\n\r\n" % path).encode())
-        answer = b"".join(iter(lambda: sock.recv(65536), b""))
-    head, _, body = answer.partition(b"\r\n\r\n")
-    return int(head.split()[1]), body
 # The facts' shell commands in one sh, each in a subshell and followed by a mark line with
 # its exit status (a last line without its newline gets the mark appended).
 mark = "##sparkfleet-" + os.urandom(8).hex()
@@ -103,7 +115,7 @@ for key, (program, *args) in want["python"].items():
 unanswered = []
 for key, asked in want["engine"].items():
     try:
-        status, body = engine(asked[0])
+        status, body = http_get(want["docker_socket"], asked[0])
         if status == 200 or (status == 404 and asked[1]):
             doc = json.loads(body) if status == 200 else None
             out["facts"][key] = json.dumps(([doc] if doc else []) if asked[1] else doc).splitlines()

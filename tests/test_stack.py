@@ -116,13 +116,23 @@ def test_status_shows_each_hosts_stack_and_its_drift():
                                                      "endpoint": None})
 
 
-def test_status_says_which_kernel_runs_and_a_newer_one_waiting_for_a_reboot():
-    """Read from what the status command prints on a host (its own sh runs it over a /boot here)."""
+def test_status_says_which_kernel_runs_and_a_newer_one_waiting_for_a_reboot(tmp_path, monkeypatch):
+    """Read from what the status command prints on a host (sh runs it here, over this /boot)."""
+    import os
+    import subprocess
+
     from sparkfleet import status
 
     s = settings()
-    command = stack.status_command(s)
-    assert 'echo "kernel $(uname -r)"' in command and stack.KERNEL_PIN in command
+    pin = tmp_path / "99-sparkfleet-kernel.cfg"
+    pin.write_text('# undone upgrade\nGRUB_DEFAULT="gnulinux-advanced-x>gnulinux-6.11.0-1016-nvidia-advanced-x"')
+    monkeypatch.setattr(stack, "KERNEL_PIN", str(pin))
+    said = subprocess.run(["sh", "-c", stack.status_command(s)], capture_output=True, text=True, timeout=30)
+    assert f"kernel {os.uname().release}" in said.stdout.splitlines()
+    assert 'pinned "gnulinux-advanced-x>gnulinux-6.11.0-1016-nvidia-advanced-x"' in said.stdout.splitlines()
+    pin.unlink()
+    assert "pinned" not in subprocess.run(["sh", "-c", stack.status_command(s)], capture_output=True,
+                                          text=True, timeout=30).stdout
 
     def row(*lines: str) -> dict:
         return status.parse_host(["== stack", "hi |linux-image-nvidia-hwe-24.04|6.17.0-1008.8", *lines], s)

@@ -8,8 +8,11 @@ forever on a module lock that another greenlet held."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from sparkfleet.testbed import state as testbed_state
@@ -78,10 +81,45 @@ def test_a_host_row_reads_metrics_with_prometheus_parser():
     assert row["acceptance_length"] == 3.5
 
 
+class _Answers(ThreadingHTTPServer):
+    """An HTTP server (dockerd's API on a unix socket, or the engine's on TCP) that answers
+    ``answers[path]`` as JSON (404 otherwise) and keeps each request's path and headers."""
+
+    daemon_threads = True
+
+    def __init__(self, address, answers: dict, family=socket.AF_INET):
+        self.address_family = family
+        self.answers, self.asked = answers, []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(handler):  # noqa: N805 - the handler's self
+                self.asked.append((handler.path, dict(handler.headers)))
+                body = self.answers.get(handler.path)
+                data = (body if isinstance(body, str) else json.dumps(body)).encode() if body is not None else b""
+                handler.send_response(200 if body is not None else 404)
+                handler.send_header("Content-Length", str(len(data)))
+                handler.end_headers()
+                handler.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        super().__init__(address, Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    def server_bind(self):
+        if self.address_family == socket.AF_UNIX:
+            self.socket.bind(self.server_address)
+            self.server_name, self.server_port = "docker", 0
+        else:
+            super().server_bind()
+
+
 def test_a_host_is_asked_where_and_with_the_key_its_engine_runs(tmp_path, monkeypatch):
-    """The status command, run by sh with stub docker/curl/systemctl: the API is asked at
-    the address and port of the running container's environment (not serve.env, which a
-    change to come rewrote) and with the last good key when the engine started on it."""
+    """The status program, run by python3 here against a dockerd and an engine of the test's:
+    the API is asked at the address and port of the running container's environment (not
+    serve.env, which a change to come rewrote) and with the last good key when the engine
+    started on it; dockerd once for the whole row."""
     import subprocess
 
     from support.fleetdata import defaults
@@ -89,40 +127,51 @@ def test_a_host_is_asked_where_and_with_the_key_its_engine_runs(tmp_path, monkey
     from sparkfleet import status as st
     from sparkfleet.config import validate_host_data
 
-    lg = tmp_path / "last-good"
-    lg.mkdir()
-    paths = {"SERVE_ENV": tmp_path / "serve.env", "STARTED_FILE": tmp_path / "started.rev",
-             "LAST_GOOD_DIR": lg, "AUTH_HEADER": tmp_path / "api-auth.header"}
-    for name, path in paths.items():
-        monkeypatch.setattr(st, name, str(path))
-    paths["SERVE_ENV"].write_text("SF_PROFILE=dense\nSF_HOST=0.0.0.0\nSF_PORT=9001\n")  # the change to come
-    paths["STARTED_FILE"].write_text("rev-1\n")
-    (lg / "serving.rev").write_text("rev-1\n")
-    (lg / "api-auth.header").write_text("Authorization: Bearer old\n")
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    stubs = {
-        # The running container: started with dflash, bound to one address, on 8000.
-        # One inspect answers the environment and the image (its local name, made from the digest).
-        "docker": f"echo \"$@\" >> {tmp_path}/docker.log; [ \"$1\" = inspect ] && printf 'PATH=/usr/bin\\n"
-                  "SF_PROFILE=dflash\\nSF_HOST=10.0.0.5\\nSF_PORT=8000\\n#image localhost/sparkfleet/serve:sha256-abc "
-                  "sha256:0123\\n' || exit 1",
-        "curl": f'echo "$@" >> {tmp_path}/curl.log',
-        "systemctl": "echo ActiveState=active",
-    }
-    for name, body in stubs.items():
-        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
-        (bin_dir / name).chmod(0o755)
     s = validate_host_data("spark-1", {**defaults(), "port": 9001})
-    done = subprocess.run(["sh", "-c", st._host_command(s)], capture_output=True, text=True, timeout=30,
-                          env={"PATH": f"{bin_dir}:/usr/bin:/bin"})
-    assert done.returncode == 0, done.stderr
-    asked = (tmp_path / "curl.log").read_text()
-    assert f"-H @{lg}/api-auth.header http://10.0.0.5:8000/v1/models" in asked, asked
-    row = st.parse_host(done.stdout.splitlines(), s)
-    assert (row["profile"], row["pending"]) == ("dflash", "dense")
-    assert row["image_digest"] == "sha256:abc" and "#image" not in "".join(done.stdout.split("== env")[1:2])
-    assert (tmp_path / "docker.log").read_text().count("\n") == 1  # one docker call for the whole row
+    engine = _Answers(("127.0.0.1", 0), {"/v1/models": {"data": [{"id": s.served_model_name}]},
+                                         "/metrics": "vllm:num_requests_running{engine=\"0\"} 2.0\nother 1\n"})
+    port = engine.server_address[1]
+    # The running container: started with dflash, bound to one address, on the engine's port;
+    # its image by its local name, made from the digest.
+    dockerd = _Answers(str(tmp_path / "docker.sock"), {f"/containers/{st.CONTAINER}/json": {
+        "Config": {"Env": ["PATH=/usr/bin", "SF_PROFILE=dflash", "SF_HOST=127.0.0.1", f"SF_PORT={port}"],
+                   "Image": "localhost/sparkfleet/serve:sha256-abc"}, "Image": "sha256:0123"}}, socket.AF_UNIX)
+    try:
+        lg = tmp_path / "last-good"
+        lg.mkdir()
+        paths = {"SERVE_ENV": tmp_path / "serve.env", "STARTED_FILE": tmp_path / "started.rev",
+                 "LAST_GOOD_DIR": lg, "AUTH_HEADER": tmp_path / "api-auth.header",
+                 "DOCKER_SOCKET": tmp_path / "docker.sock"}
+        for name, path in paths.items():
+            monkeypatch.setattr(st, name, str(path))
+        paths["SERVE_ENV"].write_text("SF_PROFILE=dense\nSF_HOST=0.0.0.0\nSF_PORT=9001\n")  # the change to come
+        paths["AUTH_HEADER"].write_text("Authorization: Bearer new\n")
+        paths["STARTED_FILE"].write_text("rev-1\n")
+        (lg / "serving.rev").write_text("rev-1\n")
+        (lg / "api-auth.header").write_text("Authorization: Bearer old\n")
+        done = subprocess.run(["sh", "-c", st._host_command(s)], capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+        assert [(path, headers.get("Authorization")) for path, headers in engine.asked] == [
+            ("/v1/models", "Bearer old"), ("/metrics", "Bearer old")]
+        row = st.parse_host(done.stdout.splitlines(), s)
+        assert (row["profile"], row["pending"], row["ready"], row["running"]) == ("dflash", "dense", True, 2)
+        assert row["image_digest"] == "sha256:abc" and "#image" not in done.stdout
+        assert [path for path, _ in dockerd.asked] == [f"/containers/{st.CONTAINER}/json"]
+        # Another image (not pinned): its digests as dockerd lists them; no container: serve.env.
+        dockerd.answers = {f"/containers/{st.CONTAINER}/json": {"Config": {
+            "Env": [f"SF_PORT={port}", "SF_PROFILE=dflash"], "Image": "vllm:latest"}, "Image": "sha256:0123"},
+            "/images/sha256:0123/json": {"RepoDigests": ["vllm@sha256:def"]}}
+        row = st.parse_host(subprocess.run(["sh", "-c", st._host_command(s)], capture_output=True, text=True,
+                                           timeout=30).stdout.splitlines(), s)
+        assert row["image_digest"] == "sha256:def"
+        dockerd.answers = {}
+        row = st.parse_host(subprocess.run(["sh", "-c", st._host_command(s)], capture_output=True, text=True,
+                                           timeout=30).stdout.splitlines(), s)
+        assert (row["profile"], row["pending"], row["image_digest"]) == ("dense", None, None)
+    finally:
+        for server in (engine, dockerd):
+            server.shutdown()
+            server.server_close()
 
 
 def test_a_host_row_shows_the_watchdogs_last_event_and_a_member_it_keeps_out():
@@ -177,10 +226,19 @@ def test_the_monitor_hosts_row_carries_the_alerts_that_fire_and_the_table_shows_
     from sparkfleet.config import validate_host_data
     from sparkfleet.status import _host_command, alerts_url, parse_alerts, parse_host, table
 
-    s = validate_host_data("spark-1", defaults())
-    assert alerts_url(s) == "http://127.0.0.1:9090/api/v1/alerts"
-    assert "== alerts" in _host_command(s, alerts=True) and "== alerts" not in _host_command(s)
-    row = parse_host(["== unit", "ActiveState=active", "== alerts", json.dumps(ALERTS)], s)
+    assert alerts_url(validate_host_data("spark-1", defaults())) == "http://127.0.0.1:9090/api/v1/alerts"
+    prometheus = _Answers(("127.0.0.1", 0), {"/api/v1/alerts": ALERTS})
+    try:
+        s = validate_host_data("spark-1", {**defaults(), "monitor_port": prometheus.server_address[1]})
+        asked = subprocess.run(["sh", "-c", _host_command(s, alerts=True)], capture_output=True, text=True,
+                               timeout=30).stdout
+        assert "== alerts" not in subprocess.run(["sh", "-c", _host_command(s)], capture_output=True, text=True,
+                                                 timeout=30).stdout
+    finally:
+        prometheus.shutdown()
+        prometheus.server_close()
+    assert [path for path, _ in prometheus.asked] == ["/api/v1/alerts"]
+    row = parse_host(asked.splitlines(), s)
     assert row["alerts"] == [{"name": "SparkfleetEngineDown", "host": "spark-3", "severity": "critical",
                               "since": "2026-12-02T12:00:01.5Z",
                               "summary": "spark-3: the engine does not answer /metrics (stopped, dead or hung)"}]
