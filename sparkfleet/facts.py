@@ -19,6 +19,7 @@ import shlex
 from pyinfra.api import FactBase
 
 from sparkfleet import hostpaths
+from sparkfleet.hostread import HTTP_CLIENT
 
 #: The manifest types a registry may answer for the serving image.
 MANIFEST_ACCEPT = (
@@ -264,17 +265,29 @@ class ServedModels(FactBase["list[str]"]):
     def default():
         return []
 
-    def requires_command(self, address: str, port: int) -> str:
-        return "curl"
-
     def command(self, address: str, port: int) -> str:
-        return f"curl -sS -m 5 -H @{hostpaths.AUTH_HEADER} http://{address}:{port}/v1/models || true"
+        # The key travels in a 0600 header file, never on the command line. A python3
+        # program, so the snapshot reader asks it in its own process (no curl started).
+        return f"python3 -c {shlex.quote(_SERVED_MODELS)} {shlex.quote(address)} {int(port)} {hostpaths.AUTH_HEADER}"
 
     def process(self, output):
         try:
             return [model["id"] for model in json.loads("\n".join(output))["data"]]
         except (ValueError, KeyError, TypeError):
             return []
+
+
+_SERVED_MODELS = HTTP_CLIENT + r"""
+import sys
+address, port, header_file = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+try:
+    with open(header_file) as f:
+        headers = [line.strip() for line in f if line.strip()]
+    status, body = http_get((address, port), "/v1/models", headers, timeout=5)
+except (OSError, ValueError, IndexError):
+    sys.exit()
+print(body.decode(errors="replace"))
+"""
 
 
 # --- the image store, the event log, the boot (the serving host as it is) -----------------

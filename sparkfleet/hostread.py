@@ -39,29 +39,38 @@ def engine_request(cls, args: dict) -> tuple[str, bool] | None:
     return made(**args) if made else None
 
 
-#: Python source of the host programs (this reader, status'): one HTTP/1.0 GET (one answer,
-#: then the server closes) to a unix socket's path (dockerd's) or a (host, port), with header
-#: lines; returns (status, body). Asked in the program's own process: a curl or docker CLI
-#: start costs a host more than the request.
-HTTP_GET = r"""
-def http_get(where, path, headers=(), timeout=30):
+#: Python source of the host programs (this reader, status', the facts that ask a server):
+#: one HTTP/1.0 request (one answer, then the server closes) to a unix socket's path
+#: (dockerd's) or a (host, port), over TLS when given the CA file to trust; ``http``
+#: returns (status, headers lowercased, body), ``http_get`` (status, body). Asked in the
+#: program's own process: a curl or docker CLI start costs a host more than the request.
+HTTP_CLIENT = r"""
+def http(where, path, headers=(), timeout=30, method="GET", cafile=None):
     import socket
     unix = isinstance(where, str)
     sock = socket.socket(socket.AF_UNIX) if unix else socket.create_connection(tuple(where), timeout=timeout)
     name = "docker" if unix else ("[%s]:%s" if ":" in where[0] else "%s:%s") % tuple(where)
+    if cafile:
+        import ssl
+        sock = ssl.create_default_context(cafile=cafile).wrap_socket(sock, server_hostname=where[0])
     with sock:
         if unix:
             sock.settimeout(timeout)
             sock.connect(where)
-        asked = "GET %s HTTP/1.0\r\nHost: %s\r\n%s\r\n" % (path, name, "".join(h + "\r\n" for h in headers))
+        asked = "%s %s HTTP/1.0\r\nHost: %s\r\n%s\r\n" % (method, path, name, "".join(h + "\r\n" for h in headers))
         sock.sendall(asked.encode())
         answer = b"".join(iter(lambda: sock.recv(65536), b""))
     head, _, body = answer.partition(b"\r\n\r\n")
-    return int(head.split()[1]), body
+    lines = head.decode("latin-1").split("\r\n")
+    said = dict((k.strip().lower(), v.strip()) for k, _, v in (line.partition(":") for line in lines[1:]))
+    return int(lines[0].split()[1]), said, body
+def http_get(where, path, headers=(), timeout=30):
+    status, _, body = http(where, path, headers, timeout)
+    return status, body
 """
 
 #: Runs on the host with the wanted paths and units as JSON in argv; prints one JSON object.
-_READER = HTTP_GET + r"""
+_READER = HTTP_CLIENT + r"""
 import hashlib, json, os, subprocess, sys
 want = json.loads(sys.argv[1])
 def owner(st):

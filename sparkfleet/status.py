@@ -45,7 +45,7 @@ from sparkfleet.hostpaths import (
     WATCHDOG_LOG,
     digest_of,
 )
-from sparkfleet.hostread import DOCKER_SOCKET, HTTP_GET
+from sparkfleet.hostread import DOCKER_SOCKET, HTTP_CLIENT
 from sparkfleet.pairs import fleet_pairs
 
 METRICS = {
@@ -176,7 +176,7 @@ def parse_alerts(text: str) -> list[dict[str, Any]] | None:
 #: as JSON in argv; prints every section of the host's row, "== name" then its lines. One
 #: python3 asks dockerd and the engine itself and reads the files: the shell pipeline it
 #: replaces started ~30 programs (docker, curl, sed...), ~110 ms of a host's CPU per status.
-_PROGRAM = HTTP_GET + r"""
+_PROGRAM = HTTP_CLIENT + r"""
 import glob, json, os, re, subprocess, sys
 a = json.loads(sys.argv[1])
 def read(path):

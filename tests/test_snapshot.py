@@ -305,3 +305,86 @@ def test_a_python3_fact_runs_in_the_readers_interpreter_and_answers_as_alone(tmp
     for cls, answer in ((Piped, ["1"]), (Commented, ["2"])):  # anything of the shell's: the shell runs it
         key, command = snapshot._fact_entry(cls, {})
         assert key not in snapshot._PYTHON_PROGRAMS and read(facts={key: command})["facts"] == {key: answer}
+
+
+def test_facts_that_ask_a_server_answer_in_the_readers_process_as_alone(tmp_path, monkeypatch):
+    """The API's model list (with the key's header file), the mirror's answer (its registry over
+    TLS with the CA the host trusts, its HF mirror at all) and a manifest's digest: python3
+    programs the reader runs in its own process (no curl), answering as each does alone; a
+    registry whose certificate the host does not trust, or a manifest it lacks, answers no."""
+    import http.server
+    import ssl
+    import threading
+
+    from sparkfleet import credentials, facts
+    from sparkfleet.mirror import facts as mirror_facts
+    from sparkfleet.mirrors import Mirror
+
+    digest = "sha256:" + "ef" * 32
+    asked = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def answer(self, with_body: bool) -> None:
+            asked.append((self.command, self.path, self.headers.get("Authorization"), self.headers.get("Accept")))
+            body = {"/v1/models": b'{"data": [{"id": "served"}]}', "/v2/": b"{}", "/": b"hub"}.get(self.path)
+            if self.path == "/v2/sparkfleet/serve/manifests/1":
+                body = b"{}"
+            self.send_response(200 if body is not None else 404)
+            if body is not None and "manifests" in self.path:
+                self.send_header("Docker-Content-Digest", digest)
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            if with_body:
+                self.wfile.write(body or b"")
+
+        def do_GET(self):
+            self.answer(True)
+
+        def do_HEAD(self):
+            self.answer(False)
+
+        def log_message(self, *args):
+            pass
+
+    plain = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    secure = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    mirror = Mirror("m", "127.0.0.1", plain.server_address[1], secure.server_address[1], False)
+    cert, key = credentials.mirror_tls(str(tmp_path / "tls"), mirror)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    secure.socket = context.wrap_socket(secure.socket, server_side=True)
+    for server in (plain, secure):
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    header = tmp_path / "api-auth.header"
+    header.write_text("Authorization: Bearer k\n")
+    monkeypatch.setattr(facts.hostpaths, "AUTH_HEADER", str(header))
+    monkeypatch.setattr(mirror_facts.hostpaths, "REGISTRY_CERT", str(cert))
+    registry = f"127.0.0.1:{secure.server_address[1]}"
+    other, _ = credentials.mirror_tls(str(tmp_path / "other"), Mirror("o", "127.0.0.1", 1, 2, False))
+    asking = [(facts.ServedModels, {"address": "127.0.0.1", "port": plain.server_address[1]}),
+              (mirror_facts.MirrorAnswers, {"registry": registry, "hf_port": plain.server_address[1]}),
+              (mirror_facts.RegistryManifest, {"url": f"https://{registry}", "path": "sparkfleet/serve",
+                                               "reference": "1", "cacert": str(cert)}),
+              (mirror_facts.RegistryManifest, {"url": f"https://{registry}", "path": "sparkfleet/serve",
+                                               "reference": "2", "cacert": str(cert)}),
+              (mirror_facts.RegistryManifest, {"url": f"https://{registry}", "path": "sparkfleet/serve",
+                                               "reference": "1", "cacert": str(other)})]
+    entries = dict(snapshot._fact_entry(cls, kwargs) for cls, kwargs in asking)
+    try:
+        assert set(snapshot._PYTHON_PROGRAMS) >= set(entries)
+        got = read(facts=entries)["facts"]
+        env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+        for key, command in entries.items():
+            alone = subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=env)
+            assert alone.returncode == 0 and alone.stdout.splitlines() == got[key], key
+        monkeypatch.setattr(mirror_facts.hostpaths, "REGISTRY_CERT", str(other))
+        untrusted = read(facts=dict([snapshot._fact_entry(*asking[1])]))["facts"]
+    finally:
+        for server in (plain, secure):
+            server.shutdown()
+            server.server_close()
+    answers = [cls().process(got[key]) for (cls, _), key in zip(asking, entries)]
+    assert answers == [["served"], True, digest, None, None]
+    assert mirror_facts.MirrorAnswers().process(next(iter(untrusted.values()))) is False
+    assert ("GET", "/v1/models", "Bearer k", None) in asked
+    assert ("HEAD", "/v2/sparkfleet/serve/manifests/1", None, facts.MANIFEST_ACCEPT) in asked

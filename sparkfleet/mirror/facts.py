@@ -9,6 +9,7 @@ from pyinfra.api import FactBase
 
 from sparkfleet import hostpaths
 from sparkfleet.facts import MANIFEST_ACCEPT
+from sparkfleet.hostread import HTTP_CLIENT
 
 
 class HostPython(FactBase["dict | None"]):
@@ -33,20 +34,31 @@ class HostPython(FactBase["dict | None"]):
 class RegistryManifest(FactBase["str | None"]):
     """The digest the registry at ``url`` holds for ``path:reference``, or None."""
 
-    def requires_command(self, url: str, path: str, reference: str, cacert: str) -> str:
-        return "curl"
-
     def command(self, url: str, path: str, reference: str, cacert: str) -> str:
-        q = shlex.quote
-        # A registry that is not up yet, or holds no such manifest, answers nothing.
-        return (
-            f"curl -sfI -m 10 --cacert {q(cacert)} -H {q('Accept: ' + MANIFEST_ACCEPT)} "
-            f"{q(f'{url}/v2/{path}/manifests/{reference}')} | tr -d '\\r' "
-            "| sed -n 's/^[Dd]ocker-[Cc]ontent-[Dd]igest: *//p'"
-        )
+        # A python3 program, so the snapshot reader asks it in its own process (no curl).
+        return f"python3 -c {shlex.quote(_MANIFEST)} " + " ".join(
+            map(shlex.quote, (url, f"/v2/{path}/manifests/{reference}", cacert, MANIFEST_ACCEPT)))
 
     def process(self, output):
         return output[0].strip() if output and output[0].startswith("sha256:") else None
+
+
+#: HEAD of a manifest: its digest, when the registry holds it (nothing when it is not up yet,
+#: or holds no such manifest).
+_MANIFEST = HTTP_CLIENT + r"""
+import sys
+from urllib.parse import urlsplit
+url, path, cacert, accept = sys.argv[1:]
+at = urlsplit(url)
+try:
+    where = (at.hostname, at.port or (443 if at.scheme == "https" else 80))
+    status, said, _ = http(where, path, ["Accept: " + accept], timeout=10, method="HEAD",
+                           cafile=cacert if at.scheme == "https" else None)
+except (OSError, ValueError, IndexError):
+    sys.exit()
+if status < 400 and said.get("docker-content-digest"):
+    print(said["docker-content-digest"])
+"""
 
 
 class MirrorAnswers(FactBase[bool]):
@@ -57,19 +69,29 @@ class MirrorAnswers(FactBase[bool]):
     def default():
         return False
 
-    def requires_command(self, registry: str, hf_port: int, hf_offline_port: int = 0) -> str:
-        return "curl"
-
     def command(self, registry: str, hf_port: int, hf_offline_port: int = 0) -> str:
-        return (
-            f"curl -sf -m 5 --cacert {hostpaths.REGISTRY_CERT} https://{registry}/v2/ >/dev/null && "
-            + "".join(f"curl -s -m 5 -o /dev/null http://127.0.0.1:{port}/ && " for port in (hf_port, hf_offline_port)
-                      if port)
-            + "echo yes || echo no"
-        )
+        ports = [str(int(port)) for port in (hf_port, hf_offline_port) if port]
+        return f"python3 -c {shlex.quote(_ANSWERS)} " + " ".join(
+            map(shlex.quote, (registry, hostpaths.REGISTRY_CERT, *ports)))
 
     def process(self, output):
         return bool(output) and output[-1].strip() == "yes"
+
+
+#: The registry answers /v2/ over TLS (status below 400) and each HF mirror answers at all.
+_ANSWERS = HTTP_CLIENT + r"""
+import sys
+from urllib.parse import urlsplit
+registry, cacert, ports = sys.argv[1], sys.argv[2], [int(p) for p in sys.argv[3:]]
+at = urlsplit("https://" + registry)
+try:
+    ok = http((at.hostname, at.port or 443), "/v2/", timeout=5, cafile=cacert)[0] < 400
+    for port in ports:
+        http(("127.0.0.1", port), "/", timeout=5)
+except (OSError, ValueError, IndexError):
+    ok = False
+print("yes" if ok else "no")
+"""
 
 
 class MirrorTrust(FactBase["list[str]"]):
