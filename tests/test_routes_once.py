@@ -75,3 +75,27 @@ def test_an_address_no_service_has_is_asked_alone(four):
     last = four[-1]
     assert fleet.source_toward(last, "10.0.0.99") == ""
     assert last.asked == [RouteSource]
+
+
+def test_the_routes_are_one_ip_batch_read_as_each_route_get_says(tmp_path):
+    """The command, run by sh here: the kernel's source toward each address asked (loopback
+    in two spellings), nothing for a name (which would end ip's batch) or an address without
+    a route; the answer of a batch that skipped an unreachable address still maps each line."""
+    import shutil
+    import subprocess
+
+    if shutil.which("ip") is None:
+        pytest.fail("iproute2's ip is needed here (DGX OS has it)")
+    asked = ["127.0.0.1", "spark-9.local", "0:0:0:0:0:0:0:1"]
+    command = RouteSources().command(addresses=asked)
+    assert command.count("ip ") == 1 and "spark-9.local" not in command.split("printf")[1]
+    said = subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=30).stdout
+    found = RouteSources().process(said.splitlines())
+    assert found["127.0.0.1"] == "127.0.0.1" and "spark-9.local" not in found
+    if "::1" in said:  # a host without IPv6 answers nothing for it
+        assert found["0:0:0:0:0:0:0:1"] == "::1"
+    skipped = ["asked 10.0.0.5 2001:db8::1 10.0.0.7",
+               "10.0.0.5 dev eth0 src 10.0.0.11 uid 1000 \\    cache ",
+               "10.0.0.7 via 10.0.0.1 dev eth0 src 10.0.0.11 uid 1000 \\    cache "]
+    assert RouteSources().process(skipped) == {"10.0.0.5": "10.0.0.11", "10.0.0.7": "10.0.0.11"}
+    assert RouteSource().process(skipped[:2]) == "10.0.0.11" and RouteSource().process(["asked x"]) == ""
