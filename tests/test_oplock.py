@@ -16,6 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from pyinfra.api.exceptions import OperationError
 
 from sparkfleet import oplock, remote, unlock
 from sparkfleet.hostpaths import OPERATOR_LOCK
@@ -89,6 +90,34 @@ def test_root_makes_the_lock_group_sudos_and_an_admin_login_takes_it_without_sud
     assert taken.returncode == 0 and json.loads(taken.stdout)["done"]
     assert json.loads(lock.read_text())["run"] == "run-a"
     assert as_login(public_dir / "missing", "show", {}, admins).returncode == oplock._NOT_MINE  # root makes it
+
+
+@pytest.mark.parametrize("login_may_write", [True, False])
+def test_ask_runs_the_program_as_the_login_and_through_sudo_only_where_it_may_not_write(
+        monkeypatch, tmp_path, login_may_write):
+    """A take costs no sudo where the login may write the lock; where the program says it may
+    not (exit 77, nothing printed), the same command once more through sudo."""
+    lock = tmp_path / "lock"
+    monkeypatch.setattr(oplock, "OPERATOR_LOCK", str(lock))
+    ran = []
+
+    def run(target, command, timeout=60, as_login=False, success_exit_codes=None, **_):
+        ran.append((str(command), as_login, success_exit_codes))
+        if as_login and not login_may_write:  # the program's exit 77: a success the caller asked for
+            return remote.Result(77 in success_exit_codes, [], [])
+        done = subprocess.run(["sh", "-c", str(command)], capture_output=True, text=True, timeout=30,
+                              env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
+        return remote.Result(done.returncode == 0, done.stdout.splitlines(), done.stderr.splitlines())
+
+    monkeypatch.setattr(remote, "run", run)
+    answer = oplock.ask(SimpleNamespace(name="spark-1"), "take", {"holder": asdict(holder("run-a")), "stale": ""})
+    assert answer["done"] and json.loads(lock.read_text())["run"] == "run-a"
+    assert [as_login for _, as_login, _ in ran] == ([True] if login_may_write else [True, False])
+    assert ran[0][2] == [0, oplock._NOT_MINE] and len({command for command, _, _ in ran}) == 1
+    lock.write_text("{not json")
+    monkeypatch.setattr(oplock, "_PROGRAM", "import sys; sys.exit('the lock program broke')")
+    with pytest.raises(OperationError, match="the lock program failed: the lock program broke"):
+        oplock.ask(SimpleNamespace(name="spark-1"), "show", {})
 
 
 def test_another_run_is_refused_and_told_who_holds_it(tmp_path):
