@@ -51,6 +51,28 @@ class FreeSpace(FactBase["dict[str, object]"]):
         return {"mount": fields[5], "free": int(fields[3])}
 
 
+class DockerAnswers(FactBase[bool]):
+    """Whether the Docker daemon answers. The snapshot reader asks dockerd's Engine API
+    ``/_ping`` in its own process: ``docker info`` (/info) and ``docker version`` (/version)
+    both make dockerd start runc and docker-init for their versions, ~30 ms of a host's
+    CPU. Alone (no reader), the CLI asks."""
+
+    engine_path = ("/_ping", None)  # the body as it is: "OK"
+
+    @staticmethod
+    def default():
+        return False
+
+    def requires_command(self) -> str:
+        return "docker"
+
+    def command(self) -> str:
+        return "docker version --format '{{.Server.Version}}' >/dev/null 2>&1 && echo OK || true"
+
+    def process(self, output):
+        return "OK" in (line.strip() for line in output)
+
+
 class Memory(FactBase["dict[str, int]"]):
     """MemTotal and MemAvailable in bytes (pyinfra's ``hardware.Memory`` has no MemAvailable)."""
 

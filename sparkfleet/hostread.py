@@ -27,16 +27,18 @@ DOCKER_SOCKET = "/var/run/docker.sock"
 #: pyinfra's docker facts that the program asks the Docker Engine API for, in its own
 #: process: the docker CLI prints the API's JSON, and each start of it costs a host ~30 ms
 #: of CPU (7 of them were half a converged run's read). Per fact: its API path, and whether
-#: the CLI prints a list (an inspect: [] when there is no such object).
+#: the CLI prints a list (an inspect: [] when there is no such object; None: the answer's
+#: body as it is, for a fact of ours).
 _ENGINE = {DockerImage: lambda object_id: (f"/images/{quote(object_id, safe='/:@')}/json", True),
            DockerContainer: lambda object_id: (f"/containers/{quote(object_id, safe='/:@')}/json", True),
            DockerSystemInfo: lambda: ("/info", False)}
 
 
-def engine_request(cls, args: dict) -> tuple[str, bool] | None:
-    """(API path, printed as a list) for a pyinfra fact the program asks dockerd for, or None."""
+def engine_request(cls, args: dict) -> tuple[str, bool | None] | None:
+    """(API path, printed as a list) for a fact the program asks dockerd for, or None: one of
+    pyinfra's above, or one of ours that names it (``engine_path``, a fact without arguments)."""
     made = _ENGINE.get(cls)
-    return made(**args) if made else None
+    return made(**args) if made else getattr(cls, "engine_path", None)
 
 
 #: Python source of the host programs (this reader, status', the facts that ask a server):
@@ -125,6 +127,9 @@ unanswered = []
 for key, asked in want["engine"].items():
     try:
         status, body = http_get(want["docker_socket"], asked[0])
+        if status == 200 and asked[1] is None:
+            out["facts"][key] = body.decode(errors="replace").splitlines()
+            continue
         if status == 200 or (status == 404 and asked[1]):
             doc = json.loads(body) if status == 200 else None
             out["facts"][key] = json.dumps(([doc] if doc else []) if asked[1] else doc).splitlines()

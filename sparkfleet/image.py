@@ -22,7 +22,7 @@ from pyinfra.facts.docker import DockerImage, DockerSystemInfo
 
 from sparkfleet import mirror, remote, snapshot
 from sparkfleet.config import Settings
-from sparkfleet.facts import MANIFEST_ACCEPT, ContainerdRoot, ManifestSize
+from sparkfleet.facts import MANIFEST_ACCEPT, ContainerdRoot, DockerAnswers, ManifestSize
 from sparkfleet.fleet import host_mirror
 from sparkfleet.hostpaths import HF_ENV, RUNTIME_DIR, registry_ca_path
 from sparkfleet.imagename import ImageName, upstream_registry_url
@@ -37,7 +37,7 @@ def pinned_digest(reference: str) -> str | None:
 def reads(settings: Settings) -> list[tuple]:
     """The facts this step reads while the deploy plans (read in the preflight's batch): a
     host that holds the image asks nothing else (each is a docker command on the host)."""
-    return [(DockerImage, {"object_id": local_image(settings)}), (DockerSystemInfo, {})]
+    return [(DockerImage, {"object_id": local_image(settings)}), (DockerAnswers, {})]
 
 
 def _digests(ref: str) -> list[str] | None:
@@ -124,8 +124,10 @@ def disk_needs(settings: Settings) -> dict[str, float]:
     GiB}. The classic store keeps the unpacked layers under DockerRootDir (each compressed
     layer is deleted once unpacked); the containerd store keeps both under containerd's
     root. Nothing when the image is there or docker does not answer (the preflight says so)."""
-    store = image_store()
-    if store is None or _holds(local_image(settings), pinned_digest(settings.image)) or is_present(settings.image):
+    if _holds(local_image(settings), pinned_digest(settings.image)) or is_present(settings.image):
+        return {}
+    store = image_store()  # docker info: only for an image still to come
+    if store is None:
         return {}
     size = sizes(settings)
     return {store["path"]: size.unpacked_gib + (size.compressed_gib if store["containerd"] else 0.0)}

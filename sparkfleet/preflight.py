@@ -17,13 +17,13 @@ from dataclasses import dataclass, field, replace
 from pyinfra import host, logger, state
 from pyinfra.api import operation
 from pyinfra.context import ctx_host
-from pyinfra.facts.docker import DockerContainer, DockerSystemInfo
+from pyinfra.facts.docker import DockerContainer
 from pyinfra.facts.files import File
 from pyinfra.facts.server import Arch
 
 from sparkfleet import credentials, endpoint, haproxy, hybrid, image, link, mirror, remote, service, snapshot, weights
 from sparkfleet.config import Settings
-from sparkfleet.facts import BootTarget, FreeSpace, Memory
+from sparkfleet.facts import BootTarget, DockerAnswers, FreeSpace, Memory
 from sparkfleet.fleet import fleet_settings, host_mirror, host_pair, once
 from sparkfleet.gpu import Gpu
 from sparkfleet.hostpaths import (
@@ -118,7 +118,7 @@ def host_findings(settings: Settings) -> Findings:
         if not gpu["driver_version"] or gpu["driver_version"].startswith("["):
             found.problems.append("nvidia-smi reports no driver version: reinstall the NVIDIA driver")
 
-    if not (snapshot.fact(DockerSystemInfo, _ignore_errors=True) or {}).get("DockerRootDir"):
+    if not snapshot.fact(DockerAnswers, _ignore_errors=True):
         found.problems.append(
             "docker is missing or its daemon does not answer: install docker and run "
             "`systemctl enable --now docker`"

@@ -71,7 +71,8 @@ class RouteSource(FactBase[str]):
         return _route_command([address])
 
     def process(self, output):
-        return next(iter(_sources(output).values()), "")
+        routes = (line.split() for line in output if not line.startswith("asked "))
+        return next((f[f.index("src") + 1] for f in routes if "src" in f[:-1]), "")
 
 
 class RouteSources(FactBase["dict[str, str]"]):

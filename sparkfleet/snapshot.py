@@ -159,7 +159,7 @@ def fact(cls, **kwargs):
 def _read(kind: str, key: str):
     """What the host holds for ``key``: read with everything declared and not read yet,
     in one command, the first time any of it is asked for."""
-    once("snapshot forgets", lambda: host.state.add_callback_handler(_Forget()))
+    once("snapshot forgets", lambda: [host.state.add_callback_handler(c) for c in (_Forget(), _KeepAsked())])
     wanted = _wanted(host.name)
     if kind != "facts":
         getattr(wanted, kind).add(key)  # one nobody declared is read too
@@ -170,9 +170,9 @@ def _read(kind: str, key: str):
     return known[kind][key]
 
 
-def _asked() -> set[tuple[str, str]]:
-    """(kind, key) of every answer this run's operations asked of the current host."""
-    return once(("snapshot asked", host.name), set)
+def _asked(name: str | None = None, state=None) -> set[tuple[str, str]]:
+    """(kind, key) of every answer this run's operations asked of the current host (``name``)."""
+    return once(("snapshot asked", name or host.name), set, state)
 
 
 def _read_unread(wanted: _Wanted, known: dict, asking: tuple[str, str] | None = None) -> None:
@@ -206,6 +206,27 @@ def _read_unread(wanted: _Wanted, known: dict, asking: tuple[str, str] | None = 
 
 # --- hints: what a host's later reads asked, kept on the controller ---------------------------
 
+
+class _KeepAsked(BaseStateCallback):
+    """After a host's last operation, its hint loses what this run did not ask: a hint that
+    names what no step asks any more (``docker info``, which only an image still to come
+    needs) would otherwise be read by every run after, a converged run keeping no hint."""
+
+    @staticmethod
+    def operation_host_success(state, host, op_hash, retry_count=0):
+        if not host.op_hash_order or host.op_hash_order[-1] != op_hash:
+            return
+        asked = _asked(host.name, state)
+        try:
+            doc = json.loads(_hint_path(host).read_text())
+        except (OSError, ValueError):
+            return
+        if all((kind, key) in asked for kind in _KINDS for key in doc.get(kind, [])):
+            return
+        _keep_hint(_Wanted(*({key for k, key in asked if k == kind} for kind in _KINDS if kind != "facts"),
+                           facts={key: "" for k, key in asked if k == "facts"}), host)
+
+
 #: Where the controller keeps, per host, what its reads after the first asked in the last
 #: run: the steps declare much of it after the preflight's read, so a converged run would
 #: read each host twice. A hint names paths, units and facts, never a value: every answer
@@ -214,8 +235,9 @@ HINTS = Path(__file__).resolve().parents[1] / ".sparkfleet" / "snapshot-hints"
 _HINTED_MODULES = ("sparkfleet.", "pyinfra.facts.")
 
 
-def _hint_path() -> Path:
-    key = f"{host.name} {host.data.get('ssh_hostname') or ''}"  # two fleets may name hosts alike
+def _hint_path(target=None) -> Path:
+    target = target or host
+    key = f"{target.name} {target.data.get('ssh_hostname') or ''}"  # two fleets may name hosts alike
     return HINTS / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
@@ -244,9 +266,9 @@ def _entry_of(key: str) -> tuple[str, str] | None:
     return entry if entry[0] == key else None
 
 
-def _keep_hint(wanted: _Wanted) -> None:
+def _keep_hint(wanted: _Wanted, target=None) -> None:
     doc = {k: sorted(getattr(wanted, k)) for k in _KINDS if k != "facts"} | {"facts": sorted(wanted.facts)}
-    path = _hint_path()
+    path = _hint_path(target)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         kept = path.with_suffix(f".{os.getpid()}.tmp")

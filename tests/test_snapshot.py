@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -151,6 +152,52 @@ def test_a_hosts_later_reads_come_with_its_first_read_of_the_next_run(monkeypatc
     assert len(run()) == 1
 
 
+def test_a_hint_loses_what_a_run_did_not_ask_after_the_hosts_last_operation(monkeypatch):
+    """A later read keeps what it asked for the next run's first read; a run that no longer
+    asks something (docker info once the image is there) drops it from the hint after the
+    host's last operation, and a hint that asked nothing stale is left as it was."""
+    from pyinfra.context import ctx_host
+    from support.fleetdata import fake_state
+
+    name = "@fake/hint-drop"
+
+    def run(later: bool) -> list[dict]:
+        asked = []
+        with fake_state([name]) as state:
+            target = state.inventory.get_host(name)
+
+            def get_fact(cls, want):
+                asked.append(json.loads(want))
+                got = json.loads(want)
+                return {k: {n: None for n in got[k]} for k in snapshot._KINDS} | {"cpus": 2}
+
+            monkeypatch.setattr(target, "get_fact", get_fact)
+            with ctx_host.use(target):
+                snapshot.expect(files=["/a"])
+                snapshot.file_state("/a")
+                if later:
+                    snapshot.expect(texts=["/info"])  # a later step's, this run only
+                    snapshot.text("/info")
+            target.op_hash_order = ["op-1", "op-last"]
+            hint = snapshot._hint_path(target)
+            before = hint.read_text()
+            snapshot._KeepAsked.operation_host_success(state, target, "op-1")  # not its last: as it was
+            assert hint.read_text() == before
+            snapshot._KeepAsked.operation_host_success(state, target, "op-last")
+        return asked
+
+    hint = snapshot._hint_path(SimpleNamespace(name=name, data={}))
+    hint.unlink(missing_ok=True)
+    assert len(run(later=True)) == 2  # the hint is kept by the later read
+    first = run(later=False)  # the hint brings /info along; nobody asks it: dropped after the last op
+    assert len(first) == 1 and "/info" in first[0]["texts"]
+    assert "/info" not in json.loads(hint.read_text())["texts"] and "/a" in json.loads(hint.read_text())["files"]
+    kept = hint.stat().st_mtime_ns
+    again = run(later=False)
+    assert len(again) == 1 and "/info" not in again[0]["texts"]
+    assert hint.stat().st_mtime_ns == kept  # nothing stale: not written again
+
+
 def test_after_a_change_what_was_asked_already_is_read_again_only_when_asked_again(monkeypatch):
     """A change drops the host's snapshot; the next read takes what is asked now and what
     nobody asked yet, not the answers earlier operations have used (a first deploy read
@@ -192,8 +239,11 @@ def test_docker_facts_are_read_through_the_engine_api_as_the_cli_prints_them(tmp
 
     from pyinfra.facts.docker import DockerContainer, DockerImage, DockerSystemInfo
 
+    from sparkfleet.facts import DockerAnswers
+
     image = {"Id": "sha256:" + "ab" * 32, "RepoDigests": ["r/x@sha256:" + "cd" * 32]}
-    answers = {"/images/r/x:1@sha256:" + "cd" * 32 + "/json": image, "/info": {"DockerRootDir": "/var/lib/docker"}}
+    answers = {"/images/r/x:1@sha256:" + "cd" * 32 + "/json": image, "/info": {"DockerRootDir": "/var/lib/docker"},
+               "/_ping": "OK"}
     asked = []
     order = tmp_path / "order"
 
@@ -202,7 +252,8 @@ def test_docker_facts_are_read_through_the_engine_api_as_the_cli_prints_them(tmp
             asked.append(self.path)
             with order.open("a") as f:
                 f.write("engine\n")
-            body = json.dumps(answers.get(self.path, {"message": "No such object"})).encode()
+            found = answers.get(self.path, {"message": "No such object"})
+            body = (found if isinstance(found, str) else json.dumps(found)).encode()
             self.send_response(200 if self.path in answers else 404)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -217,7 +268,7 @@ def test_docker_facts_are_read_through_the_engine_api_as_the_cli_prints_them(tmp
             return request, ("local", 0)
 
     facts = [(DockerImage, {"object_id": "r/x:1@sha256:" + "cd" * 32}), (DockerImage, {"object_id": "r/none"}),
-             (DockerContainer, {"object_id": "sparkfleet-serve"}), (DockerSystemInfo, {})]
+             (DockerContainer, {"object_id": "sparkfleet-serve"}), (DockerSystemInfo, {}), (DockerAnswers, {})]
     entries = dict(snapshot._fact_entry(cls, kwargs) for cls, kwargs in facts)
     monkeypatch.setattr(hostread, "DOCKER_SOCKET", str(tmp_path / "docker.sock"))
     with Server(hostread.DOCKER_SOCKET, Engine) as server:
@@ -226,11 +277,11 @@ def test_docker_facts_are_read_through_the_engine_api_as_the_cli_prints_them(tmp
             got = read(facts={**entries, "shell": f"echo shell >> {order}"})["facts"]
         finally:
             server.shutdown()
-    assert order.read_text().split() == ["shell"] + ["engine"] * 4
-    found, none, container, info = (cls().process(got[key]) for (cls, _), key in zip(facts, entries))
+    assert order.read_text().split() == ["shell"] + ["engine"] * 5
+    found, none, container, info, server = (cls().process(got[key]) for (cls, _), key in zip(facts, entries))
     assert found == [image] and none == [] and container == []
-    assert info == {"DockerRootDir": "/var/lib/docker"}
-    assert len(asked) == 4 and "/containers/sparkfleet-serve/json" in asked
+    assert info == {"DockerRootDir": "/var/lib/docker"} and server is True
+    assert len(asked) == 5 and "/containers/sparkfleet-serve/json" in asked and "/_ping" in asked
 
     # No daemon here: each fact's own command (docker missing: pyinfra's marker, its default).
     monkeypatch.setattr(hostread, "DOCKER_SOCKET", str(tmp_path / "gone.sock"))
