@@ -57,10 +57,10 @@ class _Wanted:
 _FIRST = _Wanted()
 
 
-def _wanted(name: str) -> _Wanted:
+def _wanted(name: str, state=None) -> _Wanted:
     return once(("snapshot wanted", name), lambda: _Wanted(
         *(set(getattr(_FIRST, k)) for k in ("files", "texts", "trees", "units", "programs", "sizes")),
-        facts=dict(_FIRST.facts)))
+        facts=dict(_FIRST.facts)), state)
 
 
 def expect_first(*, files=(), texts=(), units=(), programs=(), facts=()) -> None:
@@ -170,9 +170,9 @@ def _read(kind: str, key: str):
     return known[kind][key]
 
 
-def _asked(name: str | None = None, state=None) -> set[tuple[str, str]]:
-    """(kind, key) of every answer this run's operations asked of the current host (``name``)."""
-    return once(("snapshot asked", name or host.name), set, state)
+def _asked() -> set[tuple[str, str]]:
+    """(kind, key) of every answer this run's operations asked of the current host."""
+    return once(("snapshot asked", host.name), set)
 
 
 def _read_unread(wanted: _Wanted, known: dict, asking: tuple[str, str] | None = None) -> None:
@@ -208,23 +208,24 @@ def _read_unread(wanted: _Wanted, known: dict, asking: tuple[str, str] | None = 
 
 
 class _KeepAsked(BaseStateCallback):
-    """After a host's last operation, its hint loses what this run did not ask: a hint that
-    names what no step asks any more (``docker info``, which only an image still to come
-    needs) would otherwise be read by every run after, a converged run keeping no hint."""
+    """After a host's last operation, its hint loses what this run neither declared nor
+    asked: a hint that names what no step asks any more (``docker info``, which only an
+    image still to come needs) would otherwise be read by every run after, a converged
+    run having no later read that keeps a hint."""
 
     @staticmethod
     def operation_host_success(state, host, op_hash, retry_count=0):
         if not host.op_hash_order or host.op_hash_order[-1] != op_hash:
             return
-        asked = _asked(host.name, state)
+        wanted = _wanted(host.name, state)  # declared, and asked (a read adds what it asks)
         try:
             doc = json.loads(_hint_path(host).read_text())
         except (OSError, ValueError):
             return
-        if all((kind, key) in asked for kind in _KINDS for key in doc.get(kind, [])):
+        if all(key in (wanted.facts if kind == "facts" else getattr(wanted, kind))
+               for kind in _KINDS for key in doc.get(kind, [])):
             return
-        _keep_hint(_Wanted(*({key for k, key in asked if k == kind} for kind in _KINDS if kind != "facts"),
-                           facts={key: "" for k, key in asked if k == "facts"}), host)
+        _keep_hint(wanted, host)
 
 
 #: Where the controller keeps, per host, what its reads after the first asked in the last
