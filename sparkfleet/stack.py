@@ -325,9 +325,9 @@ def status_command(settings: Settings) -> str:
     names = packages(settings)
     return "; ".join([
         StackPackages().command(names) if names else "true",
-        # The shell's own read, no program started (each costs a host a fork and an exec).
-        'read -r k < /proc/sys/kernel/osrelease; echo "kernel $k"',
+        'echo "kernel $(uname -r)"',
         "for f in /boot/vmlinuz-*; do [ -e \"$f\" ] && echo \"image ${f#/boot/vmlinuz-}\"; done",
+        # The shell's own read, no program started (each costs a host a fork and an exec).
         f"[ -r {KERNEL_PIN} ] && while IFS= read -r l || [ -n \"$l\" ]; do case \"$l\" in "
         f'GRUB_DEFAULT=*) echo "pinned ${{l#GRUB_DEFAULT=}}";; esac; done < {KERNEL_PIN}; true',
     ])
