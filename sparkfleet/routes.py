@@ -46,6 +46,11 @@ def _route_command(addresses: list[str]) -> str:
             + "true")
 
 
+def _src(fields: list[str]) -> str | None:
+    """The ``src`` of one route's fields, None when it names none."""
+    return fields[fields.index("src") + 1] if "src" in fields[:-1] else None
+
+
 def _sources(output: list[str]) -> dict[str, str]:
     """Of the asked addresses, each one's source address on its route (``src``; the first
     route's), from :func:`_route_command`'s answer; an address without a route is absent."""
@@ -54,8 +59,8 @@ def _sources(output: list[str]) -> dict[str, str]:
     for line in output:
         fields = line.split()
         to = next((_ip(f) for f in fields[:2] if _ip(f)), None)  # "local ::1 ..." names its kind first
-        if to is not None and "src" in fields[:-1]:
-            found.setdefault(to, fields[fields.index("src") + 1])
+        if to is not None and _src(fields):
+            found.setdefault(to, _src(fields))
     return {a: found[_ip(a)] for a in asked if _ip(a) in found}
 
 
@@ -72,7 +77,7 @@ class RouteSource(FactBase[str]):
 
     def process(self, output):
         routes = (line.split() for line in output if not line.startswith("asked "))
-        return next((f[f.index("src") + 1] for f in routes if "src" in f[:-1]), "")
+        return next(filter(None, map(_src, routes)), "")
 
 
 class RouteSources(FactBase["dict[str, str]"]):

@@ -159,7 +159,7 @@ def fact(cls, **kwargs):
 def _read(kind: str, key: str):
     """What the host holds for ``key``: read with everything declared and not read yet,
     in one command, the first time any of it is asked for."""
-    once("snapshot forgets", lambda: [host.state.add_callback_handler(c) for c in (_Forget(), _KeepAsked())])
+    once("snapshot forgets", lambda: [host.state.add_callback_handler(c) for c in (_Forget(), _DropStale())])
     wanted = _wanted(host.name)
     if kind != "facts":
         getattr(wanted, kind).add(key)  # one nobody declared is read too
@@ -207,7 +207,7 @@ def _read_unread(wanted: _Wanted, known: dict, asking: tuple[str, str] | None = 
 # --- hints: what a host's later reads asked, kept on the controller ---------------------------
 
 
-class _KeepAsked(BaseStateCallback):
+class _DropStale(BaseStateCallback):
     """After a host's last operation, its hint loses what this run neither declared nor
     asked: a hint that names what no step asks any more (``docker info``, which only an
     image still to come needs) would otherwise be read by every run after, a converged

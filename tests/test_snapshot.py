@@ -181,9 +181,9 @@ def test_a_hint_loses_what_a_run_did_not_ask_after_the_hosts_last_operation(monk
             target.op_hash_order = ["op-1", "op-last"]
             hint = snapshot._hint_path(target)
             before = hint.read_text()
-            snapshot._KeepAsked.operation_host_success(state, target, "op-1")  # not its last: as it was
+            snapshot._DropStale.operation_host_success(state, target, "op-1")  # not its last: as it was
             assert hint.read_text() == before
-            snapshot._KeepAsked.operation_host_success(state, target, "op-last")
+            snapshot._DropStale.operation_host_success(state, target, "op-last")
         return asked
 
     hint = snapshot._hint_path(SimpleNamespace(name=name, data={}))
