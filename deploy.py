@@ -3,10 +3,11 @@
     pyinfra inventory/sparks.py deploy.py [--data profile=dense]
 
 sparkfleet.lock (the bytes each tag and branch stands for) -> the stack held -> preflight ->
-the stack's declared versions (rolled through the gate) -> NVIDIA container
-runtime -> the ConnectX-7 link of a pair -> mirror (one host serves the image and the weights
-to the others) -> serving image -> cached weights -> hybrid build -> systemd unit for the
-profile (a pair: one rank each) -> READY (-> post-deploy checks, with --data checks=...).
+the stack's declared versions (rolled through the gate) -> NVIDIA container runtime -> the
+ConnectX-7 link of a pair -> mirror (one host serves the image and the weights to the
+others; the weights start across the WAN) -> OOM guard and watchdog -> serving image ->
+cached weights -> hybrid build -> systemd unit for the profile (a pair: one rank each) ->
+READY (-> post-deploy checks, with --data checks=...).
 Every host's data is validated first: a bad value stops the run before any host changes.
 """
 
@@ -48,10 +49,11 @@ else:
         stack.upgraded(settings, pair)  # declared versions: drain, upgrade, reboot if need be, READY, gate, back
         member = link.joined(settings, pair) if pair else None  # a pair's ConnectX-7 link: netplan, peers answer
         container_runtime.configured(settings)
+        host_files = service.host_files(settings)  # runtime/ copy and 0600 secrets (the mirror's HF token)
+        mirror_ops = mirror.configured(settings)  # fleet_mirror: served, trusted or off; the WAN starts here
+        # While the weights cross the WAN: what must be in place before an engine starts.
         oomguard.configured(settings)  # earlyoom: the engine, not the host, when memory runs out
         watchdog.configured(settings)  # progress, not liveness; memory pressure: drained, restarted or stopped
-        host_files = service.host_files(settings)  # runtime/ copy and 0600 secrets
-        mirror_ops = mirror.configured(settings)  # fleet_mirror: served, trusted or off
         pulled = image.present(settings)
         cached = weights.fetched(settings)
         mirror.track(settings, mirror_ops, pulled, cached, weights.repo_dirs(settings))

@@ -53,6 +53,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench_scale import write_json  # noqa: E402 - benchmarks/ is this script's own directory
+from bench_scale import host_cpu_s, write_json  # noqa: E402 - benchmarks/ is this script's own directory
 
 INVENTORY = "inventory/testbed.py"  # reads this instance's hosts.json
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -92,12 +93,39 @@ def cpu_times() -> tuple[int, int]:
     return sum(fields) - idle, sum(fields)
 
 
+class Sampler(threading.Thread):
+    """Every SAMPLE_S while the deploy runs: the WAN's bytes on the wire so far, how busy the
+    machine was and each host's CPU seconds, so that a slow phase shows whether the WAN
+    idled or the cores were full (and whose)."""
+
+    def __init__(self, tb) -> None:
+        super().__init__(daemon=True)
+        self.tb, self.samples, self.done = tb, [], threading.Event()
+
+    def run(self) -> None:
+        from sparkfleet.testbed import shaping
+
+        started, last = time.monotonic(), cpu_times()
+        while not self.done.wait(SAMPLE_S):
+            now = cpu_times()
+            busy = (now[0] - last[0]) / max(1, now[1] - last[1])
+            last = now
+            self.samples.append({"t": round(time.monotonic() - started, 1), "wan_wire": shaping.wan_wire_bytes(),
+                                 "busy": round(busy, 3),
+                                 "hosts_cpu_s": {k: round(v, 2) for k, v in host_cpu_s(self.tb.names).items()}})
+
+
+SAMPLE_S = 5.0
+
+
 def first_deploy(tb, logs: Path, label: str, extra: list[str]) -> dict[str, Any]:
     """Run pyinfra, timestamping each line of its output; wall time, rc and op timeline."""
     log_path = logs / f"{label}.log"
     cmd = [sys.executable, "-m", "pyinfra", "-y", INVENTORY, "deploy.py", *extra]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     ops: list[tuple[float, str]] = []
+    sampler = Sampler(tb)
+    sampler.start()
     started = time.monotonic()
     with open(log_path, "w", buffering=1) as log:  # line by line: the log can be watched
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -113,12 +141,14 @@ def first_deploy(tb, logs: Path, label: str, extra: list[str]) -> dict[str, Any]
                 proc.kill()
         rc = proc.wait()
     wall = time.monotonic() - started
+    sampler.done.set()
+    sampler.join()
     timeline = [{"op": name, "start_s": round(t, 1), "seconds": round((ops[i + 1][0] if i + 1 < len(ops) else wall) - t, 1)}
                 for i, (t, name) in enumerate(ops)]
     if rc != 0:
         tail = log_path.read_text(errors="replace").rstrip().splitlines()[-15:]
         print("      " + "\n      ".join(tail), file=sys.stderr, flush=True)
-    return {"rc": rc, "wall_s": round(wall, 1), "log": str(log_path), "ops": timeline}
+    return {"rc": rc, "wall_s": round(wall, 1), "log": str(log_path), "ops": timeline, "samples": sampler.samples}
 
 
 def task_windows(tb) -> dict[str, dict[str, list[float]]]:

@@ -35,6 +35,21 @@ def test_a_fresh_gb10_plans_every_step_in_order():
     assert positions == sorted(positions), out
 
 
+def test_the_weights_start_across_the_wan_before_the_hosts_own_setup():
+    # The WAN is a first deploy's bound: the mirror starts its fetch before the steps that
+    # move no bytes (OOM guard, watchdog), which then run while the bytes come.
+    out = changes(plan("gb10"))
+    steps = [
+        "HF token in a 0600 file",  # olah forwards it upstream
+        "the HF mirror fetches every file of the locked commits",
+        "earlyoom installed",
+        "watchdog program",
+        "serving image present",
+    ]
+    positions = [out.index(step) for step in steps]
+    assert positions == sorted(positions), out
+
+
 def test_a_wrong_gpu_plans_only_its_failing_preflight():
     out = changes(plan("gb10,h100"))
     preflight_line = next(line for line in out.splitlines() if line.strip().startswith("preflight:"))
