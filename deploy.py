@@ -51,9 +51,10 @@ else:
         container_runtime.configured(settings)
         host_files = service.host_files(settings)  # runtime/ copy and 0600 secrets (the mirror's HF token)
         mirror_ops = mirror.configured(settings)  # fleet_mirror: served, trusted or off; the WAN starts here
-        # While the weights cross the WAN: what must be in place before an engine starts.
+        # While the image and the weights cross the WAN: what must be in place before an engine starts.
         oomguard.configured(settings)  # earlyoom: the engine, not the host, when memory runs out
         watchdog.configured(settings)  # progress, not liveness; memory pressure: drained, restarted or stopped
+        mirror_ops += mirror.copied(settings)  # the image in the mirror's registry, then down the relays
         pulled = image.present(settings)
         cached = weights.fetched(settings)
         mirror.track(settings, mirror_ops, pulled, cached, weights.repo_dirs(settings))

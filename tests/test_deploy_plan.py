@@ -35,15 +35,18 @@ def test_a_fresh_gb10_plans_every_step_in_order():
     assert positions == sorted(positions), out
 
 
-def test_the_weights_start_across_the_wan_before_the_hosts_own_setup():
-    # The WAN is a first deploy's bound: the mirror starts its fetch before the steps that
-    # move no bytes (OOM guard, watchdog), which then run while the bytes come.
-    out = changes(plan("gb10"))
+def test_the_wan_starts_before_the_hosts_own_setup():
+    # The WAN is a first deploy's bound: the mirror starts both artifacts across it before
+    # the steps that move no bytes (OOM guard, watchdog), which run while the bytes come;
+    # only then does the deploy wait for the image.
+    out = changes(plan("gb10,gb10"))
     steps = [
         "HF token in a 0600 file",  # olah forwards it upstream
         "the HF mirror fetches every file of the locked commits",
+        "serving image copy from upstream started",
         "earlyoom installed",
         "watchdog program",
+        "serving image copied from upstream",
         "serving image present",
     ]
     positions = [out.index(step) for step in steps]

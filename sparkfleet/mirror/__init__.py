@@ -7,6 +7,9 @@ is the mirror, and every host (the mirror too) downloads from it over the LAN, i
 * the image through a registry holding a byte-exact copy of it
   (:mod:`sparkfleet.mirror.registry`); hosts pull it by digest.
 
+Both start crossing the WAN in :func:`configured`; :func:`copied` waits for the image
+(the hosts' own setup runs between them).
+
 The mirror host runs both (:mod:`sparkfleet.mirror.server`); every host trusts the
 registry's certificate (:mod:`sparkfleet.mirror.tls`) and checks the mirror answers
 before it fetches (:mod:`sparkfleet.mirror.clients`); the deploy prints what came from
@@ -25,7 +28,7 @@ from sparkfleet.mirror.clients import answers
 from sparkfleet.mirror.names import hf_endpoint, hf_offline_endpoint, image_reference, local_image
 from sparkfleet.mirror.report import track
 
-__all__ = ["answers", "configured", "disk_needs", "hf_endpoint", "hf_offline_endpoint", "holds",
+__all__ = ["answers", "configured", "copied", "disk_needs", "hf_endpoint", "hf_offline_endpoint", "holds",
            "image_reference", "local_image", "track"]
 
 
@@ -49,6 +52,15 @@ def configured(settings: Settings) -> list:
     else:
         ops.append(clients.former_mirror_stopped(name="former mirror: its services stopped", mirror=mirror))
     return ops
+
+
+@deploy("Mirror")
+def copied(settings: Settings) -> list:
+    """On the mirror host and the relays: the serving image in the registry, from upstream
+    (the copy :func:`configured` started) and down the relays. Returns the operations it
+    declared."""
+    mirror = host_mirror()
+    return server.copied(settings, mirror) if mirror and mirror.is_self else []
 
 
 @deploy("Mirror")

@@ -23,6 +23,7 @@ from pyinfra import host
 from pyinfra.api import operation
 
 from sparkfleet import apt, remote, snapshot
+from sparkfleet.fleet import once
 from sparkfleet.hostpaths import (
     DOCKER_AUTH,
     REGISTRY_CERT,
@@ -33,7 +34,7 @@ from sparkfleet.imagename import ImageName
 from sparkfleet.mirror.facts import RegistryManifest
 from sparkfleet.mirror.report import report_of
 from sparkfleet.mirrors import Mirror
-from sparkfleet.tasks import detached
+from sparkfleet.tasks import detached, started
 
 
 def installed(apt_repo: str | None, apt_key_url: str | None, **op_args):
@@ -72,6 +73,23 @@ def held(image: str, mirror: Mirror) -> dict:
 
 
 @operation()
+def copy_started(image: str, sources: list[str], result_dir: str, mirror: Mirror):
+    """
+    Start the fleet mirror's copy of the serving image from upstream, and go on.
+
+    + image / sources / result_dir / mirror: as :func:`image_copied`, turn 0, which waits
+      for it and reads its result
+
+    The copy is bound by the WAN (~21 GB on a real fleet's 1 Gb/s, minutes); the hosts'
+    steps that move no bytes run while it goes instead of after it.
+    """
+    if _held(image, mirror):
+        return
+    _started_this_run().add(host.name)
+    yield started("image-copy", _copy_task(image, sources, result_dir, mirror))
+
+
+@operation()
 def image_copied(image: str, sources: list[str], result_dir: str, mirror: Mirror, turn: int = 0):
     """
     Copy the serving image, byte for byte, into the mirror registry unless it holds it.
@@ -84,13 +102,35 @@ def image_copied(image: str, sources: list[str], result_dir: str, mirror: Mirror
     + turn: the relays' turn this operation is: a mirror copies in the turn of its depth,
       once the ones above it hold the image, and waits in the others
     """
-    name = ImageName.parse(image)
     if turn != mirror.depth:
         host.noop(f"copies in turn {mirror.depth}, not {turn}")
         return
+    # A copy :func:`copy_started` began is waited on (the same task), also when it ended
+    # before this operation asks: its result is read and its unit cleared here.
+    if host.name not in _started_this_run() and _held(image, mirror):
+        return
+    yield detached("image-copy", _copy_task(image, sources, result_dir, mirror),
+                   diagnose=lambda tail: copy_failure(tail, image, sources[-1]))
+    if not mirror.upstream:  # what crossed the WAN: the fleet's mirror's copy
+        yield remote.callback(_record_copy, f"{result_dir}/image-copy-bytes")
+
+
+def _started_this_run() -> set[str]:
+    """The hosts whose copy :func:`copy_started` started in this run."""
+    return once("image copies started", set)
+
+
+def _held(image: str, mirror: Mirror) -> bool:
+    name = ImageName.parse(image)
     if snapshot.fact(RegistryManifest, **held(image, mirror)):  # read with the rest, unless this run changed the host
         host.noop(f"the mirror registry holds {name.path}@{name.digest or name.tag}")
-        return
+        return True
+    return False
+
+
+def _copy_task(image: str, sources: list[str], result_dir: str, mirror: Mirror) -> str:
+    """The copy's shell command: from each source in turn, and the bytes it stored."""
+    name = ImageName.parse(image)
     q = shlex.quote
     storage = q(mirror_registry_storage(result_dir))
     result = q(f"{result_dir}/image-copy-bytes")
@@ -101,11 +141,7 @@ def image_copied(image: str, sources: list[str], result_dir: str, mirror: Mirror
     # What came from upstream, measured: the registry stores blobs (and manifests) as fetched,
     # each in a file named data.
     stored = f"find {storage} -type f -name data -printf '%s\\n' | awk '{{s += $1}} END {{print s + 0}}'"
-    yield detached("image-copy", f"rm -f {result}; before=$({stored}) && ( {copy} ) && "
-                                 f"echo $(( $({stored}) - before )) > {result}",
-                   diagnose=lambda tail: copy_failure(tail, image, sources[-1]))
-    if not mirror.upstream:  # what crossed the WAN: the fleet's mirror's copy
-        yield remote.callback(_record_copy, result)
+    return f"rm -f {result}; before=$({stored}) && ( {copy} ) && echo $(( $({stored}) - before )) > {result}"
 
 
 def _cert_dir(registry: str) -> str:
@@ -137,7 +173,7 @@ def copy_command(upstream_url: str, name: ImageName, registry: str, cert_dir: st
 
 
 def _record_copy(state, host, result_path: str) -> bool:  # pyinfra passes state, host
-    done = remote.run(host, f"cat {result_path}")
+    done = remote.run(host, f"cat {shlex.quote(result_path)}")
     if done.ok and done.stdout and done.stdout[0].strip().isdigit():
         report_of(state).copy = {"upstream_bytes": int(done.stdout[0])}
     return True

@@ -42,8 +42,9 @@ TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
 
 
 def served(settings: Settings, mirror: Mirror) -> list:
-    """The registry (image copy included) and the HF mirror on this host, the mirror.
-    Returns the operations it declared (for the report)."""
+    """The registry and the HF mirror on this host, the mirror, both answering; the fleet's
+    mirror starts fetching the weights and copying the image from upstream. Returns the
+    operations it declared (for the report)."""
     snapshot.expect(programs=["docker-registry", "skopeo", "nft"])
     installed = registry.installed(name="docker-registry and skopeo installed", apt_repo=settings.apt_repo,
                                    apt_key_url=settings.apt_key_url)
@@ -83,7 +84,16 @@ def served(settings: Settings, mirror: Mirror) -> list:
     if not mirror.upstream:  # the fleet's mirror: the weights cross the WAN while the image does
         keep.prefetched(name="the HF mirror fetches every file of the locked commits", commits=locked_commits(settings.mirror_dir),
                         mirror_dir=settings.mirror_dir, hf_port=mirror.hf_port)
-    upstream = upstream_registry_url(settings.image, settings.image_registry_url)
+    if not mirror.upstream:  # the fleet's mirror: the image crosses the WAN too, waited for in copied()
+        registry.copy_started(name="serving image copy from upstream started", image=settings.image,
+                              sources=_sources(settings, mirror), result_dir=settings.mirror_dir, mirror=mirror)
+    return [installed, olah, ready]
+
+
+def copied(settings: Settings, mirror: Mirror) -> list:
+    """The image in this host's registry: the fleet mirror's copy from upstream (started by
+    :func:`served`) waited for, then each relay's from the one above it, turn by turn; and
+    what the mirror keeps. Returns the operations it declared (for the report)."""
     # A relay's copy waits for its turn: pyinfra runs each turn's operation on every host
     # before the next, so the mirror above it holds the image by then. Should that one have
     # failed, the copy comes from the fleet's mirror. Every host that serves declares every
@@ -95,8 +105,8 @@ def served(settings: Settings, mirror: Mirror) -> list:
         copied = registry.image_copied(
             name="serving image copied from upstream" if turn == 0 else f"serving image copied into the relays "
                                                                        f"{turn} hop{'s' if turn > 1 else ''} down",
-            image=settings.image, sources=[f"https://{m.registry}" for m in mirror.fallbacks] or [upstream],
-            result_dir=settings.mirror_dir, mirror=mirror, turn=turn,
+            image=settings.image, sources=_sources(settings, mirror), result_dir=settings.mirror_dir, mirror=mirror,
+            turn=turn,
         )
         if turn == mirror.depth:
             copy = copied
@@ -105,7 +115,14 @@ def served(settings: Settings, mirror: Mirror) -> list:
     keep.kept(name="the mirror keeps what sparkfleet.lock names, and the previous ones",
               record_path=mirror_kept_record(settings.mirror_dir), locked=fleetlock.artifacts(fleet_lock().lock),
               keep_previous=settings.mirror_keep_previous, mirror_dir=settings.mirror_dir, registry=mirror.registry)
-    return [installed, olah, ready, copy]
+    return [copy]
+
+
+def _sources(settings: Settings, mirror: Mirror) -> list[str]:
+    """Where this mirror copies the image from: the mirrors above it, nearest first; the
+    fleet's mirror: upstream."""
+    return [f"https://{m.registry}" for m in mirror.fallbacks] or [
+        upstream_registry_url(settings.image, settings.image_registry_url)]
 
 
 def locked_commits(mirror_dir: str) -> list[tuple[str, str]]:
