@@ -31,7 +31,9 @@ clock: an operation's lines come when it ends, and transfers run inside few oper
 WAN bytes (what the hub and the registry served: payload, their own counters) and the
 largest egress of any host (its NIC plus its pair link, interface counters), each also as
 a multiple of one copy (``tb.one_copy_bytes()``: the image's blobs and what a dense host
-fetches of each repository). Last line:
+fetches of each repository); and every 5 s of the deploy (``samples`` in the JSON) the
+WAN's bytes on the wire, how busy the cores were and each host's CPU seconds, which say
+whether a slow stretch waited on the WAN or on the cores. Last line:
 
 ``distribution: first deploy 8/1 = X.XX×, 16/1 = X.XX×, WAN = X.XX× one copy, max host
 egress = X.XX× one copy`` (on one line; a size not run reads ``-``; WAN and egress the
