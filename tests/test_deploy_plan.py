@@ -22,6 +22,12 @@ def changes(result: subprocess.CompletedProcess) -> str:
     return result.stdout + result.stderr
 
 
+def assert_in_order(out: str, steps: list[str]) -> None:
+    """Every step is planned, each after the one before it."""
+    positions = [out.find(step) for step in steps]
+    assert -1 not in positions and positions == sorted(positions), out[-3000:]
+
+
 def test_a_fresh_gb10_plans_every_step_in_order():
     out = changes(plan("gb10"))
     steps = [
@@ -31,8 +37,7 @@ def test_a_fresh_gb10_plans_every_step_in_order():
         "systemd unit sparkfleet-serve.service",
         "READY: the served model answers",
     ]
-    positions = [out.index(step) for step in steps]
-    assert positions == sorted(positions), out
+    assert_in_order(out, steps)
 
 
 def test_the_wan_starts_before_the_hosts_own_setup():
@@ -49,8 +54,7 @@ def test_the_wan_starts_before_the_hosts_own_setup():
         "serving image copied from upstream",
         "serving image present",
     ]
-    positions = [out.index(step) for step in steps]
-    assert positions == sorted(positions), out
+    assert_in_order(out, steps)
 
 
 def test_a_wrong_gpu_plans_only_its_failing_preflight():
@@ -102,8 +106,7 @@ def test_the_mirror_starts_on_the_weights_before_the_image_crosses_the_wan():
     steps = ["registry and HF mirror answer", "the HF mirror fetches every file of the locked commits",
              "serving image copied from upstream", "serving image present", "weights in the HF cache",
              "the HF mirror holds every file of the locked commits"]
-    positions = [out.find(step) for step in steps]
-    assert -1 not in positions and positions == sorted(positions), out[-3000:]
+    assert_in_order(out, steps)
 
 
 def test_relays_copy_the_image_in_turns_down_the_tree():
@@ -112,5 +115,4 @@ def test_relays_copy_the_image_in_turns_down_the_tree():
     out = changes(plan("gb10,gb10,gb10,gb10", "fleet_fanout=1"))
     turns = ["serving image copied from upstream", "serving image copied into the relays 1 hop down",
              "serving image copied into the relays 2 hops down"]
-    positions = [out.find(f"Mirror | {turn}") for turn in turns]
-    assert -1 not in positions and positions == sorted(positions), out[-3000:]
+    assert_in_order(out, [f"Mirror | {turn}" for turn in turns])
