@@ -95,6 +95,9 @@ def cpu_times() -> tuple[int, int]:
     return sum(fields) - idle, sum(fields)
 
 
+SAMPLE_S = 5.0
+
+
 class Sampler(threading.Thread):
     """Every SAMPLE_S while the deploy runs: the WAN's bytes on the wire so far, how busy the
     machine was and each host's CPU seconds, so that a slow phase shows whether the WAN
@@ -116,8 +119,6 @@ class Sampler(threading.Thread):
                                  "busy": round(busy, 3),
                                  "hosts_cpu_s": {k: round(v, 2) for k, v in host_cpu_s(self.tb.names).items()}})
 
-
-SAMPLE_S = 5.0
 
 
 def first_deploy(tb, logs: Path, label: str, extra: list[str]) -> dict[str, Any]:

@@ -59,8 +59,8 @@ def _sources(output: list[str]) -> dict[str, str]:
     for line in output:
         fields = line.split()
         to = next((_ip(f) for f in fields[:2] if _ip(f)), None)  # "local ::1 ..." names its kind first
-        if to is not None and _src(fields):
-            found.setdefault(to, _src(fields))
+        if to is not None and (src := _src(fields)):
+            found.setdefault(to, src)
     return {a: found[_ip(a)] for a in asked if _ip(a) in found}
 
 
