@@ -110,10 +110,12 @@ def test_switches_flip_and_revert(tb):
         assert sh(tb, "nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader").strip() == \
             "NVIDIA H100 80GB HBM3, 9.0"
         assert sh(tb, "uname -m").strip() == "x86_64"
+        assert sh(tb, "uname -a").split()[-2] == "x86_64"  # the wrapper's other path: the real uname, edited
         size, used = sh(tb, "df -B1 --output=size,used /var/lib/sparkfleet | tail -1").split()
         assert int(size) == 16 << 20 and int(used) / int(size) > 0.9
         assert json.loads(paths.HOSTS_JSON.read_text())["hosts"][0]["switches"]["disk_full"] is True
     assert sh(tb, "uname -m").strip() == "aarch64"
+    assert sh(tb, "uname -a").split()[-2] == "aarch64" and sh(tb, "uname -r") == sh(tb, "uname -a").split()[2] + "\n"
     assert "sparkfleet-sim-disk" not in sh(tb, "cat /proc/mounts")
     assert json.loads(paths.HOSTS_JSON.read_text())["hosts"][0]["switches"] == {}
 
