@@ -42,7 +42,8 @@ from pyinfra.operations import systemd
 
 from sparkfleet import apt, credentials, haproxy, remote, snapshot
 from sparkfleet.config import Settings
-from sparkfleet.fleet import all_pairs, all_settings, chosen_endpoint, once, reached_at, source_toward, ssh_address
+from sparkfleet.fleet import all_pairs, all_settings, chosen_endpoint, reached_at, source_toward, ssh_address
+from sparkfleet.perrun import once
 
 PROJECT = Path(__file__).resolve().parents[1]
 TEMPLATE = PROJECT / "templates" / "haproxy.cfg.j2"

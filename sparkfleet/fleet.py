@@ -5,26 +5,20 @@ module) -> the steps. Here: the whole inventory validated together (every fleet-
 must agree), the fleet lock applied to every host (:mod:`sparkfleet.fleetlock`: the
 bytes each tag and branch stands for, so a pair is checked on commits and digests),
 which host serves the mirror and the endpoint, the pairs, and the mirror's address as
-the other hosts reach it. Each answer is computed once per run by
-:func:`once`, the one per-run store: pyinfra plans every host in its own greenlet, so a
-store that is checked before and filled after a lookup that yields would run that
-lookup once per host (N x (N-1) commands on the mirror at N hosts, past sshd's
-MaxSessions 10 at 16 hosts).
+the other hosts reach it. Each answer is computed once per run
+(:func:`~sparkfleet.perrun.once`, which the fleet's modules share).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
-import weakref
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any
 
-import gevent.lock
-
-from sparkfleet import fleetlock, lockfile, upstream
+from sparkfleet import fleetlock, lockfile, perrun, remote, snapshot, upstream
 from sparkfleet.config import (
     FIXES,
     MEASURED_GPU_MEMORY_UTILIZATION,
@@ -34,53 +28,13 @@ from sparkfleet.config import (
 )
 from sparkfleet.mirrors import Mirror, chosen_mirrors, fleet_mirrors
 from sparkfleet.pairs import Pair, fleet_pairs
+from sparkfleet.perrun import once
 
 log = logging.getLogger("sparkfleet")
-T = TypeVar("T")
 
 #: Keys a run applies to the fleet as a whole (the rollout's shape): every host must give
 #: the same value, or which host's value wins would depend on which host plans first.
 FLEET_WIDE = ("rollout", "rollout_batch", "drain_timeout_s", "fleet_lock_file", "fleet_lock_update", "fleet_fanout")
-
-
-# --- the per-run store ----------------------------------------------------------------------
-
-
-class _Run:
-    def __init__(self) -> None:
-        self.answers: dict[Any, tuple[bool, Any]] = {}
-        self.locks: dict[Any, gevent.lock.Semaphore] = {}
-
-
-#: One store per pyinfra State, gone with it (a State's id may be reused; the State may not).
-_RUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _current_state():
-    from pyinfra.context import ctx_state
-
-    return ctx_state.get()  # the State itself, not pyinfra's proxy of it
-
-
-def once(key: Any, compute: Callable[[], T], state=None) -> T:
-    """``compute()``'s answer for ``key``, computed once per run: the first host to ask
-    computes it while every other host's greenlet waits for that answer (or that error)."""
-    from pyinfra.context import ContextObject
-
-    if state is None or isinstance(state, ContextObject):  # pyinfra's proxy: the State behind it
-        state = _current_state()
-    run = _RUNS.setdefault(state, _Run())
-    if key not in run.answers:
-        with run.locks.setdefault(key, gevent.lock.Semaphore()):
-            if key not in run.answers:
-                try:
-                    run.answers[key] = (True, compute())
-                except Exception as exc:
-                    run.answers[key] = (False, exc)
-    ok, answer = run.answers[key]
-    if not ok:
-        raise answer
-    return answer
 
 
 # --- the whole inventory, validated together ------------------------------------------------
@@ -170,10 +124,17 @@ def _fleet_lock(state, asked: dict[str, Settings]) -> tuple[fleetlock.LockRun, l
 
 def sudo_checked(target, state=None) -> None:
     """``target``'s sudo checked (:func:`~sparkfleet.remote.check_sudo`), once per run,
-    whoever asks first: its own planning, or another host's that needs its SSH address."""
-    from sparkfleet.remote import check_sudo
+    whoever asks first: its own planning, or another host's that needs its SSH address.
+    The check's sudo runs the host's first snapshot read too: each sudo costs the host a
+    password hash, the largest part of what a converged run costs it."""
 
-    once(("sudo", target.name), lambda: check_sudo(target), state)
+    def checked() -> None:
+        read = snapshot.first_read(target, state)
+        lines = remote.check_sudo(target, then=read.argv if read else None)
+        if read:
+            read.took(lines)
+
+    once(("sudo", target.name), checked, state)
 
 
 def _held(state, names: list[str], asked: dict[str, Settings]) -> dict[str, fleetlock.Held]:
@@ -197,7 +158,7 @@ def _fleet(locked: bool = True) -> dict[str, Any]:
     from pyinfra import host
 
     sudo_checked(host)  # before any fact: sudo must not prompt mid-run
-    state = _current_state()
+    state = perrun.current_state()
     if not locked:
         return once("fleet asked", lambda: _asked(state), state)
     return once("fleet", lambda: _planned(state), state)
@@ -263,7 +224,7 @@ def host_mirror() -> Mirror | None:
     with the address the fleet reaches it at."""
     from pyinfra import host
 
-    return located(_current_state(), host, all_mirrors())
+    return located(perrun.current_state(), host, all_mirrors())
 
 
 def located(state, current, mirrors: dict[str, Mirror | None]) -> Mirror | None:
@@ -311,7 +272,7 @@ def source_toward(member, address: str) -> str:
     command per host per run answers for all of their addresses."""
     from sparkfleet.routes import RouteSource, RouteSources
 
-    state = _current_state()
+    state = perrun.current_state()
     wanted = once("service addresses", lambda: _service_addresses(state), state)
     if address not in wanted:
         return member.get_fact(RouteSource, address=address, _sudo=False)

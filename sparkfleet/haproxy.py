@@ -19,7 +19,7 @@ import gevent.lock
 from pyinfra.api.exceptions import OperationError
 
 from sparkfleet import remote
-from sparkfleet.fleet import once
+from sparkfleet.perrun import once
 
 UNIT = "haproxy.service"
 #: Runtime-API commands at once on the endpoint host's one SSH connection: a batch of hosts

@@ -195,7 +195,12 @@ class HostState(FactBase["dict"]):
                 "cpus": None}
 
     def command(self, want: str) -> StringCommand:
-        return StringCommand("python3", "-c", shlex.quote(_READER), shlex.quote(want))
+        return StringCommand(*map(shlex.quote, self.argv(want)))
+
+    @staticmethod
+    def argv(want: str) -> list[str]:
+        """The command as argv, for a command that runs it inside its own (the sudo check)."""
+        return ["python3", "-c", _READER, want]
 
     def process(self, output):
         try:  # a host that answers otherwise (pyinfra's @fake connector): every key asked alone

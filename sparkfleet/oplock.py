@@ -54,8 +54,8 @@ from pyinfra.api.exceptions import OperationError
 from pyinfra.api.state import BaseStateCallback
 
 from sparkfleet import remote, snapshot
-from sparkfleet.fleet import once
 from sparkfleet.hostpaths import OPERATOR_LOCK
+from sparkfleet.perrun import once
 
 _NOT_MINE = 77  # the lock program's exit when the login may not write the lock
 #: Runs on the host as the login, or as root where the login may not write the lock (exit

@@ -24,7 +24,7 @@ from pyinfra.facts.server import Arch
 from sparkfleet import credentials, endpoint, haproxy, hybrid, image, link, mirror, remote, service, snapshot, weights
 from sparkfleet.config import Settings
 from sparkfleet.facts import BootTarget, DockerAnswers, FreeSpace, Memory
-from sparkfleet.fleet import fleet_settings, host_mirror, host_pair, once
+from sparkfleet.fleet import fleet_settings, host_mirror, host_pair
 from sparkfleet.gpu import Gpu
 from sparkfleet.hostpaths import (
     AGENT_SOCKET,
@@ -34,6 +34,7 @@ from sparkfleet.hostpaths import (
     SECRETS_ENV,
     UNIT,
 )
+from sparkfleet.perrun import once
 from sparkfleet.ports import Firewall, Listeners, in_container, in_other_container
 
 EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"

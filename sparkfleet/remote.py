@@ -296,17 +296,22 @@ def _told_address(host, done: Result) -> Result:
     return Result(done.ok, [line for line in done.stdout if not line.startswith("ssh ")], done.stderr)
 
 
-def check_sudo(host) -> None:
+def check_sudo(host, then: list[str] | None = None) -> list[str] | None:
     """Raise :class:`~sparkfleet.config.ConfigError` when ``host`` is reached with sudo
     that will not work: it asks for a password nobody gave (pyinfra would prompt for it in
     the middle of the run, once per host, with the other hosts' output scrolling past), or
     it refuses the one given (every command of the run would fail after sudo's three tries,
-    "Sorry, try again." each). The password is tried once, on sudo's stdin."""
+    "Sorry, try again." each). The password is tried once, on sudo's stdin.
+
+    ``then``: a command (argv) to run in the same sudo once the password passed, so that
+    the host hashes the password once for both; returns the lines it printed (its stderr
+    and exit status are its own to tell: they do not fail the check). None when it did
+    not run: no ``then``, or sudo was not checked with a password."""
     from sparkfleet.config import ConfigError
 
     arguments = connector_arguments(host)
     if not arguments.get("_sudo"):
-        return
+        return None
     password = arguments.get("_sudo_password")
     # Exit 0 and sudo's words prefixed: pyinfra answers a failed command that printed
     # "a password is required" with a prompt of its own.
@@ -314,7 +319,7 @@ def check_sudo(host) -> None:
         done = _told_address(host, run(host, f'{_SAY_ADDRESS}; said=$(sudo -n true 2>&1) && echo ok '
                                              '|| echo "sudo said: $said"', as_login=True))
         if done.ok and done.stdout == ["ok"]:
-            return
+            return None
         said = " ".join(done.stdout + done.stderr).strip() or "no answer"
         raise ConfigError(
             f"{host.name}: sudo needs a password and none was given ({said}); nothing was changed on any host. "
@@ -325,17 +330,19 @@ def check_sudo(host) -> None:
     # -k: ask even with a cached credential; one line on stdin, then EOF: one try. A login
     # whose sudo asks no password (NOPASSWD) leaves that line unread, for the command to
     # read (:data:`SUDO_FREE`): the command tells which, in the same sudo (each costs the
-    # host a password hash).
-    told = shlex.quote("if read -r _; then echo free; else echo ok; fi")
+    # host a password hash), then runs ``then`` (its arguments after sh -c's own).
+    told = shlex.quote('if read -r _; then echo free; else echo ok; fi; [ "$#" -eq 0 ] || "$@" 2>/dev/null; exit 0')
+    argv = "".join(f" {shlex.quote(arg)}" for arg in then or ())
     done = _told_address(host, run(
-        host, f"{_SAY_ADDRESS}; login=$(id -un); said=$(sudo -k -S -p ''{as_user} sh -c {told} 2>&1) "
-              '&& echo "$said" | tail -n 1 || printf "login %s\\nsudo said: %s\\n" "$login" "$said"',
+        host, f"{_SAY_ADDRESS}; login=$(id -un); said=$(sudo -k -S -p ''{as_user} sh -c {told} sh{argv} 2>&1) "
+              '&& printf "%s\\n" "$said" || printf "login %s\\nsudo said: %s\\n" "$login" "$said"',
         as_login=True, stdin=password))
-    if done.ok and done.stdout == ["free"]:
-        host.connector_data[SUDO_FREE] = True
-        return
-    if done.ok and done.stdout == ["ok"]:
-        return
+    # sudo's own words (a first use's lecture) may come before the answer; ``then``'s after.
+    told_at = next((i for i, line in enumerate(done.stdout) if line in ("free", "ok")), None) if done.ok else None
+    if told_at is not None:
+        if done.stdout[told_at] == "free":
+            host.connector_data[SUDO_FREE] = True
+        return done.stdout[told_at + 1:] if then else None
     login = next((line[6:] for line in done.stdout if line.startswith("login ")), "the login")
     said = " ".join(line for line in done.stdout + done.stderr if not line.startswith("login ")).strip()
     if not _WRONG_PASSWORD.search(said):

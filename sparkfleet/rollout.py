@@ -40,9 +40,10 @@ from sparkfleet.bench.onhost.client import BenchError, Client
 from sparkfleet.bench.onhost.metrics import acceptance, parse_spec_counters
 from sparkfleet.bench.onhost.workloads import SMOKE_EXPECT, SMOKE_MAX_TOKENS, SMOKE_PROMPT
 from sparkfleet.config import Settings
-from sparkfleet.fleet import once, reached_at
+from sparkfleet.fleet import reached_at
 from sparkfleet.hostpaths import LAST_GOOD_DIR, REVISION_FILE, STARTED_FILE, UNIT
 from sparkfleet.pairs import Pair
+from sparkfleet.perrun import once
 
 # How long a host put back in rotation may take to pass the endpoint's checks (rise 2 at 1 s).
 BACK_TIMEOUT_S = 30
@@ -155,7 +156,7 @@ def batch_text(steps: int | list[int | str]) -> str:
 
 
 def rollout_of(state, settings: Settings, kind: str | None = None) -> Rollout:
-    key = "rollout" if kind is None else f"rollout of {kind}"  # the run's own: fleet.once
+    key = "rollout" if kind is None else f"rollout of {kind}"  # the run's own: perrun.once
     return once(key, lambda: Rollout(batch=settings.rollout_batch), state)
 
 

@@ -23,14 +23,15 @@ import os
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pyinfra import host
 from pyinfra.api import StringCommand, operation
 from pyinfra.api.state import BaseStateCallback
 
 from sparkfleet import hostread, remote
-from sparkfleet.fleet import once
 from sparkfleet.hostread import _MISSING, UNIT_PROPERTIES, HostState
+from sparkfleet.perrun import once
 
 
 @dataclass
@@ -170,38 +171,80 @@ def _read(kind: str, key: str):
     return known[kind][key]
 
 
-def _asked() -> set[tuple[str, str]]:
-    """(kind, key) of every answer this run's operations asked of the current host."""
-    return once(("snapshot asked", host.name), set)
+def _asked(name: str | None = None, state=None) -> set[tuple[str, str]]:
+    """(kind, key) of every answer this run's operations asked of the host (the current one)."""
+    return once(("snapshot asked", name or host.name), set, state)
 
 
 def _read_unread(wanted: _Wanted, known: dict, asking: tuple[str, str] | None = None) -> None:
-    """Everything declared and not read yet, in one command, into ``known``. The host's
+    """Everything declared and not read yet, in one command, into ``known``."""
+    missing = _unread(host, wanted, known, asking)
+    _took(host, known, missing, host.get_fact(HostState, want=missing.json()))
+
+
+def _unread(target, wanted: _Wanted, known: dict, asking: tuple[str, str] | None = None, state=None) -> _Wanted:
+    """What ``target``'s next read asks: everything declared and not read yet. The host's
     first read of the run takes along what its later reads asked last time (:func:`_hinted`);
     a later read means the hint fell short, and it is kept anew. What was ``asked`` (kind,
     key) already is read again only when asked again: once a change dropped the snapshot,
     a first deploy's next read would otherwise read every fact again (it made ~30 full
     reads of each host)."""
-    reads = once(("snapshot reads", host.name), lambda: [0])
-    reads[0] += 1
-    if reads[0] == 1:
-        hint = _hinted()
+    if not _reads(target.name, state)[0]:
+        hint = _hinted(target)
         wanted = _Wanted(*(getattr(wanted, k) | getattr(hint, k) for k in _KINDS if k != "facts"),
                          facts={**hint.facts, **wanted.facts})
     else:
-        _keep_hint(wanted)
+        _keep_hint(wanted, target)
 
-    asked = _asked() - {asking}
+    asked = _asked(target.name, state) - {asking}
 
     def unread(kind: str, keys) -> set:
         return {k for k in keys if k not in known[kind] and (kind, k) not in asked}
 
-    missing = _Wanted(*(unread(k, getattr(wanted, k)) for k in _KINDS if k != "facts"),
-                      facts={k: c for k, c in wanted.facts.items() if k in unread("facts", wanted.facts)})
-    found = host.get_fact(HostState, want=missing.json())
+    return _Wanted(*(unread(k, getattr(wanted, k)) for k in _KINDS if k != "facts"),
+                   facts={k: c for k, c in wanted.facts.items() if k in unread("facts", wanted.facts)})
+
+
+def _reads(name: str, state=None) -> list[int]:
+    return once(("snapshot reads", name), lambda: [0], state)
+
+
+def _took(target, known: dict, missing: _Wanted, found: dict, state=None) -> None:
+    _reads(target.name, state)[0] += 1
     known["cpus"] = found.get("cpus")
     for k in _KINDS:
         known[k].update({name: found.get(k, {}).get(name) for name in getattr(missing, k)})
+
+
+@dataclass
+class FirstRead:
+    """A host's first read of the run, for the sudo check to run in its own sudo: one
+    password hash on the host serves both (a hash is the largest cost of a converged run
+    on a host). ``argv``: the reader's command; :meth:`took` keeps what it printed."""
+
+    target: Any
+    state: Any
+    missing: _Wanted
+    argv: list[str]
+
+    def took(self, lines: list[str] | None) -> None:
+        """The reader's output (None: it did not run): the host's first read, when it is
+        one; anything else leaves the read to the first step that asks, as before."""
+        found = HostState().process(lines) if lines else None
+        if not found or not any(found.get(k) for k in _KINDS):
+            return
+        if not _reads(self.target.name, self.state)[0]:
+            _took(self.target, _known(self.target.name, self.state), self.missing, found, self.state)
+
+
+def first_read(target, state=None) -> FirstRead | None:
+    """``target``'s first read of the run, while the deploy plans: what the steps declared
+    as they loaded and what its later reads asked last run (on a converged run: all it
+    will read). None when no step declares anything (a run of the checks alone)."""
+    if not any(getattr(_FIRST, k) for k in _KINDS):
+        return None
+    missing = _unread(target, _wanted(target.name, state), _known(target.name, state), state=state)
+    return FirstRead(target, state, missing, HostState().argv(missing.json()))
 
 
 # --- hints: what a host's later reads asked, kept on the controller ---------------------------
@@ -237,15 +280,15 @@ _HINTED_MODULES = ("sparkfleet.", "pyinfra.facts.")
 
 
 def _hint_path(target=None) -> Path:
-    target = target or host
+    target = host if target is None else target
     key = f"{target.name} {target.data.get('ssh_hostname') or ''}"  # two fleets may name hosts alike
     return HINTS / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
-def _hinted() -> _Wanted:
-    """The current host's hint (empty when there is none), facts built by this code."""
+def _hinted(target=None) -> _Wanted:
+    """The host's hint (empty when there is none), facts built by this code."""
     try:
-        doc = json.loads(_hint_path().read_text())
+        doc = json.loads(_hint_path(target).read_text())
     except (OSError, ValueError):
         return _Wanted()
     facts = dict(filter(None, (_entry_of(key) for key in doc.get("facts", []))))

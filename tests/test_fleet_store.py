@@ -1,4 +1,4 @@
-"""The fleet's per-run store (``fleet.once``) and what the fleet decides once per run from a
+"""The fleet's per-run store (``perrun.once``) and what the fleet decides once per run from a
 real pyinfra State: every host validated together, the mirror among the hosts the
 controller reached (no fleet: @fake hosts; choices already covered by
 tests/mirror/test_mirror_choice.py, tests/test_fleet_endpoint.py and
@@ -14,7 +14,7 @@ import pytest
 from pyinfra.context import ctx_host
 from support.fleetdata import fake_state
 
-from sparkfleet import fleet, remote
+from sparkfleet import fleet, perrun, remote
 
 NAMES = ["@fake/spark-1", "@fake/spark-2", "@fake/spark-3"]
 
@@ -40,11 +40,11 @@ def test_hosts_asking_at_once_wait_for_one_computation(state):
             return answer
         return lookup
 
-    askers = [gevent.spawn(fleet.once, "mirror address", compute(f"host-{i}")) for i in range(8)]
+    askers = [gevent.spawn(perrun.once, "mirror address", compute(f"host-{i}")) for i in range(8)]
     gevent.joinall(askers, timeout=5, raise_error=True)
     assert [g.value for g in askers] == [answer] * 8
     assert calls == ["host-0"]  # the first to ask computed it; nobody else looked it up
-    assert fleet.once("mirror address", compute("later")) is answer and calls == ["host-0"]
+    assert perrun.once("mirror address", compute("later")) is answer and calls == ["host-0"]
 
 
 def test_an_error_is_computed_once_and_raised_to_every_caller(state):
@@ -55,12 +55,12 @@ def test_an_error_is_computed_once_and_raised_to_every_caller(state):
         gevent.sleep(0.02)
         raise ValueError("the mirror has no address the other hosts can reach")
 
-    askers = [gevent.spawn(fleet.once, "mirror address", failing) for _ in range(5)]
+    askers = [gevent.spawn(perrun.once, "mirror address", failing) for _ in range(5)]
     gevent.joinall(askers, timeout=5)
     errors = [g.exception for g in askers]
     assert all(isinstance(e, ValueError) for e in errors) and len({id(e) for e in errors}) == 1
     with pytest.raises(ValueError, match="no address"):
-        fleet.once("mirror address", failing)  # a host asking later gets it too, not a second try
+        perrun.once("mirror address", failing)  # a host asking later gets it too, not a second try
     assert calls == [1]
 
 
@@ -74,8 +74,8 @@ def test_empty_answers_are_kept_and_each_key_has_its_own(state):
         return compute
 
     for _ in range(3):  # "" (no SSH address) or None is an answer, not a miss
-        assert fleet.once(("ssh address", "@fake/spark-1"), lookup("")) == ""
-        assert fleet.once(("ssh address", "@fake/spark-2"), lookup(None)) is None
+        assert perrun.once(("ssh address", "@fake/spark-1"), lookup("")) == ""
+        assert perrun.once(("ssh address", "@fake/spark-2"), lookup(None)) is None
     assert calls == ["", None]
 
 
@@ -87,12 +87,12 @@ def test_each_run_has_its_own_store_gone_with_its_state():
         return Answer()
 
     with fake_state(NAMES) as first:
-        answer = fleet.once("fleet", compute)  # the current State's (ctx_state)
-        assert fleet.once("fleet", compute, first) is answer
+        answer = perrun.once("fleet", compute)  # the current State's (ctx_state)
+        assert perrun.once("fleet", compute, first) is answer
         kept = weakref.ref(answer)
     with fake_state(NAMES) as second:
-        assert fleet.once("fleet", compute) is not answer  # a new run computes again
-        assert fleet.once("fleet", compute, second) is not answer
+        assert perrun.once("fleet", compute) is not answer  # a new run computes again
+        assert perrun.once("fleet", compute, second) is not answer
     assert len(calls) == 2
     del first, second, answer
     gc.collect()
@@ -104,7 +104,7 @@ def test_the_fleet_is_validated_once_per_run_and_each_hosts_sudo_checked_once(mo
     real = fleet.validate_fleet
     monkeypatch.setattr(fleet, "validate_fleet", lambda hosts, **kw: validated.append(1) or real(hosts, **kw))
 
-    def check_sudo(host):
+    def check_sudo(host, then=None):
         sudo.append(host.name)
         gevent.sleep(0.01)
 

@@ -218,7 +218,7 @@ class Inventory(list):
 
 
 class FakeState:
-    """What the lock reads of pyinfra's State (weak-referenceable, as fleet.once needs)."""
+    """What the lock reads of pyinfra's State (weak-referenceable, as perrun.once needs)."""
 
     def __init__(self, hosts) -> None:
         self.inventory = Inventory(hosts)

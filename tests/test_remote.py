@@ -383,11 +383,14 @@ def test_one_sudo_tells_nopasswd_from_password_sudo_and_a_refused_password(monke
                                                    + [OutputLine("stderr", line) for line in done.stderr.splitlines()])
 
     host.run_shell_command = on_this_machine
+    then = ["sh", "-c", 'echo "read as $0"; cat; echo "to stderr" >&2; exit 3', "the first read"]
     if refused:
         with pytest.raises(ConfigError, match="sudo refused the password"):
-            remote.check_sudo(host)
-    else:
-        remote.check_sudo(host)
+            remote.check_sudo(host, then=then)
+    else:  # what the command printed, after the check's answer; its stdin empty, its stderr and status its own
+        assert remote.check_sudo(host, then=then) == ["read as the first read"]
+        assert remote.check_sudo(host) is None
+        ran.pop()
     assert len(ran) == 1 and ran[0][0].count("sudo -") == 1  # one sudo: one password hash on the host
     assert bool(host.connector_data.get(remote.SUDO_FREE)) is free
     if free:

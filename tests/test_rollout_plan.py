@@ -88,7 +88,7 @@ def test_a_pair_takes_one_turn_its_heads_and_its_headless_member_rolls_with_it(f
 
 
 def test_planning_waits_for_every_host_then_says_once_who_rolls_in_which_batch(five, monkeypatch, caplog):
-    monkeypatch.setattr(remote, "check_sudo", lambda host: None)  # the fleet's sudo check asks the host
+    monkeypatch.setattr(remote, "check_sudo", lambda host, then=None: None)  # the fleet's sudo check asks the host
     caplog.set_level(logging.INFO, logger="pyinfra")
     s, pair = settings(rollout_batch=2), members(five)
 
@@ -113,7 +113,7 @@ def test_planning_waits_for_every_host_then_says_once_who_rolls_in_which_batch(f
 def test_a_change_that_reboots_the_endpoints_host_rolls_it_last(five, monkeypatch, caplog):
     """Its reboot takes HAProxy down with it: every other host proves the change first (a bad
     kernel fails on spark-4, not on the host every client goes through)."""
-    monkeypatch.setattr(remote, "check_sudo", lambda host: None)
+    monkeypatch.setattr(remote, "check_sudo", lambda host, then=None: None)
     caplog.set_level(logging.INFO, logger="pyinfra")
     s = settings(rollout_batch=1)
 
@@ -136,7 +136,7 @@ def test_a_change_that_reboots_the_endpoints_host_rolls_it_last(five, monkeypatc
 
 
 def test_without_an_endpoint_the_plan_says_there_is_nothing_to_drain(monkeypatch, caplog):
-    monkeypatch.setattr(remote, "check_sudo", lambda host: None)
+    monkeypatch.setattr(remote, "check_sudo", lambda host, then=None: None)
     caplog.set_level(logging.INFO, logger="pyinfra")
     with fake_state([S1]) as state, ctx_host.use(state.inventory.get_host(S1)):
         rollout.planned(settings())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gevent
 import pytest
 
-from sparkfleet import fleet, remote
+from sparkfleet import fleet, perrun, remote
 from sparkfleet.mirrors import Mirror
 from sparkfleet.routes import RouteSource, RouteSources, SshServerAddress
 
@@ -15,7 +15,7 @@ class Host:
 
     def __init__(self, name: str, ssh: str, routes: dict[str, str]):
         self.name, self.ssh, self.routes, self.asked = name, ssh, routes, []
-        self.connector_data = {}
+        self.connector_data, self.data = {}, {}
 
     def get_fact(self, cls, **kwargs):
         self.asked.append(cls)
@@ -46,9 +46,9 @@ def four(monkeypatch):
     state.activated_hosts = state.active_hosts = set(hosts)
     state.failed_hosts = set()
     mirror = Mirror("spark-1", None, 8090, 5000, False, serves=("spark-2", "spark-3", "spark-4"))
-    monkeypatch.setattr(fleet, "_current_state", lambda: state)
+    monkeypatch.setattr(perrun, "current_state", lambda: state)
     # The run's sudo check, each host's first command, tells its SSH address.
-    monkeypatch.setattr(remote, "check_sudo", lambda host: host.connector_data.update({remote.SSH_ADDRESS: host.ssh}))
+    monkeypatch.setattr(remote, "check_sudo", lambda host, then=None: host.connector_data.update({remote.SSH_ADDRESS: host.ssh}))
     monkeypatch.setattr(fleet, "all_settings", lambda: {})
     monkeypatch.setattr(fleet, "chosen_endpoint", lambda hosts, settings: ("spark-2", []))
     monkeypatch.setattr(fleet, "chosen_monitor", lambda hosts, settings: ("spark-3", []))

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sparkfleet import hostread, snapshot
+from sparkfleet import hostread, perrun, snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,13 +99,13 @@ def test_pyinfra_facts_are_read_in_the_batch_as_pyinfra_reads_them():
 
 
 def test_facts_every_host_is_asked_come_with_its_first_read(monkeypatch):
-    from sparkfleet import endpoint, fleet
+    from sparkfleet import endpoint
     from sparkfleet.mirror import facts, tls  # noqa: F401 - declares as it loads
 
     class Run:  # a pyinfra State, as the per-run store keys it
         pass
 
-    monkeypatch.setattr(fleet, "_current_state", Run)
+    monkeypatch.setattr(perrun, "current_state", Run)
     first = snapshot._wanted("spark-1").facts
     for cls in (endpoint.OurConfig, facts.MirrorTrust):
         key, command = snapshot._fact_entry(cls, {})
@@ -440,3 +440,48 @@ def test_facts_that_ask_a_server_answer_in_the_readers_process_as_alone(tmp_path
     assert mirror_facts.MirrorAnswers().process(next(iter(untrusted.values()))) is False
     assert ("GET", "/v1/models", "Bearer k", None) in asked
     assert ("HEAD", "/v2/sparkfleet/serve/manifests/1", None, facts.MANIFEST_ACCEPT) in asked
+
+
+def test_the_sudo_check_carries_the_hosts_first_read(monkeypatch, tmp_path):
+    """A converged run's host hashes its sudo password once: the check's own sudo runs the
+    first read (what the steps declared as they loaded, and what the host's later reads
+    asked last run), and the steps find it read. Nothing is read for a run whose steps
+    declare nothing (the checks alone)."""
+    from pyinfra.context import ctx_host
+    from support.fleetdata import fake_state
+
+    from sparkfleet import fleet, remote
+
+    present = tmp_path / "present"
+    present.write_text("x")
+    name = "@fake/first-read"
+    hint = snapshot._hint_path(SimpleNamespace(name=name, data={}))
+    hint.parent.mkdir(parents=True, exist_ok=True)
+    hint.write_text(json.dumps({"texts": [str(present)]}))  # a later read asked it last run
+    checks: list[list[str] | None] = []
+
+    def check_sudo(target, then=None):  # runs `then` as the check's sudo does, here
+        checks.append(then)
+        return subprocess.run(then, capture_output=True, text=True, check=True).stdout.splitlines() if then else None
+
+    monkeypatch.setattr(remote, "check_sudo", check_sudo)
+    monkeypatch.setattr(snapshot, "_FIRST", snapshot._Wanted(files={str(present)}))
+    try:
+        with fake_state([name]) as state:
+            target = state.inventory.get_host(name)
+            monkeypatch.setattr(target, "get_fact", lambda *a, **k: pytest.fail("a read of its own"))
+            fleet.sudo_checked(target, state)
+            with ctx_host.use(target):
+                assert snapshot.file_state(str(present)) == (0o644, f"{present.owner()}:{present.group()}",
+                                                              hashlib.sha256(b"x").hexdigest())
+                assert snapshot.text(str(present)) == "x"
+        [then] = checks
+        assert then[:2] == ["python3", "-c"]
+
+        monkeypatch.setattr(snapshot, "_FIRST", snapshot._Wanted())
+        with fake_state([name]) as state:
+            fleet.sudo_checked(state.inventory.get_host(name), state)
+        assert checks[1] is None
+    finally:
+        hint.unlink(missing_ok=True)
+

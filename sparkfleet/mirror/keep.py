@@ -33,7 +33,6 @@ from pyinfra import host, logger
 from pyinfra.api import StringCommand, operation
 
 from sparkfleet import snapshot
-from sparkfleet.fleet import once
 from sparkfleet.hostpaths import (
     HF_ENV,
     REGISTRY_CERT,
@@ -43,6 +42,7 @@ from sparkfleet.hostpaths import (
     mirror_hf_cache,
 )
 from sparkfleet.lockfile import size_text
+from sparkfleet.perrun import once
 from sparkfleet.tasks import detached, started
 
 

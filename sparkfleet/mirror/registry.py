@@ -23,7 +23,6 @@ from pyinfra import host
 from pyinfra.api import operation
 
 from sparkfleet import apt, remote, snapshot
-from sparkfleet.fleet import once
 from sparkfleet.hostpaths import (
     DOCKER_AUTH,
     REGISTRY_CERT,
@@ -34,6 +33,7 @@ from sparkfleet.imagename import ImageName
 from sparkfleet.mirror.facts import RegistryManifest
 from sparkfleet.mirror.report import report_of
 from sparkfleet.mirrors import Mirror
+from sparkfleet.perrun import once
 from sparkfleet.tasks import detached, started
 
 

@@ -21,9 +21,10 @@ from pyinfra.api.state import BaseStateCallback
 
 from sparkfleet import remote, snapshot
 from sparkfleet.config import Settings
-from sparkfleet.fleet import host_mirror, once
+from sparkfleet.fleet import host_mirror
 from sparkfleet.hostpaths import REGISTRY_UNIT, mirror_hf_cache
 from sparkfleet.mirrors import Mirror
+from sparkfleet.perrun import once
 
 MIB = 1024**2
 #: The steps the report times, in the order it prints them.

@@ -20,7 +20,7 @@ class FakeHost:
 
     def __init__(self, name: str, ssh: str, routes: dict[str, str] | None = None, told: bool = True):
         self.name, self.ssh, self.routes, self.asked = name, ssh, routes or {}, []
-        self.told, self.connector_data = told, {}
+        self.told, self.connector_data, self.data = told, {}, {}
 
     def get_fact(self, cls, **kwargs):
         self.asked.append((cls, kwargs))
@@ -50,7 +50,7 @@ fake_state = FakeState
 def sudo_checked(monkeypatch):
     """The run's sudo check, the first command on every host, tells its SSH address
     (a login without sudo is checked by nothing, and tells nothing)."""
-    def check_sudo(host):
+    def check_sudo(host, then=None):
         if host.told:
             host.connector_data[remote.SSH_ADDRESS] = host.ssh
 
