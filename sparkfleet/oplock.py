@@ -347,6 +347,9 @@ def held(**op_args):
     return _held(name="operator lock: one deploy at a time", **op_args)
 
 
+snapshot.expect_first(texts=[OPERATOR_LOCK])  # --dry reads it: with every host's first read, not after
+
+
 def _warn_if_held() -> None:
     found = Holder.of(_record(snapshot.text(OPERATOR_LOCK)))
     if found is not None and found.run != _run(host.state).mine.run:

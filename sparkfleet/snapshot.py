@@ -185,16 +185,14 @@ def _read_unread(wanted: _Wanted, known: dict, asking: tuple[str, str] | None = 
 def _unread(target, wanted: _Wanted, known: dict, asking: tuple[str, str] | None = None, state=None) -> _Wanted:
     """What ``target``'s next read asks: everything declared and not read yet. The host's
     first read of the run takes along what its later reads asked last time (:func:`_hinted`);
-    a later read means the hint fell short, and it is kept anew. What was ``asked`` (kind,
+    a later read means the hint fell short: what it asks is added to it. What was ``asked`` (kind,
     key) already is read again only when asked again: once a change dropped the snapshot,
     a first deploy's next read would otherwise read every fact again (it made ~30 full
     reads of each host)."""
     if not _reads(target.name, state)[0]:
-        hint = _hinted(target)
-        wanted = _Wanted(*(getattr(wanted, k) | getattr(hint, k) for k in _KINDS if k != "facts"),
-                         facts={**hint.facts, **wanted.facts})
-    else:
-        _keep_hint(wanted, target)
+        wanted = _joined(wanted, _hinted(target))
+    else:  # what the hint named stays: a read in the middle of planning knows only what came before it
+        _keep_hint(_joined(wanted, _hinted(target)), target)
 
     asked = _asked(target.name, state) - {asking}
 
@@ -203,6 +201,11 @@ def _unread(target, wanted: _Wanted, known: dict, asking: tuple[str, str] | None
 
     return _Wanted(*(unread(k, getattr(wanted, k)) for k in _KINDS if k != "facts"),
                    facts={k: c for k, c in wanted.facts.items() if k in unread("facts", wanted.facts)})
+
+
+def _joined(one: _Wanted, other: _Wanted) -> _Wanted:
+    return _Wanted(*(getattr(one, k) | getattr(other, k) for k in _KINDS if k != "facts"),
+                   facts={**other.facts, **one.facts})
 
 
 def _reads(name: str, state=None) -> list[int]:

@@ -485,3 +485,29 @@ def test_the_sudo_check_carries_the_hosts_first_read(monkeypatch, tmp_path):
     finally:
         hint.unlink(missing_ok=True)
 
+
+def test_a_read_in_the_middle_of_planning_keeps_what_the_hint_named(monkeypatch):
+    """A read after the first (a --dry run asks what a deploy does not) adds to the hint:
+    what the hint named and the steps declare only later stays for the next run's first
+    read (it was cut to what was declared so far, and the next converged run read each
+    host three times)."""
+    from pyinfra.context import ctx_host
+    from support.fleetdata import fake_state
+
+    name = "@fake/hint-middle"
+    hint = snapshot._hint_path(SimpleNamespace(name=name, data={}))
+    hint.parent.mkdir(parents=True, exist_ok=True)
+    hint.write_text(json.dumps({"texts": ["/late"]}))  # a later step declares it, after the read below
+    try:
+        with fake_state([name]) as state:
+            target = state.inventory.get_host(name)
+            monkeypatch.setattr(target, "get_fact", lambda cls, want: {
+                k: {n: None for n in json.loads(want)[k]} for k in snapshot._KINDS} | {"cpus": 2})
+            with ctx_host.use(target):
+                snapshot.expect(files=["/a"])
+                snapshot.file_state("/a")  # the first read: /late with it
+                snapshot.text("/dry-only")  # a second read, in the middle of planning
+        kept = json.loads(hint.read_text())
+        assert {"/late", "/dry-only"} <= set(kept["texts"]) and "/a" in kept["files"]
+    finally:
+        hint.unlink(missing_ok=True)
