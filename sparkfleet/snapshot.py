@@ -17,6 +17,7 @@ host once.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -133,14 +134,22 @@ def _fact_entry(cls, kwargs: dict) -> tuple[str, str]:
     request = hostread.engine_request(cls, args)
     if request:
         _ENGINE_PATHS[key] = request
-    if command.startswith("python3 -c "):
-        try:
-            argv = shlex.split(command)
-        except ValueError:  # quoting of the shell's own that shlex does not read
-            argv = []
-        if len(argv) > 2 and shlex.join(argv) == command:  # nothing of the shell's in it
-            _PYTHON_PROGRAMS[key] = argv[2:]
+    program = _python_program(command)
+    if program:
+        _PYTHON_PROGRAMS[key] = list(program)
     return key, command
+
+
+@functools.cache  # every host declares the same facts: split once (shlex.split of the programs:
+def _python_program(command: str) -> tuple[str, ...] | None:  # ~0.3 s of a 16-host converged plan)
+    """[program, *argv] of a command that is exactly ``python3 -c PROGRAM ARGS``, else None."""
+    if not command.startswith("python3 -c "):
+        return None
+    try:
+        argv = shlex.split(command)
+    except ValueError:  # quoting of the shell's own that shlex does not read
+        return None
+    return tuple(argv[2:]) if len(argv) > 2 and shlex.join(argv) == command else None  # nothing of the shell's in it
 
 
 def fact(cls, **kwargs):
