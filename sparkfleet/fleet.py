@@ -276,8 +276,8 @@ def source_toward(member, address: str) -> str:
     wanted = once("service addresses", lambda: _service_addresses(state), state)
     if address not in wanted:
         return member.get_fact(RouteSource, address=address, _sudo=False)
-    routes = once(("routes", member.name), lambda: member.get_fact(RouteSources, addresses=wanted, _sudo=False),
-                  state)
+    routes = once(("routes", member.name),
+                  lambda: snapshot.fact_of(member, RouteSources, state, addresses=wanted, _sudo=False), state)
     return routes.get(address, "")
 
 
@@ -331,7 +331,7 @@ def _fleet_address(state, mirror: Mirror) -> str:
     peers = [p for p in peers if p in state.active_hosts]
     reached = {peer.name: ssh_address(peer, state) for peer in peers}
     asked = sorted({a for a in reached.values() if _usable(a)})
-    routes = server.get_fact(RouteSources, addresses=asked, _sudo=False) if asked else {}
+    routes = snapshot.fact_of(server, RouteSources, state, addresses=asked, _sudo=False) if asked else {}
     seen = {name: (routes.get(a, "") if _usable(routes.get(a, "")) else "") or f"none (reached at {a or '?'})"
             for name, a in reached.items()}
     sources = Counter(a for a in seen.values() if _usable(a))

@@ -166,10 +166,23 @@ def fact(cls, **kwargs):
     return cls().process(lines)
 
 
+def fact_of(target, cls, state=None, **kwargs):
+    """:func:`fact` of ``target``, which need not be the host planning now (the fleet asks
+    every host its routes): its answer when a read of ``target`` took it along, else asked
+    alone, and read with that host's first read from the next run on."""
+    key, _ = entry = _fact_entry(cls, kwargs)
+    _wanted(target.name, state).facts.setdefault(*entry)
+    lines = _known(target.name, state)["facts"].get(key)
+    if lines is None:
+        return target.get_fact(cls, **kwargs)
+    _asked(target.name, state).add(("facts", key))
+    return cls().default() if _MISSING in lines else cls().process(lines)
+
+
 def _read(kind: str, key: str):
     """What the host holds for ``key``: read with everything declared and not read yet,
     in one command, the first time any of it is asked for."""
-    once("snapshot forgets", lambda: [host.state.add_callback_handler(c) for c in (_Forget(), _DropStale())])
+    once("snapshot forgets", lambda: [host.state.add_callback_handler(c) for c in (_Forget(), _KeepHint())])
     wanted = _wanted(host.name)
     if kind != "facts":
         getattr(wanted, kind).add(key)  # one nobody declared is read too
@@ -262,11 +275,11 @@ def first_read(target, state=None) -> FirstRead | None:
 # --- hints: what a host's later reads asked, kept on the controller ---------------------------
 
 
-class _DropStale(BaseStateCallback):
-    """After a host's last operation, its hint loses what this run neither declared nor
-    asked: a hint that names what no step asks any more (``docker info``, which only an
-    image still to come needs) would otherwise be read by every run after, a converged
-    run having no later read that keeps a hint."""
+class _KeepHint(BaseStateCallback):
+    """After a host's last operation, its hint becomes what this run declared and asked,
+    when it names anything else: what no step asks any more (``docker info``, which only an
+    image still to come needs) would otherwise be read by every run after, and what the
+    fleet asked of the host alone (its routes) would be asked alone again."""
 
     @staticmethod
     def operation_host_success(state, host, op_hash, retry_count=0):
@@ -276,11 +289,10 @@ class _DropStale(BaseStateCallback):
         try:
             doc = json.loads(_hint_path(host).read_text())
         except (OSError, ValueError):
-            return
-        if all(key in (wanted.facts if kind == "facts" else getattr(wanted, kind))
-               for kind in _KINDS for key in doc.get(kind, [])):
-            return
-        _keep_hint(wanted, host)
+            doc = {}
+        named = {(kind, key) for kind in _KINDS for key in doc.get(kind, [])}
+        if named != {(kind, key) for kind in _KINDS for key in getattr(wanted, kind)}:
+            _keep_hint(wanted, host)
 
 
 #: Where the controller keeps, per host, what its reads after the first asked in the last

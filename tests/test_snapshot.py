@@ -181,9 +181,9 @@ def test_a_hint_loses_what_a_run_did_not_ask_after_the_hosts_last_operation(monk
             target.op_hash_order = ["op-1", "op-last"]
             hint = snapshot._hint_path(target)
             before = hint.read_text()
-            snapshot._DropStale.operation_host_success(state, target, "op-1")  # not its last: as it was
+            snapshot._KeepHint.operation_host_success(state, target, "op-1")  # not its last: as it was
             assert hint.read_text() == before
-            snapshot._DropStale.operation_host_success(state, target, "op-last")
+            snapshot._KeepHint.operation_host_success(state, target, "op-last")
         return asked
 
     hint = snapshot._hint_path(SimpleNamespace(name=name, data={}))
@@ -509,5 +509,46 @@ def test_a_read_in_the_middle_of_planning_keeps_what_the_hint_named(monkeypatch)
                 snapshot.text("/dry-only")  # a second read, in the middle of planning
         kept = json.loads(hint.read_text())
         assert {"/late", "/dry-only"} <= set(kept["texts"]) and "/a" in kept["files"]
+    finally:
+        hint.unlink(missing_ok=True)
+
+
+def test_a_fact_the_fleet_asks_of_a_host_comes_with_its_first_read_from_the_next_run(monkeypatch):
+    """The fleet asks every host its routes while another host may be planning: asked
+    alone the first time, kept in the host's hint after its last operation, and from the
+    next run on answered by its first read (the sudo check's), with no command of its own."""
+    from support.fleetdata import fake_state
+
+    from sparkfleet.routes import RouteSources
+
+    name = "@fake/fleet-asks"
+    hint = snapshot._hint_path(SimpleNamespace(name=name, data={}))
+    hint.unlink(missing_ok=True)
+    key, _ = snapshot._fact_entry(RouteSources, {"addresses": ["10.0.0.1"]})
+    alone: list[dict] = []
+
+    def run(first_read: dict | None) -> dict:
+        with fake_state([name]) as state:
+            target = state.inventory.get_host(name)
+            target.op_hash_order = ["op-last"]
+
+            def get_fact(cls, **kwargs):
+                alone.append(kwargs)
+                return {"10.0.0.1": "10.0.0.9"}
+
+            monkeypatch.setattr(target, "get_fact", get_fact)
+            if first_read is not None:
+                snapshot._took(target, snapshot._known(name, state), snapshot._Wanted(facts={key: ""}),
+                               {"facts": first_read}, state)
+            routes = snapshot.fact_of(target, RouteSources, state, addresses=["10.0.0.1"], _sudo=False)
+            snapshot._KeepHint.operation_host_success(state, target, "op-last")
+        return routes
+
+    try:
+        assert run(None) == {"10.0.0.1": "10.0.0.9"} and alone == [{"addresses": ["10.0.0.1"], "_sudo": False}]
+        assert key in json.loads(hint.read_text())["facts"]  # the next run's first read asks it
+        assert run({key: ["asked 10.0.0.1", "10.0.0.1 via 10.0.0.254 dev eth0 src 10.0.0.9 uid 0"]}) == {
+            "10.0.0.1": "10.0.0.9"}
+        assert len(alone) == 1
     finally:
         hint.unlink(missing_ok=True)
