@@ -4,9 +4,11 @@ pyinfra 3 caches no fact, so every ``files.put`` asks three questions (the file'
 its directory's stat, its hash), every ``systemd.service`` two, ``files.sync`` three per
 file: ~160 commands per host on a converged run, each a new SSH channel and a sudo.
 Here the steps declare while the deploy plans what they will compare (:func:`expect`,
-called by :func:`file`, :func:`service` and :func:`tree` themselves), and the first
-operation to look reads all of it in one command (:mod:`sparkfleet.hostread`, a small
-Python program: DGX OS has python3); later operations read the answer. What is declared
+called by :func:`file`, :func:`service` and :func:`tree` themselves), and one command
+reads all of it (:mod:`sparkfleet.hostread`, a small Python program: DGX OS has python3);
+operations read the answer. The host's first read runs inside the run's sudo check
+(:func:`first_read`: one sudo, one password hash), with what the steps declared as they
+loaded and the host's hint of what its later reads asked last run. What is declared
 after that (or not at all) is read, with everything else not read yet, when first asked for.
 
 An operation that changes anything on the host drops its snapshot: what is asked after
@@ -296,8 +298,8 @@ class _KeepHint(BaseStateCallback):
 
 
 #: Where the controller keeps, per host, what its reads after the first asked in the last
-#: run: the steps declare much of it after the preflight's read, so a converged run would
-#: read each host twice. A hint names paths, units and facts, never a value: every answer
+#: run: the steps declare most of it after the first read (the sudo check's), so a
+#: converged run would read each host twice. A hint names paths, units and facts, never a value: every answer
 #: is still read from the host, and a missing or stale hint costs a command, not an answer.
 HINTS = Path(__file__).resolve().parents[1] / ".sparkfleet" / "snapshot-hints"
 _HINTED_MODULES = ("sparkfleet.", "pyinfra.facts.")
