@@ -270,15 +270,23 @@ def source_toward(member, address: str) -> str:
     The fleet's services ask this of every host while planning: the mirrors (whom their
     firewall lets in), the endpoint and the monitor (where they reach each member). One
     command per host per run answers for all of their addresses."""
-    from sparkfleet.routes import RouteSource, RouteSources
+    from sparkfleet.routes import RouteSource
 
     state = perrun.current_state()
     wanted = once("service addresses", lambda: _service_addresses(state), state)
     if address not in wanted:
         return member.get_fact(RouteSource, address=address, _sudo=False)
-    routes = once(("routes", member.name),
-                  lambda: snapshot.fact_of(member, RouteSources, state, addresses=wanted, _sudo=False), state)
+    routes = once(("routes", member.name), lambda: _routes(member, wanted, state), state)
     return routes.get(address, "")
+
+
+def _routes(target, addresses: list[str], state) -> dict[str, str]:
+    """``target``'s source address toward each of ``addresses`` (routes.RouteSources): with
+    its first read, which its sudo check (first, whichever host asks) takes along."""
+    from sparkfleet.routes import RouteSources
+
+    sudo_checked(target, state)
+    return snapshot.fact_of(target, RouteSources, state, addresses=addresses, _sudo=False)
 
 
 def _service_addresses(state) -> list[str]:
@@ -323,15 +331,13 @@ def _fleet_address(state, mirror: Mirror) -> str:
     checks that it answers before it pulls or downloads (mirror.clients). One command on
     the mirror answers for every peer.
     """
-    from sparkfleet.routes import RouteSources
-
     mirror_name = mirror.host
     server = state.inventory.get_host(mirror_name)
     peers = [state.inventory.get_host(n) for n in mirror.serves]
     peers = [p for p in peers if p in state.active_hosts]
     reached = {peer.name: ssh_address(peer, state) for peer in peers}
     asked = sorted({a for a in reached.values() if _usable(a)})
-    routes = snapshot.fact_of(server, RouteSources, state, addresses=asked, _sudo=False) if asked else {}
+    routes = _routes(server, asked, state) if asked else {}
     seen = {name: (routes.get(a, "") if _usable(routes.get(a, "")) else "") or f"none (reached at {a or '?'})"
             for name, a in reached.items()}
     sources = Counter(a for a in seen.values() if _usable(a))

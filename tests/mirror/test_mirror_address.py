@@ -126,3 +126,36 @@ def test_no_route_to_any_peer_fails_naming_mirror_address():
 def test_a_fleet_of_one_uses_its_own_address():
     m = FakeHost("a", "")
     assert located(fake_state(m), m, mirrors_for(["a"])).address == "127.0.0.1"
+
+
+def test_a_peer_asking_first_finds_the_mirrors_routes_in_the_mirrors_first_read(monkeypatch):
+    """The mirror's address is asked by whichever host plans first, often a peer: the
+    mirror's sudo check runs then, and its first read (with its hint: the route question
+    of the last run) answers; no command of the mirror's own for it."""
+    import json
+
+    from sparkfleet import snapshot
+
+    m = FakeHost("spark-1-first-read", "10.0.0.11", {"10.0.0.12": "10.0.0.11"})
+    p = FakeHost("spark-2-first-read", "10.0.0.12")
+    key, _ = snapshot._fact_entry(RouteSources, {"addresses": ["10.0.0.12"]})
+    hint = snapshot._hint_path(m)
+    hint.parent.mkdir(parents=True, exist_ok=True)
+    hint.write_text(json.dumps({"facts": [key]}))
+    checked = []
+
+    def check_sudo(host, then=None):  # the first read, as the host would answer it
+        checked.append(host.name)
+        host.connector_data[remote.SSH_ADDRESS] = host.ssh
+        asked = json.loads(then[-1])["facts"] if then else {}
+        lines = ["asked 10.0.0.12", "10.0.0.12 dev eth0 src 10.0.0.11 uid 0"]
+        return [json.dumps({"facts": {k: lines for k in asked if k == key}})] if then else None
+
+    monkeypatch.setattr(remote, "check_sudo", check_sudo)
+    monkeypatch.setattr(snapshot, "_FIRST", snapshot._Wanted(texts={"/etc/hostname"}))
+    try:
+        got = located(fake_state(m, p), p, mirrors_for([m.name, p.name]))
+    finally:
+        hint.unlink(missing_ok=True)
+    assert got.address == "10.0.0.11"
+    assert m.name in checked and m.asked == []
