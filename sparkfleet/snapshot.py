@@ -213,10 +213,12 @@ def _unread(target, wanted: _Wanted, known: dict, asking: tuple[str, str] | None
     key) already is read again only when asked again: once a change dropped the snapshot,
     a first deploy's next read would otherwise read every fact again (it made ~30 full
     reads of each host)."""
+    # The hint as the run found it, read once per host and run (a first deploy reads a host ~30 times).
+    hint = once(("snapshot hint", target.name), lambda: _hinted(target), state)
     if not _reads(target.name, state)[0]:
-        wanted = _joined(wanted, _hinted(target))
+        wanted = _joined(wanted, hint)
     else:  # what the hint named stays: a read in the middle of planning knows only what came before it
-        _keep_hint(_joined(wanted, _hinted(target)), target)
+        _keep_hint(_joined(wanted, hint), target)
 
     asked = _asked(target.name, state) - {asking}
 
