@@ -197,7 +197,7 @@ engine_startup_memory_gib = 1.5
 oom_guard_min_available_gib = 4.0
 
 # --- The watchdog: progress, not liveness (sparkfleet/watchdog.py) ---------------------------
-# /health stays 200 while an engine is stuck (vLLM #56824, #50011): a systemd timer looks at
+# /health stays 200 while an engine is stuck (vLLM #56824, #50011): a systemd service looks at
 # /metrics every watchdog_interval_s; requests running or waiting and no token (generated or
 # prompt) for wedge_timeout_s is a wedge: the host leaves the endpoint (HAProxy's agent-check
 # on watchdog_agent_port) and the engine restarts. Not shorter than the longest silence a

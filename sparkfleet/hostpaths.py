@@ -72,8 +72,8 @@ OOM_REPORTED = "/var/lib/sparkfleet/oom-guard.reported"  # lines of OOM_LOG the 
 
 # --- the watchdog (every serving host): progress and memory, drained through HAProxy's agent --
 WATCHDOG_PROGRAM = "/usr/local/lib/sparkfleet/watchdog"  # templates/sparkfleet-watchdog.py
-WATCHDOG_UNIT = "sparkfleet-watchdog.service"  # one look, a oneshot
-WATCHDOG_TIMER = "sparkfleet-watchdog.timer"  # every watchdog_interval_s
+WATCHDOG_UNIT = "sparkfleet-watchdog.service"  # a look every watchdog_interval_s
+WATCHDOG_TIMER = "sparkfleet-watchdog.timer"  # what started each look before: removed where found
 AGENT_SOCKET = "sparkfleet-agent.socket"  # HAProxy's agent-check: one line per connection
 AGENT_SERVICE = "sparkfleet-agent@.service"
 WATCHDOG_STATE = "/run/sparkfleet/watchdog.json"  # the last figures; tmpfs

@@ -2,10 +2,11 @@
 
 ``/health`` stays 200 while a vLLM engine is stuck (vLLM #56824, #50011), and unified-memory
 pressure freezes or hard-resets a Spark with no OOM kill (NVIDIA open-gpu-kernel-modules
-#1358). Kept tools do the watching: ``sparkfleet-watchdog.timer`` runs one look
-(``templates/sparkfleet-watchdog.py``, the host's python3, stdlib) every
-``watchdog_interval_s``; it reads ``/metrics`` with the fleet key (0600 header file, never
-argv), PSI and MemAvailable, keeps its figures in ``/run`` and acts: a wedge drains and
+#1358). Kept tools do the watching: ``sparkfleet-watchdog.service`` runs
+``templates/sparkfleet-watchdog.py`` (the host's python3, stdlib), which looks every
+``watchdog_interval_s`` and tells systemd after each look, so systemd's own watchdog ends a
+look that hangs and starts it afresh. A look reads ``/metrics`` with the fleet key (0600
+header file, never argv), PSI and MemAvailable, keeps its figures in ``/run`` and acts: a wedge drains and
 restarts the engine (bounded: ``wedge_max_restarts``), memory pressure drains and stops
 it cleanly, and starts it again once pressure clears. Draining is HAProxy's own
 agent-check: ``sparkfleet-agent.socket`` (``Accept=yes``) answers ``up`` or
@@ -52,31 +53,25 @@ def program_args(settings: Settings) -> str:
 
 
 def service_unit(settings: Settings) -> str:
-    return f"""# Rendered by sparkfleet (watchdog.py): one look at progress and memory, per timer tick.
+    return f"""# Rendered by sparkfleet (watchdog.py): a look every {settings.watchdog_interval_s} s, one process for the host's life
+# (a timer's oneshot per look cost ~25 ms of CPU and three journal lines each time).
 [Unit]
 Description=sparkfleet: engine progress and host memory watchdog
 After={UNIT}
 
 [Service]
-Type=oneshot
-ExecStart=/usr/bin/python3 {WATCHDOG_PROGRAM} {program_args(settings)}
-# A look that hangs must not hold the next one back: the engine answers within 5 s or not.
-TimeoutStartSec=120
-"""
-
-
-def timer_unit(settings: Settings) -> str:
-    return f"""# Rendered by sparkfleet (watchdog.py).
-[Unit]
-Description=sparkfleet: the watchdog every {settings.watchdog_interval_s} s
-
-[Timer]
-OnBootSec={settings.watchdog_interval_s}s
-OnUnitActiveSec={settings.watchdog_interval_s}s
-AccuracySec=1s
+Type=notify
+ExecStart=/usr/bin/python3 {WATCHDOG_PROGRAM} --every {settings.watchdog_interval_s} {program_args(settings)}
+# A look that hangs is ended and the watchdog started afresh: the engine answers within 5 s
+# or not, a drain settles in seconds, so 120 s past the interval is a hang.
+WatchdogSec={settings.watchdog_interval_s + 120}
+Restart=always
+RestartSec=5
+# It is what acts under memory pressure: the last process to be killed for memory.
+OOMScoreAdjust=-900
 
 [Install]
-WantedBy=timers.target
+WantedBy=multi-user.target
 """
 
 
@@ -126,24 +121,39 @@ def boot_reported():
     yield NOTE_BOOT
 
 
+@operation()
+def _timer_gone(path: str):
+    if snapshot.file_state(path) is None:
+        host.noop(f"no {WATCHDOG_TIMER}")
+        return
+    yield f"systemctl disable --now {WATCHDOG_TIMER}; rm -f {path}; systemctl daemon-reload"
+
+
+def timer_gone() -> None:
+    """A host deployed when a timer started each look has that timer stopped and removed."""
+    path = systemd_path(WATCHDOG_TIMER)
+    snapshot.expect(files=[path])
+    _timer_gone(path=path, name=f"{WATCHDOG_TIMER} gone (the watchdog looks on its own now)")
+
+
 @deploy("Watchdog")
 def configured(settings: Settings) -> None:
-    """The program, its timer and the agent's socket in place and running; the socket is
-    restarted only when its port changed (a daemon-reload only when a unit changed)."""
-    # Read at each tick: a new program needs no restart.
-    snapshot.file(WATCHDOG_PROGRAM, PROGRAM.read_text(), mode="755", name="watchdog program")
-    units = [
-        snapshot.file(systemd_path(WATCHDOG_UNIT), service_unit(settings), name=f"systemd unit {WATCHDOG_UNIT}"),
-        snapshot.file(systemd_path(WATCHDOG_TIMER), timer_unit(settings), name=f"systemd unit {WATCHDOG_TIMER}"),
-        snapshot.file(systemd_path(AGENT_SERVICE), AGENT_UNIT, name=f"systemd unit {AGENT_SERVICE}"),
-    ]
+    """The program and its service running, the agent's socket in place and answering; the
+    watchdog is restarted when its program or unit changed, the socket when its port did
+    (a daemon-reload only when a unit changed)."""
+    timer_gone()
+    program = snapshot.file(WATCHDOG_PROGRAM, PROGRAM.read_text(), mode="755", name="watchdog program")
+    service = snapshot.file(systemd_path(WATCHDOG_UNIT), service_unit(settings), name=f"systemd unit {WATCHDOG_UNIT}")
+    agent = snapshot.file(systemd_path(AGENT_SERVICE), AGENT_UNIT, name=f"systemd unit {AGENT_SERVICE}")
     socket = snapshot.file(systemd_path(AGENT_SOCKET), agent_socket(settings), name=f"systemd unit {AGENT_SOCKET}")
     systemd.daemon_reload(name="systemd reload for the watchdog's units",
-                          _if=lambda: any(op.did_change() for op in (*units, socket)))
+                          _if=lambda: any(op.did_change() for op in (service, agent, socket)))
     snapshot.service(AGENT_SOCKET, name="agent-check answering")
     systemd.service(name="agent-check on its new port", service=AGENT_SOCKET, restarted=True,
                     _if=socket.did_change)
-    snapshot.service(WATCHDOG_TIMER, name="watchdog timer running")
+    started = snapshot.service(WATCHDOG_UNIT, name="watchdog running")
+    systemd.service(name="watchdog on its new program or settings", service=WATCHDOG_UNIT, restarted=True,
+                    _if=lambda: (program.did_change() or service.did_change()) and not started.did_change())
     tasks.events_reported(name="watchdog events since the last deploy", log=WATCHDOG_LOG,
                           reported=WATCHDOG_REPORTED, prefix="watchdog: ",
                           nothing="the watchdog saw no wedge and no memory pressure since the last deploy")
@@ -154,4 +164,5 @@ def configured(settings: Settings) -> None:
 @deploy("Watchdog")
 def stopped() -> None:
     """serving=false: no watchdog (it would start the engine again after memory pressure)."""
-    snapshot.service(WATCHDOG_TIMER, running=False, enabled=False, name="watchdog timer stopped")
+    timer_gone()
+    snapshot.service(WATCHDOG_UNIT, running=False, enabled=False, name="watchdog stopped")

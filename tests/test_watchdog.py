@@ -4,6 +4,7 @@ memory pressure, from the figures vLLM and the kernel print; the units around it
 from __future__ import annotations
 
 import importlib.util
+import json
 from types import SimpleNamespace
 
 from sparkfleet import hostpaths, watchdog
@@ -98,7 +99,8 @@ def test_the_units_pass_no_secret_and_the_agent_answers_the_watchdogs_file():
                                watchdog_agent_port=8009)
     unit = watchdog.service_unit(settings)
     assert "--wedge-timeout 300" in unit and "Bearer" not in unit and "api-auth" not in unit
-    assert "OnUnitActiveSec=5s" in watchdog.timer_unit(settings)
+    # One process looks every interval; systemd's watchdog outlasts a look plus the interval.
+    assert "Type=notify" in unit and "--every 5 " in unit and "WatchdogSec=125" in unit and "Restart=always" in unit
     assert "ListenStream=8009" in watchdog.agent_socket(settings) and "Accept=yes" in watchdog.agent_socket(settings)
     assert hostpaths.AGENT_ANSWER in watchdog.AGENT_UNIT
     assert all(f"--{flag}" in watchdog.PROGRAM.read_text()
@@ -160,3 +162,45 @@ def test_the_look_reads_the_engine_with_the_key_and_only_a_2xx_counts(tmp_path, 
         server.shutdown()
         server.server_close()
     assert program._get(port, "/metrics", timeout=1) is None  # nothing listens: no answer
+
+
+def test_the_service_looks_every_interval_and_tells_systemd_after_each_look(tmp_path, monkeypatch):
+    import socket
+
+    for name in ("STATE", "AGENT", "EVENTS", "AUTH_HEADER"):
+        monkeypatch.setattr(program, name, str(tmp_path / name.lower()))
+    (tmp_path / "psi").write_text("some avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+                                  "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
+    (tmp_path / "meminfo").write_text("MemTotal:       127601908 kB\nMemAvailable:   106954752 kB\n")
+    systemd = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    systemd.bind(str(tmp_path / "notify"))
+    systemd.settimeout(1)
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "notify"))
+    looks, naps = [], []
+    real_look = program.look
+
+    def look(args):
+        real_look(args)
+        looks.append(json.loads((tmp_path / "state").read_text()))
+
+    def nap(seconds):
+        naps.append(seconds)
+        if len(naps) == 3:
+            raise KeyboardInterrupt  # the test's way out of the loop
+
+    monkeypatch.setattr(program, "look", look)
+    monkeypatch.setattr(program.time, "sleep", nap)
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # a port nothing listens on: the engine is not up
+    try:
+        program.main(["--every", "5", "--port", str(closed.getsockname()[1]),
+                      "--psi", str(tmp_path / "psi"), "--meminfo", str(tmp_path / "meminfo")])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        closed.close()
+    told = [systemd.recv(64).decode() for _ in range(4)]
+    systemd.close()
+    assert told == ["READY=1", "WATCHDOG=1", "WATCHDOG=1", "WATCHDOG=1"]
+    assert len(looks) == 3 and all(0 < s <= 5 for s in naps)
+    assert (tmp_path / "agent").read_text() == "up\n"  # the first look's answer for HAProxy

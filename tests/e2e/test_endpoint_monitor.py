@@ -17,7 +17,7 @@ import time
 import pytest
 
 from sparkfleet import haproxy
-from sparkfleet.hostpaths import NODE_EXPORTER_UNIT, UNIT, WATCHDOG_TIMER
+from sparkfleet.hostpaths import NODE_EXPORTER_UNIT, UNIT, WATCHDOG_UNIT
 from sparkfleet.testbed import login, paths
 
 pytestmark = pytest.mark.e2e
@@ -160,10 +160,10 @@ def test_prometheus_scrapes_every_target_and_an_alert_fires_on_its_fault(testbed
     assert wait(lambda: not firing(testbed, "SparkfleetMemoryLow"), 60), api(testbed, "/api/v1/alerts")
 
     # An engine wedges (/health answers, no token comes) where its watchdog cannot act (its
-    # timer stopped) while a request waits on it: "no progress" names the host.
+    # service stopped) while a request waits on it: "no progress" names the host.
     stuck = testbed.names[2]
     stuck_name = testbed.inventory_name(stuck)
-    testbed.exec(stuck, f"systemctl stop {WATCHDOG_TIMER}", check=True)
+    testbed.exec(stuck, f"systemctl stop {WATCHDOG_UNIT}", check=True)
     try:
         assert testbed.exec(stuck, ask("/_sim/wedge")).stdout == "200"
         body = '{"model": "qwen", "prompt": "Tell me about Paris.", "max_tokens": 64}'
@@ -173,7 +173,7 @@ def test_prometheus_scrapes_every_target_and_an_alert_fires_on_its_fault(testbed
         assert firing(testbed, "SparkfleetNoProgress") == {stuck_name}
     finally:
         testbed.exec(stuck, f"systemctl stop sf-test-waits; systemctl restart {UNIT}; "
-                            f"systemctl start {WATCHDOG_TIMER}; true")
+                            f"systemctl start {WATCHDOG_UNIT}; true")
     assert wait(lambda: not firing(testbed, "SparkfleetNoProgress"), 60), api(testbed, "/api/v1/alerts")
     assert wait(lambda: targets(testbed).get(("engine", stuck_name)) == "up", 180), targets(testbed)
 
