@@ -24,9 +24,8 @@ from sparkfleet.hostpaths import OPERATOR_LOCK
 
 def program(path, action: str, arg: dict) -> dict:
     """The lock program as a host runs it, on ``path``."""
-    done = subprocess.run([sys.executable, "-c", oplock._PROGRAM, str(path), action, json.dumps(arg)],
-                          capture_output=True, text=True, timeout=30, check=True)
-    return json.loads(done.stdout)
+    done = subprocess.run(oplock.argv(str(path), action, arg), capture_output=True, text=True, timeout=30, check=True)
+    return oplock.answer(done.stdout.splitlines())
 
 
 def holder(run: str, **kw) -> oplock.Holder:
@@ -66,8 +65,7 @@ def public_dir():
     shutil.rmtree(made)
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/bin/python3").exists(),
-                    reason="root makes the lock group sudo's; a login runs the host's python3")
+@pytest.mark.skipif(os.geteuid() != 0, reason="root makes the lock group sudo's, and runs it as another user")
 def test_root_makes_the_lock_group_sudos_and_an_admin_login_takes_it_without_sudo(public_dir):
     import grp
 
@@ -79,7 +77,7 @@ def test_root_makes_the_lock_group_sudos_and_an_admin_login_takes_it_without_sud
     assert (lock.stat().st_gid, lock.stat().st_mode & 0o7777) == (admins, 0o660)
 
     def as_login(path: Path, action: str, arg: dict, *groups: int) -> subprocess.CompletedProcess:
-        return subprocess.run(["/usr/bin/python3", "-c", oplock._PROGRAM, str(path), action, json.dumps(arg)],
+        return subprocess.run(oplock.argv(str(path), action, arg),
                               capture_output=True, text=True, timeout=30, user=65534, group=65534,
                               extra_groups=list(groups))
 
@@ -87,7 +85,7 @@ def test_root_makes_the_lock_group_sudos_and_an_admin_login_takes_it_without_sud
     refused = as_login(lock, "take", take)  # a login outside the group: the deploy asks again through sudo
     assert refused.returncode == oplock._NOT_MINE and refused.stdout == "" and lock.read_text() == ""
     taken = as_login(lock, "take", take, admins)
-    assert taken.returncode == 0 and json.loads(taken.stdout)["done"]
+    assert taken.returncode == 0 and oplock.answer(taken.stdout.splitlines())["done"]
     assert json.loads(lock.read_text())["run"] == "run-a"
     assert as_login(public_dir / "missing", "show", {}, admins).returncode == oplock._NOT_MINE  # root makes it
 
@@ -115,7 +113,7 @@ def test_ask_runs_the_program_as_the_login_and_through_sudo_only_where_it_may_no
     assert [as_login for _, as_login, _ in ran] == ([True] if login_may_write else [True, False])
     assert ran[0][2] == [0, oplock._NOT_MINE] and len({command for command, _, _ in ran}) == 1
     lock.write_text("{not json")
-    monkeypatch.setattr(oplock, "_PROGRAM", "import sys; sys.exit('the lock program broke')")
+    monkeypatch.setattr(oplock, "_PROGRAM", "echo 'the lock program broke' >&2; exit 1")
     with pytest.raises(OperationError, match="the lock program failed: the lock program broke"):
         oplock.ask(SimpleNamespace(name="spark-1"), "show", {})
 
