@@ -204,3 +204,26 @@ def test_the_service_looks_every_interval_and_tells_systemd_after_each_look(tmp_
     assert told == ["READY=1", "WATCHDOG=1", "WATCHDOG=1", "WATCHDOG=1"]
     assert len(looks) == 3 and all(0 < s <= 5 for s in naps)
     assert (tmp_path / "agent").read_text() == "up\n"  # the first look's answer for HAProxy
+
+
+def test_a_host_deployed_when_a_timer_started_each_look_has_it_removed(monkeypatch):
+    from pyinfra.context import ctx_host
+    from support.fleetdata import fake_state
+
+    from sparkfleet import snapshot
+
+    timer = hostpaths.systemd_path(hostpaths.WATCHDOG_TIMER)
+    for on_host, wanted in (([0o644, "root:root", "x"], [
+            f"systemctl disable --now {hostpaths.WATCHDOG_TIMER}; rm -f {timer}; systemctl daemon-reload"]),
+            (None, [])):
+        with fake_state(["@fake/spark-1"]) as state:
+            target = state.inventory.get_host("@fake/spark-1")
+
+            def get_fact(cls, want, found=on_host):
+                asked = json.loads(want)
+                return {k: {name: found if k == "files" else None for name in asked[k]} for k in snapshot._KINDS} | {"cpus": 2}
+
+            monkeypatch.setattr(target, "get_fact", get_fact)
+            with ctx_host.use(target):
+                snapshot.expect(files=[timer])
+                assert list(watchdog._timer_gone._inner(path=timer)) == wanted
