@@ -87,9 +87,24 @@ def locked() -> Iterator[None]:
             _lock_fd = None
 
 
+#: Each simulated host's systemd, journald, dockerd... hold ~7 inotify instances, all root's
+#: (the hosts share the machine's user ids), and the kernel lets a user have 128: past ~16
+#: hosts the others' systemd cannot watch its units and they never come up (32 hosts hold
+#: 226). Raised, never lowered, to what the testbed's ten instances of up to 50 hosts need.
+INOTIFY_INSTANCES = 8192
+_INOTIFY_LIMIT = Path("/proc/sys/fs/inotify/max_user_instances")
+
+
 def _check_env() -> None:
     require_root()
     require_tools()
+
+
+def _inotify_room() -> None:
+    have = int(_INOTIFY_LIMIT.read_text())
+    if have < INOTIFY_INSTANCES:
+        _INOTIFY_LIMIT.write_text(f"{INOTIFY_INSTANCES}\n")
+        log(f"fs.inotify.max_user_instances {have} -> {INOTIFY_INSTANCES}: each simulated host holds ~7 of root's")
 
 
 # --- up / down -------------------------------------------------------------------------
@@ -114,6 +129,7 @@ def up(n_hosts: int, host_switches: dict[str, dict[str, Any]] | None = None, *,
         if scale is not None and not scale >= 1:
             raise TestbedError(f"{what} divides a real fleet's figures: 1 or more, not {scale}")
     _check_env()
+    _inotify_room()
     host_switches = host_switches or {}
     host_names = [paths.host_name(i) for i in range(1, n_hosts + 1)]
     cabled = pairs.plan(host_names, n_pairs)
