@@ -206,11 +206,12 @@ def argv(path: str, action: str, arg: dict) -> list[str]:
 def answer(lines: list[str]) -> dict:
     """The lock program's answer: ``held`` (the record found, None when free), ``now`` (the
     host's clock) and ``done``."""
+    at = next((i for i, line in enumerate(lines) if line.startswith("now ")), len(lines))  # past any banner
     try:
-        now, done = float(lines[0].removeprefix("now ")), lines[1] == "done 1"
+        now, done = float(lines[at].removeprefix("now ")), lines[at + 1] == "done 1"
     except (ValueError, IndexError):
         raise OperationError(f"the lock program answered {' '.join(lines)[-300:]!r}") from None
-    return {"held": _record("\n".join(lines[2:])), "now": now, "done": done}
+    return {"held": _record("\n".join(lines[at + 2:])), "now": now, "done": done}
 
 
 def ask(target, action: str, arg: dict) -> dict:

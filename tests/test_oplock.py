@@ -335,3 +335,12 @@ def test_unlock_says_a_host_it_cannot_reach_keeps_its_lock(fleet):
     lines, free, answered = unlock.unlock(state)
     assert not free and not answered
     assert lines[1] == "spark-2: unreachable: its lock, if any, stays (a reboot of the host frees it)"
+
+
+def test_the_answer_is_read_past_anything_printed_before_it():
+    lines = ["a login banner", "now 1796000000.25", "done 1", '{"run": "run-a", "since": 1796000000.25}']
+    assert oplock.answer(lines) == {"held": {"run": "run-a", "since": 1796000000.25}, "now": 1796000000.25,
+                                    "done": True}
+    assert oplock.answer(["now 5", "done 0", ""])["held"] is None  # empty: free
+    with pytest.raises(OperationError, match="the lock program answered"):
+        oplock.answer(["sh: 1: flock: not found"])
