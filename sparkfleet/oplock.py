@@ -20,6 +20,9 @@ Root makes it so the first time after a boot, when the login cannot create it in
   others at once. A host another run holds makes every host fail at this step, naming
   who holds it since when and the fix; the hosts this run took are given back. Nothing
   else has run on any host.
+- The run plans on each host's first read, made before it takes the lock: a host whose
+  read found another run's lock (not a dead run of this controller) stops every host the
+  same way, even if that run has ended since, as what it changed may be missing from the plan.
 - The run itself passes again (a second deploy file in the same pyinfra command).
 - It never expires: a READY wait or a drain legitimately takes many minutes. The lock of
   a run that provably died (this controller, its pid gone: kill -9, a crash) is taken over
@@ -252,6 +255,7 @@ class _Run:
     taken: set[str] = field(default_factory=set)  # hosts this run holds now
     last_op: dict[str, str] = field(default_factory=dict)  # host -> its last operation
     failure: str = ""  # why every host stops here, when another run holds one
+    read_held: dict[str, Holder] = field(default_factory=dict)  # host -> another run, at its first read
     errors: dict[str, str] = field(default_factory=dict)  # hosts that could not be asked
 
 
@@ -276,14 +280,17 @@ def _take_all(state, run: _Run) -> None:
         except OperationError as exc:  # remote.run's too: a timeout, a broken connection
             run.errors[target.name] = str(exc)
 
-    first, rest = hosts[0], hosts[1:]
-    one(first)  # two runs racing meet on the first host: one of them stops there
-    opened = answers.get(first.name)
-    if opened is None or opened["done"]:
-        dead = opened.get("took_over") if opened else None  # likely the holder of every host
-        gevent.joinall([gevent.spawn(one, h, dead.run if dead else "") for h in rest])
-    run.taken = {name for name, answer in answers.items() if answer["done"]}
     others: dict[str, tuple[str, list[str]]] = {}  # run -> (who, since when), its hosts
+    for name, found in sorted(run.read_held.items()):  # this run planned on what it changed
+        others.setdefault(found.run, (found.describe(time.time()), []))[1].append(name)
+    first, rest = hosts[0], hosts[1:]
+    if not others:
+        one(first)  # two runs racing meet on the first host: one of them stops there
+        opened = answers.get(first.name)
+        if opened is None or opened["done"]:
+            dead = opened.get("took_over") if opened else None  # likely the holder of every host
+            gevent.joinall([gevent.spawn(one, h, dead.run if dead else "") for h in rest])
+    run.taken = {name for name, answer in answers.items() if answer["done"]}
     dead_runs: dict[str, str] = {}
     for name, answer in answers.items():
         found = Holder.of(answer["held"])
@@ -341,18 +348,35 @@ class _GiveBack(BaseStateCallback):
 
 def held(**op_args):
     """An operation, the deploy's first: this run holds the operator lock on every host of
-    the run, or every host fails here before anything changed. ``--dry`` only reads it."""
+    the run, or every host fails here before anything changed. ``--dry`` only reads it.
+    The run plans on each host's first read, made before it takes the lock: another run
+    that held the lock then (and may have ended since) stops it too, since what that run
+    changed may be missing from the plan."""
     if _cli("dry"):
         _warn_if_held()
+    else:
+        _note_if_held()
     return _held(name="operator lock: one deploy at a time", **op_args)
 
 
 snapshot.expect_first(texts=[OPERATOR_LOCK])  # --dry reads it: with every host's first read, not after
 
 
-def _warn_if_held() -> None:
+def _held_by_another() -> Holder | None:
+    """Another run, as this host's first read found the lock (None: free, or this run's)."""
     found = Holder.of(_record(snapshot.text(OPERATOR_LOCK)))
-    if found is not None and found.run != _run(host.state).mine.run:
+    return found if found is not None and found.run != _run(host.state).mine.run else None
+
+
+def _note_if_held() -> None:
+    found = _held_by_another()
+    if found is not None and still_runs(found) is not False:  # a dead run of this controller changes nothing
+        _run(host.state).read_held[host.name] = found
+
+
+def _warn_if_held() -> None:
+    found = _held_by_another()
+    if found is not None:
         logger.warning(f"{host.print_prefix}operator lock: held by {found.describe(time.time())}: a deploy now "
                        f"would stop before changing anything (wait for it, or if it no longer runs: "
                        f"{unlock_command()})")

@@ -344,3 +344,39 @@ def test_the_answer_is_read_past_anything_printed_before_it():
     assert oplock.answer(["now 5", "done 0", ""])["held"] is None  # empty: free
     with pytest.raises(OperationError, match="the lock program answered"):
         oplock.answer(["sh: 1: flock: not found"])
+
+
+def test_a_lock_another_run_held_at_the_read_stops_the_run_though_it_was_freed_since(fleet):
+    """The run planned on a state another run was changing: that run's changes may be
+    missing from the plan, so nothing is taken and every host stops, naming it."""
+    state, hosts = fleet
+    run = oplock._run(state)
+    run.read_held = {"spark-2": holder("their-run")}  # found by spark-2's first read; free now
+    oplock._take_all(state, run)
+    assert run.taken == set() and [h.commands for h in hosts] == [0, 0, 0]
+    assert "another deploy is changing this fleet, so nothing was changed on any host" in run.failure
+    assert "ana@laptop-2 (pyinfra pid 4242, run their-run: deploy.py)" in run.failure
+    assert "found on spark-2" in run.failure
+
+
+def test_planning_notes_a_lock_another_live_run_held_at_the_read(monkeypatch):
+    from pyinfra.context import ctx_host
+    from support.fleetdata import fake_state
+
+    from sparkfleet import snapshot
+
+    dead = oplock.Holder(run="dead-run", machine=oplock.machine_id(), pid=dead_pid())
+    for record, noted in ((asdict(holder("their-run")), True), (asdict(dead), False), (None, False)):
+        with fake_state(["@fake/spark-1"]) as state:
+            target = state.inventory.get_host("@fake/spark-1")
+
+            def get_fact(cls, want, found=record):
+                asked = json.loads(want)
+                text = json.dumps(found) if found else ""
+                return {k: {name: text if k == "texts" else None for name in asked[k]}
+                        for k in snapshot._KINDS} | {"cpus": 2}
+
+            monkeypatch.setattr(target, "get_fact", get_fact)
+            with ctx_host.use(target):
+                oplock._note_if_held()
+            assert (oplock._run(state).read_held.get("@fake/spark-1") is not None) == noted
