@@ -361,22 +361,15 @@ def test_a_lock_another_run_held_at_the_read_stops_the_run_though_it_was_freed_s
 
 def test_planning_notes_a_lock_another_live_run_held_at_the_read(monkeypatch):
     from pyinfra.context import ctx_host
-    from support.fleetdata import fake_state
-
-    from sparkfleet import snapshot
+    from support.fleetdata import fake_state, host_answering
 
     dead = oplock.Holder(run="dead-run", machine=oplock.machine_id(), pid=dead_pid())
     for record, noted in ((asdict(holder("their-run")), True), (asdict(dead), False), (None, False)):
         with fake_state(["@fake/spark-1"]) as state:
             target = state.inventory.get_host("@fake/spark-1")
 
-            def get_fact(cls, want, found=record):
-                asked = json.loads(want)
-                text = json.dumps(found) if found else ""
-                return {k: {name: text if k == "texts" else None for name in asked[k]}
-                        for k in snapshot._KINDS} | {"cpus": 2}
-
-            monkeypatch.setattr(target, "get_fact", get_fact)
+            text = json.dumps(record) if record else ""
+            monkeypatch.setattr(target, "get_fact", host_answering(texts={OPERATOR_LOCK: text}))
             with ctx_host.use(target):
                 oplock._note_if_held()
             assert (oplock._run(state).read_held.get("@fake/spark-1") is not None) == noted

@@ -208,7 +208,7 @@ def test_the_service_looks_every_interval_and_tells_systemd_after_each_look(tmp_
 
 def test_a_host_deployed_when_a_timer_started_each_look_has_it_removed(monkeypatch):
     from pyinfra.context import ctx_host
-    from support.fleetdata import fake_state
+    from support.fleetdata import fake_state, host_answering
 
     from sparkfleet import snapshot
 
@@ -219,11 +219,7 @@ def test_a_host_deployed_when_a_timer_started_each_look_has_it_removed(monkeypat
         with fake_state(["@fake/spark-1"]) as state:
             target = state.inventory.get_host("@fake/spark-1")
 
-            def get_fact(cls, want, found=on_host):
-                asked = json.loads(want)
-                return {k: {name: found if k == "files" else None for name in asked[k]} for k in snapshot._KINDS} | {"cpus": 2}
-
-            monkeypatch.setattr(target, "get_fact", get_fact)
+            monkeypatch.setattr(target, "get_fact", host_answering(files={timer: on_host}))
             with ctx_host.use(target):
                 snapshot.expect(files=[timer])
                 assert list(watchdog._timer_gone._inner(path=timer)) == wanted

@@ -66,3 +66,18 @@ class StubUpstream:
     def image(self, registry_url: str, reference: str) -> tuple[str, int]:
         digest = reference.partition("@")[2]
         return digest or "sha256:" + hashlib.sha256(reference.encode()).hexdigest(), 1 << 30
+
+
+def host_answering(**found: dict):
+    """A host's ``get_fact`` for the snapshot's read: each item asked answered from
+    ``found`` (e.g. ``files={path: [0o644, "root:root", sha]}``, ``texts={path: text}``),
+    anything else as missing."""
+    import json
+
+    from sparkfleet import snapshot
+
+    def get_fact(cls, want):
+        asked = json.loads(want)
+        return {k: {name: found.get(k, {}).get(name) for name in asked[k]} for k in snapshot._KINDS} | {"cpus": 2}
+
+    return get_fact
