@@ -2,8 +2,8 @@
 
 Two controllers (two laptops, two terminals) deploying one fleet at once would both pass,
 both roll, their turns interleaved (two hosts out of rotation at once), and the fleet would
-end on whichever wrote last. So the deploy's first operation takes the fleet's operator
-lock on every host of the run, and each host gives it back when pyinfra is done with it.
+end on whichever wrote last. So a deploy takes the fleet's operator lock on every host of
+the run before it changes any, and each host gives it back when pyinfra is done with it.
 
 The lock lives on the hosts, not the controller: it must hold across controllers. It is one
 small JSON record, :data:`~sparkfleet.hostpaths.OPERATOR_LOCK` in ``/run`` (tmpfs: a reboot
@@ -16,13 +16,17 @@ file would take a lock nobody else sees): empty is free. It is group ``sudo``'s 
 login: no sudo, whose password hash is the largest cost of a converged run on a host.
 Root makes it so the first time after a boot, when the login cannot create it in ``/run``.
 
-- All or nothing: the first host of the run first (two runs racing meet there), then the
-  others at once. A host another run holds makes every host fail at this step, naming
-  who holds it since when and the fix; the hosts this run took are given back. Nothing
-  else has run on any host.
-- The run plans on each host's first read, made before it takes the lock: a host whose
-  read found another run's lock (not a dead run of this controller) stops every host the
-  same way, even if that run has ended since, as what it changed may be missing from the plan.
+- Taken before the run's first change, not before its first operation: a run that has
+  nothing to change (a converged re-run) takes and gives back nothing, so it costs each
+  host one command, its read. The first command any operation has for any host takes it
+  on every host the run still has operations for, all or nothing: the first of them first
+  (two runs racing meet there), then the others at once. A host another run holds makes
+  every host fail at its first change, naming who holds it since when and the fix; the
+  hosts this run took are given back. Nothing has changed on any host before it.
+- The run plans on each host's first read: a host whose read found another run's lock
+  (not a dead run of this controller) stops every host at the lock's operation, even if
+  that run has ended since, as what it changed may be missing from the plan. A dead run's
+  lock found at the read is taken over there and then.
 - The run itself passes again (a second deploy file in the same pyinfra command).
 - It never expires: a READY wait or a drain legitimately takes many minutes. The lock of
   a run that provably died (this controller, its pid gone: kill -9, a crash) is taken over
@@ -256,6 +260,8 @@ class _Run:
     last_op: dict[str, str] = field(default_factory=dict)  # host -> its last operation
     failure: str = ""  # why every host stops here, when another run holds one
     read_held: dict[str, Holder] = field(default_factory=dict)  # host -> another run, at its first read
+    read_dead: set[str] = field(default_factory=set)  # hosts whose first read found a dead run of ours
+    done: set[str] = field(default_factory=set)  # hosts pyinfra is done with: never taken after
     errors: dict[str, str] = field(default_factory=dict)  # hosts that could not be asked
 
 
@@ -269,9 +275,9 @@ def _run(state) -> _Run:
 
 
 def _take_all(state, run: _Run) -> None:
-    """Take the lock on every host of the run, or on none (``run.failure`` says why)."""
-    hosts = [h for h in state.inventory if h in state.active_hosts]
-    run.last_op = {h.name: h.op_hash_order[-1] for h in hosts if h.op_hash_order}
+    """Take the lock on every host the run still has operations for, or on none
+    (``run.failure`` says why)."""
+    hosts = [h for h in state.inventory if h in state.active_hosts and h.name not in run.done]
     answers: dict[str, dict] = {}
 
     def one(target, stale: str = "") -> None:
@@ -284,7 +290,7 @@ def _take_all(state, run: _Run) -> None:
     for name, found in sorted(run.read_held.items()):  # this run planned on what it changed
         others.setdefault(found.run, (found.describe(time.time()), []))[1].append(name)
     first, rest = hosts[0], hosts[1:]
-    if not others:
+    if not others and hosts:
         one(first)  # two runs racing meet on the first host: one of them stops there
         opened = answers.get(first.name)
         if opened is None or opened["done"]:
@@ -335,22 +341,67 @@ class _GiveBack(BaseStateCallback):
     @staticmethod
     def operation_host_success(state, host, op_hash, retry_count=0):
         if _run(state).last_op.get(host.name) == op_hash:
-            give_back(state, host)
+            _done(state, host)
 
     @staticmethod
     def operation_host_error(state, host, op_hash, retry_count=0, max_retries=0):
         if not state.get_op_data_for_host(host, op_hash).global_arguments.get("_ignore_errors"):
-            give_back(state, host)
+            _done(state, host)
+
+
+def _done(state, target) -> None:
+    _run(state).done.add(target.name)
+    give_back(state, target)
+
+
+def _track(state, run: _Run) -> None:
+    """From the lock's operation on: each host's last operation, and the callbacks that
+    give the lock back after it."""
+    run.last_op = {h.name: h.op_hash_order[-1] for h in state.inventory
+                   if h in state.active_hosts and h.op_hash_order}
+    state.add_callback_handler(_GiveBack())
+
+
+def _take_before_changes(state, run: _Run, after: str) -> None:
+    """Every host's operations after ``after`` take the lock (:func:`_take_all`, once for
+    the run) before their first command, and fail the host where the run could not."""
+    for target in state.inventory:
+        if target not in state.active_hosts:
+            continue
+        order = target.op_hash_order
+        for op_hash in order[order.index(after) + 1:] if after in order else order:
+            data = state.get_op_data_for_host(target, op_hash)
+            data.command_generator = _guarded(state, run, target, data.command_generator)
+
+
+def _guarded(state, run: _Run, target, commands):
+    def guarded():
+        produced = commands()
+        for command in produced:
+            if target.name not in run.taken:
+                once("operator lock taken", functools.partial(_take_all, state, run), state)
+                if target.name not in run.taken:
+                    produced.close()
+                    yield _not_taken(run, target)
+                    return
+            yield command
+
+    return guarded
+
+
+def _not_taken(run: _Run, target):
+    return remote.fail(run.failure or f"operator lock: could not take it on this host: "
+                                      f"{run.errors.get(target.name, 'no answer')}")
 
 
 # --- the operation --------------------------------------------------------------------------
 
 
 def held(**op_args):
-    """An operation, the deploy's first: this run holds the operator lock on every host of
-    the run, or every host fails here before anything changed. ``--dry`` only reads it.
-    The run plans on each host's first read, made before it takes the lock: another run
-    that held the lock then (and may have ended since) stops it too, since what that run
+    """An operation, the deploy's first: from here the run's first change takes the operator
+    lock on every host of the run, or every host fails at its first change, before any.
+    ``--dry`` only reads it. The run plans on each host's first read: another run that held
+    the lock then (and may have ended since) stops every host here, since what that run
     changed may be missing from the plan."""
     if _cli("dry"):
         _warn_if_held()
@@ -370,7 +421,11 @@ def _held_by_another() -> Holder | None:
 
 def _note_if_held() -> None:
     found = _held_by_another()
-    if found is not None and still_runs(found) is not False:  # a dead run of this controller changes nothing
+    if found is None:
+        return
+    if still_runs(found) is False:  # a dead run of this controller changed nothing since: taken over
+        _run(host.state).read_dead.add(host.name)
+    else:
         _run(host.state).read_held[host.name] = found
 
 
@@ -395,19 +450,21 @@ def _record(text: str | None) -> Any:
 def _held():
     state = host.state
     if not state.is_executing:  # planning: nothing is taken (--dry never takes it)
-        host.noop("taken on every host when the deploy executes")
+        host.noop("taken on every host before the run's first change")
         return
     run = _run(state)
 
-    def taken() -> None:
-        state.add_callback_handler(_GiveBack())
-        _take_all(state, run)
+    def armed() -> None:
+        _track(state, run)
+        if run.read_held or run.read_dead:  # stops every host, or takes a dead run's lock over, now
+            _take_all(state, run)
+        else:
+            _take_before_changes(state, run, after=host.executing_op_hash)
 
-    once("operator lock taken", taken, state)  # by the first host to get here, for every host
+    once("operator lock armed", armed, state)  # by the first host to get here, for every host
     if host.name in run.taken:
         host.noop(f"this run holds the operator lock (run {run.mine.run})")
-        return
-    if run.failure:
-        yield remote.fail(run.failure)
+    elif run.failure or host.name in run.errors:
+        yield _not_taken(run, host)
     else:
-        yield remote.fail(f"operator lock: could not take it on this host: {run.errors.get(host.name, 'no answer')}")
+        host.noop("nothing changed yet: taken on every host before the run's first change")

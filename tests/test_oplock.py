@@ -216,15 +216,34 @@ class Inventory(list):
 
 
 class FakeState:
-    """What the lock reads of pyinfra's State (weak-referenceable, as perrun.once needs)."""
+    """What the lock reads of pyinfra's State (weak-referenceable, as perrun.once needs):
+    each host's operations yield the commands of :attr:`planned` (none by default)."""
 
     def __init__(self, hosts) -> None:
         self.inventory = Inventory(hosts)
         self.active_hosts = set(hosts)
         self.ignored: set[tuple[str, str]] = set()
+        self.planned: dict[tuple[str, str], list[str]] = {}
+        self.handlers: list = []
+        self.ops = {h: {op: self._data(h.name, op) for op in h.op_hash_order} for h in hosts}
+
+    def _data(self, name, op_hash):
+        def commands():  # a generator, as pyinfra's
+            yield from self.planned.get((name, op_hash), [])
+
+        return SimpleNamespace(command_generator=commands,
+                               global_arguments={"_ignore_errors": (name, op_hash) in self.ignored})
 
     def get_op_data_for_host(self, host, op_hash):
-        return SimpleNamespace(global_arguments={"_ignore_errors": (host.name, op_hash) in self.ignored})
+        data = self.ops[host][op_hash]
+        data.global_arguments["_ignore_errors"] = (host.name, op_hash) in self.ignored
+        return data
+
+    def add_callback_handler(self, handler) -> None:
+        self.handlers.append(handler)
+
+    def commands(self, host, op_hash) -> list:
+        return list(self.ops[host][op_hash].command_generator())
 
 
 @pytest.fixture()
@@ -237,6 +256,7 @@ def fleet(tmp_path, monkeypatch):
 def test_every_host_is_taken_and_each_gives_it_back_after_its_last_operation(fleet):
     state, hosts = fleet
     run = oplock._run(state)
+    oplock._track(state, run)
     oplock._take_all(state, run)
     assert not run.failure and run.taken == {"spark-1", "spark-2", "spark-3"}
     assert {h.holder() for h in hosts} == {run.mine.run}
@@ -250,6 +270,7 @@ def test_every_host_is_taken_and_each_gives_it_back_after_its_last_operation(fle
 def test_a_failed_host_gives_it_back_at_once_unless_the_error_is_ignored(fleet):
     state, hosts = fleet
     run = oplock._run(state)
+    oplock._track(state, run)
     oplock._take_all(state, run)
     state.ignored.add(("spark-2", "op-preflight"))
     oplock._GiveBack.operation_host_error(state, hosts[1], "op-preflight")
@@ -364,7 +385,8 @@ def test_planning_notes_a_lock_another_live_run_held_at_the_read(monkeypatch):
     from support.fleetdata import fake_state, host_answering
 
     dead = oplock.Holder(run="dead-run", machine=oplock.machine_id(), pid=dead_pid())
-    for record, noted in ((asdict(holder("their-run")), True), (asdict(dead), False), (None, False)):
+    for record, noted, taken_over in ((asdict(holder("their-run")), True, False), (asdict(dead), False, True),
+                                      (None, False, False)):
         with fake_state(["@fake/spark-1"]) as state:
             target = state.inventory.get_host("@fake/spark-1")
 
@@ -373,3 +395,38 @@ def test_planning_notes_a_lock_another_live_run_held_at_the_read(monkeypatch):
             with ctx_host.use(target):
                 oplock._note_if_held()
             assert (oplock._run(state).read_held.get("@fake/spark-1") is not None) == noted
+            assert ("@fake/spark-1" in oplock._run(state).read_dead) == taken_over
+
+
+def test_a_run_takes_the_lock_at_its_first_change_on_every_host_it_has_not_done_with(fleet):
+    """A converged run asks no host for the lock; the first command of any host takes every
+    host pyinfra still has operations for, once, before that command runs."""
+    state, hosts = fleet
+    run = oplock._run(state)
+    oplock._track(state, run)
+    oplock._take_before_changes(state, run, after="op-lock")
+    assert state.commands(hosts[0], "op-preflight") == [] and [h.commands for h in hosts] == [0, 0, 0]
+    oplock._GiveBack.operation_host_success(state, hosts[0], "op-last-spark-1")  # spark-1: done, unchanged
+    state.planned[("spark-2", "op-preflight")] = ["echo one", "echo two"]
+    state.planned[("spark-3", "op-preflight")] = ["echo three"]
+    assert state.commands(hosts[1], "op-preflight") == ["echo one", "echo two"]
+    assert run.taken == {"spark-2", "spark-3"} and [h.holder() for h in hosts] == [None, run.mine.run, run.mine.run]
+    assert state.commands(hosts[2], "op-preflight") == ["echo three"]
+    assert [h.commands for h in hosts] == [0, 1, 1]  # taken once, for every host
+    oplock._GiveBack.operation_host_success(state, hosts[1], "op-last-spark-2")
+    assert [h.holder() for h in hosts] == [None, None, run.mine.run]
+
+
+def test_another_runs_lock_at_the_first_change_fails_each_host_at_its_first_command(fleet):
+    state, hosts = fleet
+    program(hosts[2].lock, "take", {"holder": asdict(holder("their-run")), "stale": ""})
+    run = oplock._run(state)
+    oplock._track(state, run)
+    oplock._take_before_changes(state, run, after="op-lock")
+    state.planned[("spark-1", "op-preflight")] = ["echo change"]
+    state.planned[("spark-2", "op-last-spark-2")] = ["echo later"]
+    for target, op_hash in ((hosts[0], "op-preflight"), (hosts[1], "op-last-spark-2")):
+        (failed,) = state.commands(target, op_hash)  # the failure, in place of the change
+        assert "another deploy is changing this fleet, so nothing was changed on any host" in str(failed)
+        assert "run their-run: deploy.py" in str(failed)
+    assert run.taken == set() and [h.holder() for h in hosts] == [None, None, "their-run"]
