@@ -1,7 +1,7 @@
 """One operator at a time, on three simulated Sparks (issue 24, case 6).
 
 In file order on the session's fleet: a deploy holds the operator lock while it runs and
-leaves none behind, also on a host that failed; a second deploy started while a slow rolling
+leaves none behind, also on a host that failed; a converged run does not take it; a second deploy started while a slow rolling
 change holds the fleet stops on every host before touching anything, naming who holds it
 since when (``--dry`` only warns); the slow one, killed with SIGKILL mid-rollout, leaves its
 lock, which `sparkfleet unlock` shows and removes, and the fleet converges; the lock of a
@@ -15,6 +15,7 @@ import getpass
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -64,6 +65,25 @@ def test_a_deploy_holds_the_lock_while_it_runs_and_leaves_none(testbed, run_pyin
     assert result.returncode == 0, out[-4000:]
     assert re.search(r"operator lock: one deploy at a time\s+3\s+-\s+-\s+3", out), out[-3000:]  # no change
     assert [lock(testbed, n) for n in testbed.names] == [None] * 3
+
+
+def test_a_converged_run_asks_each_host_one_command_and_leaves_the_lock_alone(testbed, run_pyinfra):
+    """Nothing to change, so nothing to lock: the lock file is not written (a take or a
+    give-back rewrites it), and each host sees one sudo, its read."""
+    touched = {n: testbed.exec(n, f"stat -c %y {OPERATOR_LOCK}").stdout for n in testbed.names}
+    cursor = {n: testbed.exec(n, "journalctl -n 0 --show-cursor --no-pager").stdout.split("-- cursor: ")[-1].strip()
+              for n in testbed.names}
+    result = run_pyinfra("deploy.py")
+    out = result.stdout + result.stderr
+    assert result.returncode == 0 and not re.search(r"\[spark-\d(?:\.local)?\] Success", out), out[-4000:]
+    for name in testbed.names:
+        assert testbed.exec(name, f"stat -c %y {OPERATOR_LOCK}").stdout == touched[name]
+        sudo = testbed.exec(name, f"journalctl _COMM=sudo --after-cursor {shlex.quote(cursor[name])} -o cat "
+                                  "--no-pager").stdout
+        # The deploy's, not this test's own commands (testbed.exec's sudo: stat, journalctl).
+        ran = [line for line in sudo.splitlines() if "COMMAND=" in line and "stat -c" not in line
+               and "journalctl" not in line]
+        assert len(ran) == 1, sudo[-3000:]
 
 
 def test_a_host_that_fails_later_in_the_run_gives_the_lock_back(testbed, run_pyinfra):
