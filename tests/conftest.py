@@ -36,6 +36,8 @@ def _snapshot_hints_of_the_test(tmp_path_factory, monkeypatch):
     from sparkfleet import snapshot
 
     monkeypatch.setattr(snapshot, "HINTS", tmp_path_factory.mktemp("snapshot-hints"))
+    # Facts' commands are built once per process; a test may patch the paths they are built from.
+    monkeypatch.setattr(snapshot, "_COMMANDS", {})
 
 
 def pytest_collection_modifyitems(config, items):
