@@ -173,8 +173,8 @@ class HeldArtifacts(FactBase["dict"]):
             f"2>/dev/null | sed -n {q('s|.*@|image ' + name + ' |p')}; "
             for name in images
         )
-        return (f'for f in {markers}/*; do [ -f "$f" ] && echo "marker ${{f##*/}} $(head -n 1 "$f")"; done; '
-                f"{inspect}true")
+        return (f'for f in {markers}/*; do [ -f "$f" ] && {{ l=; IFS= read -r l < "$f"; echo "marker ${{f##*/}} $l"; }}; '
+                f"done; {inspect}true")
 
     def process(self, output):
         held = self.default()
@@ -394,7 +394,8 @@ class NewLines(FactBase["dict"]):
 
     def command(self, log: str, reported: str) -> str:
         return (
-            f"n=$(cat {reported} 2>/dev/null || echo 0); t=$(cat {log} 2>/dev/null | wc -l); "
+            # The shell's own read of the count (each program costs the host a fork and an exec).
+            f"n=0; [ -r {reported} ] && read -r n < {reported}; t=$(wc -l 2>/dev/null < {log}) || t=0; "
             f'echo "total $t"; [ "$t" -gt "$n" ] && tail -n $((t - n)) {log}; true'
         )
 

@@ -87,3 +87,28 @@ def test_a_cached_snapshot_is_complete_only_while_every_blob_has_its_verified_si
     assert CachedSnapshot().process(_answer(CachedSnapshot, **ask)) is None
     (blobs / ("a" * 64)).unlink()  # gone
     assert CachedSnapshot().process(_answer(CachedSnapshot, **ask)) is None
+
+
+def test_new_lines_are_the_lines_past_the_count_reported(tmp_path):
+    log, reported = tmp_path / "oom-guard.log", tmp_path / "oom-guard.reported"
+    read = lambda: NewLines().process(_answer(NewLines, log=str(log), reported=str(reported)))  # noqa: E731
+    assert read() == {"lines": [], "total": 0}  # neither file yet
+    log.write_text("T1 killed a\nT2 killed b\nT3 killed c\n")
+    assert read() == {"lines": ["T1 killed a", "T2 killed b", "T3 killed c"], "total": 3}
+    reported.write_text("2")  # no newline: as a count is written
+    assert read() == {"lines": ["T3 killed c"], "total": 3}
+    reported.write_text("3\n")
+    assert read() == {"lines": [], "total": 3}
+
+
+def test_held_artifacts_name_each_marker_with_its_first_line(tmp_path):
+    from sparkfleet.facts import HeldArtifacts
+    from sparkfleet.hostpaths import snapshot_markers_dir
+
+    markers = Path(snapshot_markers_dir(str(tmp_path)))
+    assert _answer(HeldArtifacts, hf_home=str(tmp_path), images=[]) == []
+    markers.mkdir(parents=True)
+    (markers / "org--a").write_text("0123abcd\nsecond line\n")
+    (markers / "org--b").write_text("  spaced")  # kept as written, no newline needed
+    (markers / "dir").mkdir()
+    assert sorted(_answer(HeldArtifacts, hf_home=str(tmp_path), images=[])) == ["marker org--a 0123abcd", "marker org--b   spaced"]

@@ -104,7 +104,7 @@ class MirrorTrust(FactBase["list[str]"]):
 
     def command(self) -> str:
         return (f"for m in {hostpaths.DOCKER_CERTS_DIR}/*/{hostpaths.MIRROR_TRUST_MARKER}; do "
-                '[ -e "$m" ] && basename "$(dirname "$m")"; done; true')
+                '[ -e "$m" ] && { d=${m%/*}; echo "${d##*/}"; }; done; true')  # no program per marker
 
     def process(self, output):
         return [line.strip() for line in output if line.strip()]
