@@ -32,10 +32,18 @@ class Upstream:
     """The hub and the image's registry, asked from the controller (``requests``)."""
 
     def __init__(self, timeout: float = 30) -> None:
-        import requests
-
-        self.http = requests.Session()
         self.timeout = timeout
+        self._session = None
+
+    @property
+    def http(self):
+        """One ``requests`` session, made when first asked: a run whose lock is complete asks
+        nothing, and importing requests costs every run ~0.1 s."""
+        if self._session is None:
+            import requests
+
+            self._session = requests.Session()
+        return self._session
 
     def model(self, endpoint: str, repo: str, revision: str, token: str | None) -> tuple[str, int | None]:
         """(commit, bytes of its files) of ``repo@revision`` at the hub ``endpoint``."""
