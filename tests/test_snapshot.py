@@ -220,13 +220,46 @@ def test_after_a_change_what_was_asked_already_is_read_again_only_when_asked_aga
         with ctx_host.use(target):
             snapshot.expect(files=sorted(ours))
             assert snapshot.file_state("/a") is None
-            for known in snapshot._known(target.name).values():  # what _Forget does after a change
-                if isinstance(known, dict):
-                    known.clear()
+            snapshot._drop(target.name)  # what _Forget does after a change
             snapshot.file_state("/b")  # /b, and /c that nobody asked yet
             snapshot.file_state("/a")  # asked again: read again
             snapshot.file_state("/c")  # read with /b
     assert reads == [["/a", "/b", "/c"], ["/b", "/c"], ["/a"]]
+
+
+def test_the_first_read_after_a_change_takes_facts_and_units_only_as_asked(monkeypatch):
+    """A first deploy changes a host at nearly every step: a read right after a change takes
+    the pending files, not the pending facts, units and trees (each a program or a server),
+    which the next change would drop unused; a second read before another change takes them all."""
+    from pyinfra.context import ctx_host
+    from pyinfra.facts.server import Arch, Hostname
+    from support.fleetdata import fake_state
+
+    arch, name = (snapshot._fact_entry(cls, {})[0] for cls in (Arch, Hostname))
+    reads = []
+    with fake_state(["@fake/snapshot-lean"]) as state:
+        target = state.inventory.get_host("@fake/snapshot-lean")
+
+        def get_fact(cls, want):
+            got = json.loads(want)
+            ours = {"/a", "/b", "u.service", "/t", arch, name}  # what other steps declare aside
+            reads.append({k: sorted(ours & set(got[k])) for k in ("files", "units", "trees", "facts") if ours & set(got[k])})
+            return {k: {n: (["x"] if k == "facts" else None) for n in got[k]} for k in snapshot._KINDS} | {"cpus": 2}
+
+        monkeypatch.setattr(target, "get_fact", get_fact)
+        with ctx_host.use(target):
+            snapshot.expect(files=["/a", "/b"], units=["u.service"], trees=["/t"], facts=[(Arch, {}), (Hostname, {})])
+            snapshot.file_state("/a")  # the first read: all of it
+            snapshot._drop(target.name)
+            snapshot.fact(Arch)  # right after a change: Arch, and the pending file
+            snapshot._drop(target.name)
+            snapshot.file_state("/b")  # the files alone
+            snapshot.unit("u.service")  # a second read with no change between: every pending thing
+            assert snapshot.fact(Hostname) == "x" and snapshot.tree_hash("/t") == ""  # read with the unit
+    assert reads == [{"files": ["/a", "/b"], "units": ["u.service"], "trees": ["/t"], "facts": [arch, name]},
+                     {"files": ["/b"], "facts": [arch]},
+                     {"files": ["/b"]},
+                     {"units": ["u.service"], "trees": ["/t"], "facts": [name]}]
 
 
 def test_docker_facts_are_read_through_the_engine_api_as_the_cli_prints_them(tmp_path, monkeypatch):
