@@ -124,8 +124,8 @@ def _drop(name: str, state=None) -> None:
     known["changed"] = True  # until the next read
 
 
-def _known(name: str, state=None) -> dict[str, dict]:
-    return once(("snapshot", name), lambda: {**{k: {} for k in _KINDS}, "cpus": None}, state)
+def _known(name: str, state=None) -> dict[str, Any]:  # each kind's answers, "cpus", "changed"
+    return once(("snapshot", name), lambda: {**{k: {} for k in _KINDS}, "cpus": None, "changed": False}, state)
 
 
 _ENGINE_PATHS: dict[str, tuple[str, bool]] = {}  # fact key -> hostread.engine_request's, as facts are declared
@@ -242,9 +242,9 @@ def _unread(target, wanted: _Wanted, known: dict, asking: tuple[str, str] | None
 
     asked = _asked(target.name, state) - {asking}
     # The first read after a change takes what costs a program or a server only as it is
-    # asked: the next step's change would drop it unused (a first deploy read every pending
-    # fact ~50 times a host, ~0.1 s of its CPU each, TLS to the mirror among them).
-    lean = known.get("changed")
+    # asked: the next step's change would drop it unused (a 1-host first deploy: 60 reads
+    # and 46.9 s of the host's CPU with the pending facts in each, 56 and 45.9 s without).
+    lean = known["changed"]
 
     def unread(kind: str, keys) -> set:
         if lean and kind in _WHEN_ASKED:
