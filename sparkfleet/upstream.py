@@ -5,6 +5,7 @@ when a reference enters sparkfleet.lock or is moved (:mod:`sparkfleet.fleetlock`
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from urllib.parse import quote, urlencode
@@ -33,17 +34,14 @@ class Upstream:
 
     def __init__(self, timeout: float = 30) -> None:
         self.timeout = timeout
-        self._session = None
 
-    @property
+    @functools.cached_property
     def http(self):
         """One ``requests`` session, made when first asked: a run whose lock is complete asks
         nothing, and importing requests costs every run ~0.1 s."""
-        if self._session is None:
-            import requests
+        import requests
 
-            self._session = requests.Session()
-        return self._session
+        return requests.Session()
 
     def model(self, endpoint: str, repo: str, revision: str, token: str | None) -> tuple[str, int | None]:
         """(commit, bytes of its files) of ``repo@revision`` at the hub ``endpoint``."""
