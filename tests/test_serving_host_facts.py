@@ -1,4 +1,4 @@
-"""What the serving host's facts make of what hosts answer (the e2e suite runs them for real)."""
+"""What the serving host's and the mirror's facts make of what hosts answer (the e2e suite runs them for real)."""
 
 from __future__ import annotations
 
@@ -112,3 +112,15 @@ def test_held_artifacts_name_each_marker_with_its_first_line(tmp_path):
     (markers / "org--b").write_text("  spaced")  # kept as written, no newline needed
     (markers / "dir").mkdir()
     assert sorted(_answer(HeldArtifacts, hf_home=str(tmp_path), images=[])) == ["marker org--a 0123abcd", "marker org--b   spaced"]
+
+
+def test_mirror_trust_names_each_registry_with_sparkfleets_marker(tmp_path, monkeypatch):
+    from sparkfleet import hostpaths
+    from sparkfleet.mirror.facts import MirrorTrust
+
+    monkeypatch.setattr(hostpaths, "DOCKER_CERTS_DIR", str(tmp_path))
+    for registry, marked in (("10.0.0.1:5000", True), ("[fd00::1]:5000", True), ("other:443", False)):
+        (tmp_path / registry).mkdir()
+        if marked:
+            (tmp_path / registry / hostpaths.MIRROR_TRUST_MARKER).write_text("placed\n")
+    assert sorted(MirrorTrust().process(_answer(MirrorTrust))) == ["10.0.0.1:5000", "[fd00::1]:5000"]

@@ -587,15 +587,3 @@ def test_a_fact_the_fleet_asks_of_a_host_comes_with_its_first_read_from_the_next
     finally:
         hint.unlink(missing_ok=True)
 
-
-def test_mirror_trust_names_each_registry_with_sparkfleets_marker(tmp_path, monkeypatch):
-    from sparkfleet import hostpaths
-    from sparkfleet.mirror.facts import MirrorTrust
-
-    monkeypatch.setattr(hostpaths, "DOCKER_CERTS_DIR", str(tmp_path))
-    for registry, marked in (("10.0.0.1:5000", True), ("[fd00::1]:5000", True), ("other:443", False)):
-        (tmp_path / registry).mkdir()
-        if marked:
-            (tmp_path / registry / hostpaths.MIRROR_TRUST_MARKER).write_text("placed\n")
-    done = subprocess.run(["sh", "-c", MirrorTrust().command()], capture_output=True, text=True, check=True)
-    assert sorted(MirrorTrust().process(done.stdout.splitlines())) == ["10.0.0.1:5000", "[fd00::1]:5000"]
