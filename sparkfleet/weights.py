@@ -23,6 +23,7 @@ from sparkfleet.facts import CachedSnapshot, HeldArtifacts
 from sparkfleet.fleet import host_mirror
 from sparkfleet.hostpaths import repo_cache_dir
 from sparkfleet.image import one_shot
+from sparkfleet.lockfile import size_text
 from sparkfleet.tasks import detached
 
 GIB = 1024**3
@@ -31,9 +32,10 @@ GIB = 1024**3
 def _progress(repo_id: str, hf_home: str, expected_gib: float):
     def describe(target_host) -> str:
         done = remote.run(target_host, f"du -sb {shlex.quote(repo_cache_dir(hf_home, repo_id))} 2>/dev/null | cut -f1")
-        got = int(done.stdout[0]) / GIB if done.ok and done.stdout and done.stdout[0].isdigit() else 0.0
-        share = f" of ~{expected_gib:.2f} GiB ({100 * got / expected_gib:.0f}%)" if expected_gib else ""
-        return f"{repo_id}: {got:.2f} GiB{share}"
+        got = int(done.stdout[0]) if done.ok and done.stdout and done.stdout[0].isdigit() else 0
+        expected = int(expected_gib * GIB)
+        share = f" of ~{size_text(expected)} ({100 * got / expected:.0f}%)" if expected else ""
+        return f"{repo_id}: {size_text(got)}{share}"
 
     return describe
 
