@@ -336,8 +336,20 @@ _HINTED_MODULES = ("sparkfleet.", "pyinfra.facts.")
 
 def _hint_path(target=None) -> Path:
     target = host if target is None else target
-    key = f"{target.name} {target.data.get('ssh_hostname') or ''}"  # two fleets may name hosts alike
+    # Two fleets may name hosts alike (two inventories of one checkout, the test suite's
+    # fleets side by side): the address its connection reached tells them apart, where no
+    # ssh_hostname does (a name an ssh_config resolves).
+    key = f"{target.name} {target.data.get('ssh_hostname') or ''} {_peer(target)}"
     return HINTS / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def _peer(target) -> str:
+    """The address ``target``'s SSH connection reached, as the controller sees it ("" when
+    there is none: not connected, or not over SSH)."""
+    try:
+        return str(target.connector.client.get_transport().getpeername()[0])
+    except (AttributeError, OSError, TypeError, IndexError):
+        return ""
 
 
 def _hinted(target=None) -> _Wanted:

@@ -587,3 +587,21 @@ def test_a_fact_the_fleet_asks_of_a_host_comes_with_its_first_read_from_the_next
     finally:
         hint.unlink(missing_ok=True)
 
+
+
+def test_two_fleets_hosts_of_one_name_keep_hints_of_their_own():
+    """The test suite's fleets side by side, or two inventories of one checkout, name their
+    hosts alike and reach them through an ssh_config (no ssh_hostname): each host's hint
+    is its own, told apart by the address its connection reached."""
+
+    def reached(address):
+        transport = SimpleNamespace(getpeername=lambda: (address, 22))
+        return SimpleNamespace(name="spark-1.local", data={},
+                               connector=SimpleNamespace(client=SimpleNamespace(get_transport=lambda: transport)))
+
+    one, other, again = reached("10.218.0.11"), reached("10.219.0.11"), reached("10.218.0.11")
+    assert snapshot._hint_path(one) != snapshot._hint_path(other)
+    assert snapshot._hint_path(one) == snapshot._hint_path(again)
+    # Not connected (pyinfra's @fake connector, a host that did not answer): by name and ssh_hostname.
+    unconnected = SimpleNamespace(name="spark-1.local", data={}, connector=SimpleNamespace(client=None))
+    assert snapshot._hint_path(unconnected) == snapshot._hint_path(SimpleNamespace(name="spark-1.local", data={}))
