@@ -5,7 +5,7 @@ Public API (imported lazily, so `python -m sparkfleet.testbed.hub` stays light):
     from sparkfleet.testbed import up, down, status, load, Testbed
     tb = up(3)                       # or load() for the running fleet
     tb.hosts, tb.inventory_path      # HostState records; inventory/testbed.py
-    tb.exec("spark-1", "nvidia-smi") # over real SSH (via="nsenter" without network)
+    tb.exec("spark-1", "nvidia-smi") # as root by nsenter (via="ssh": over real SSH and sudo)
     tb.restart_host("spark-2")       # reboot: same overlay, new boot
     tb.stop_host / start_host / kill_host / set_link / unreachable(...)
     with tb.switched("spark-2", gpu="NVIDIA H100 80GB HBM3"): ...

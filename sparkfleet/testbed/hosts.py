@@ -363,6 +363,8 @@ def exec_cmd(h: HostState, key: Path, command: str | list[str], *, via: str = "s
     if via == "ssh":
         command, stdin = login.as_root(command, h.user) if as_root else (command, None)
         return ssh(h, key, command, timeout=timeout, check=check, input=stdin)
+    if not as_root:
+        raise ValueError("as the login user (as_root=False) only over SSH")
     if via == "nsenter":
         return nsenter_exec(h, command, timeout=timeout, check=check)
     raise ValueError(f"via must be 'ssh' or 'nsenter', not {via!r}")

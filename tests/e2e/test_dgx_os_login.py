@@ -117,7 +117,7 @@ def test_sshd_keeps_dgx_os_limits_and_an_eleventh_channel_is_refused(tb):
 def test_docker_needs_sudo(tb):
     denied = ssh("spark-1.local", "docker ps")
     assert denied.returncode != 0 and "permission denied" in denied.stderr.lower(), denied.stderr
-    assert tb.exec("spark-1", "docker ps -q").returncode == 0  # as root, through sudo
+    assert tb.exec("spark-1", "docker ps -q", via="ssh").returncode == 0  # as root, through sudo
 
 
 def test_pyinfra_runs_with_sudo_through_the_generated_inventory(tb):

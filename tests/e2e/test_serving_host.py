@@ -197,7 +197,7 @@ def test_the_oom_guard_kills_the_engine_not_the_host(kinds, deploy_run):
 
     def ask_sshd() -> None:
         while not done.is_set():
-            ssh_answers.append(kinds.exec(name, "true", timeout=10).returncode == 0)
+            ssh_answers.append(kinds.exec(name, "true", via="ssh", timeout=10).returncode == 0)
             time.sleep(1)
 
     pinger = threading.Thread(target=ask_sshd, daemon=True)
