@@ -101,7 +101,8 @@ def test_simulated_hardware_as_the_deploy_sees_it(tb):
     assert gpu == {"name": "NVIDIA GB10", "compute_cap": "12.1", "driver_version": "580.95.05"}
     assert Architecture().process(sh(tb, Architecture().command()).splitlines()) == "aarch64"
     assert sh(tb, "arch").strip() == "aarch64"
-    assert sh(tb, "command -v nvidia-container-runtime-hook nvidia-container-runtime nvidia-ctk").count("/usr/bin/") == 3
+    assert sh(tb, "for p in nvidia-container-runtime-hook nvidia-container-runtime nvidia-ctk; do command -v $p; done"
+              ).count("/usr/bin/") == 3
     assert "ii  nvidia-container-toolkit" in sh(tb, "dpkg -l nvidia-container-toolkit")
 
 
