@@ -31,7 +31,8 @@ REPO = Path(__file__).resolve().parents[1]
 #: 2026-12-05 26.7 / 28.4 / 28.9 / 31.0 min, so host_tasks (~1.6 min, the session's fleet)
 #: and the int8 lm-head kernels' test (~1 min, no fleet) moved from the rest to shard 1;
 #: then here 32.4 / 31.6 / 31.2 / 34.3 (a slower day), so the real vLLM check (~1.7 min, no
-#: fleet) moves from the rest to shard 3.
+#: fleet) moves from the rest to shard 3. With the tests' own looks at a host by nsenter
+#: instead of SSH and sudo (sparkfleet/testbed/fleet.py), 23.7 / 22.5 / 24.9 / 26.0.
 #: Shard 1: deploy, endpoint_rollout, host_tasks, image_patches; 2: endpoint,
 #: endpoint_monitor, faults, fleet_checks, serving_host; 3: dgx_os_login, fleet_lock,
 #: mirror_fleet, pair_*; the rest: the tests without a fleet, operator_lock,
