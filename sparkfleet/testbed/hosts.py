@@ -354,10 +354,11 @@ def nsenter_exec(h: HostState, command: str, timeout: float = 60, check: bool = 
     )
 
 
-def exec_cmd(h: HostState, key: Path, command: str | list[str], *, via: str = "ssh",
+def exec_cmd(h: HostState, key: Path, command: str | list[str], *, via: str,
              timeout: float = 60, check: bool = False, as_root: bool = True) -> subprocess.CompletedProcess[str]:
-    """Run a shell command (or argv, quoted for the shell) on host *h*: as root (over SSH
-    as the login user, through sudo where that is not root), or as the login user."""
+    """Run a shell command (or argv, quoted for the shell) on host *h*, *via* "nsenter" (as
+    root) or "ssh" (as root through the login user's sudo where that is not root, or as
+    the login user with *as_root* False)."""
     if not isinstance(command, str):
         command = shlex.join(command)
     if via == "ssh":
