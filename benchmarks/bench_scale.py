@@ -3,19 +3,21 @@
     sudo SPARKFLEET_TESTBED_INSTANCE=N .venv/bin/python benchmarks/bench_scale.py \\
         [--sizes 1,4,8,16] [--repeats 3] [--out benchmarks/results/scale-DATE.json] [--replace]
 
-For each size it boots a fresh simulated fleet of that many hosts (``fleet.up``: the
+Each size's fleet runs in a testbed instance of its own (SPARKFLEET_TESTBED_INSTANCE, then
+the next numbers), served by a process of its own: the fleets are booted (``fleet.up``: the
 default login and names, as DGX OS: a sudo user with a password, ``spark-i.local``
-aliases), runs a first deploy (``pyinfra -y inventory/testbed.py deploy.py``: its exit
-status and wall time), then ``--repeats`` rounds of
+aliases) and first deployed (``pyinfra -y inventory/testbed.py deploy.py``: its exit status
+and wall time) one after the other, and stay up side by side. Then ``--repeats`` rounds: in
+each, every size in turn runs
 
 1. a converged re-run (the same command),
 2. the same with ``--dry``,
 3. ``sparkfleet status inventory/testbed.py``,
 
-and tears the fleet down (also on an error or Ctrl-C). A fleet of one size cannot turn into
-another between runs, so the sizes do not alternate as issue 31 asks: each size is booted
-once, its repeats run back to back, and the table shows the medians of its repeats. Load
-from anything else on the machine (another instance's fleet) moves all sizes' wall times.
+so the sizes alternate, and load or drift on the machine (its speed moved by a third
+within an hour here) meets every size alike; the table shows the medians of the rounds.
+The fleets go down at the end (also on an error or Ctrl-C). An idle fleet beside a run
+adds its background (~0.004 cores per host) to the machine's load.
 
 Every pyinfra run goes through ``benchmarks/pyinfra_counted.py`` (pyinfra's own command
 line, unchanged), and so does ``sparkfleet status`` (its ``main()`` under the same
@@ -59,6 +61,7 @@ import math
 import os
 import re
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -293,10 +296,23 @@ def summarize(size: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def one_size(n: int, repeats: int, logs: Path) -> dict[str, Any]:
+#: How a size's process answers its parent: one line each, the rest of its stdout is the testbed's.
+ANSWER = "@@bench "
+
+
+def _answer(doc: dict[str, Any]) -> None:
+    print(ANSWER + json.dumps(doc, default=str), flush=True)
+
+
+def serve_size(n: int, logs: Path) -> None:
+    """One size's fleet, in this process's testbed instance: boot, first deploy, the idle
+    watch; then the runs the parent asks for on stdin, a line each ("converged LABEL", "dry
+    LABEL", "status LABEL"), each answered on stdout; at "finish" or end of input, the checks
+    after the rounds, then the fleet down (also on an error or SIGTERM)."""
     from sparkfleet.testbed import fleet
 
-    size: dict[str, Any] = {"hosts": n, "rounds": []}
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    size: dict[str, Any] = {"hosts": n}
     mem_before = mem_available_kib()
     started = time.monotonic()
     tb = fleet.up(n)
@@ -319,21 +335,87 @@ def one_size(n: int, repeats: int, logs: Path) -> dict[str, Any]:
         size["no_more_sessions_after_first"] = refused_sessions(tb)
         size["idle_hosts_cores"] = idle_cores(tb.names)
         invocations = serve_invocations(tb)
-        for i in range(repeats):
-            print(f"... {n} host(s), round {i + 1}/{repeats}", file=sys.stderr, flush=True)
-            size["rounds"].append({
-                "converged": pyinfra_run(tb, f"{n}-converged-{i + 1}", logs),
-                "dry": pyinfra_run(tb, f"{n}-dry-{i + 1}", logs, "--dry"),
-                "status": status_run(tb, f"{n}-status-{i + 1}", logs),
-            })
+        _answer(size)
+        runs = {"converged": lambda label: pyinfra_run(tb, label, logs),
+                "dry": lambda label: pyinfra_run(tb, label, logs, "--dry"),
+                "status": lambda label: status_run(tb, label, logs)}
+        for line in sys.stdin:
+            kind, _, label = line.strip().partition(" ")
+            if kind == "finish":
+                break
+            _answer(runs[kind](label))
         after = serve_invocations(tb)
-        size["serve_invocations"] = {"before": invocations, "after": after}
-        size["restarted"] = sum(1 for name in tb.names if invocations[name] != after[name])
-        size["no_more_sessions_after_all"] = refused_sessions(tb)
+        _answer({"serve_invocations": {"before": invocations, "after": after},
+                 "restarted": sum(1 for name in tb.names if invocations[name] != after[name]),
+                 "no_more_sessions_after_all": refused_sessions(tb)})
     finally:
         fleet.down()
-    size["summary"] = summarize(size)
-    return size
+
+
+class Size:
+    """A size's fleet, served by its own process (:func:`serve_size`) in its own testbed
+    instance, so that the sizes' runs alternate round by round."""
+
+    def __init__(self, n: int, instance: int, logs: Path, replace: bool):
+        argv = [sys.executable, str(Path(__file__).resolve()), "--serve", str(n), "--logs", str(logs)]
+        self.proc = subprocess.Popen(argv + (["--replace"] if replace else []), cwd=REPO, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env={**os.environ, "SPARKFLEET_TESTBED_INSTANCE": str(instance)})
+        self.doc: dict[str, Any] = {**self._answer(), "rounds": [], "instance": instance}
+
+    def _answer(self) -> dict[str, Any]:
+        for line in self.proc.stdout:
+            if line.startswith(ANSWER):
+                return json.loads(line[len(ANSWER):])
+            sys.stderr.write(line)  # the testbed's own output
+        raise RuntimeError(f"the {self.doc.get('hosts', '?')}-host fleet's process ended (exit "
+                           f"{self.proc.wait()}); its output is above")
+
+    def ask(self, what: str) -> dict[str, Any]:
+        self.proc.stdin.write(what + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def finish(self) -> None:
+        self.doc.update(self.ask("finish"))
+        self.proc.stdin.close()
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()  # its fleet goes down (serve_size's finally)
+            self.proc.wait()
+
+
+def all_sizes(sizes: list[int], repeats: int, logs: Path, replace: bool, on_size) -> list[dict[str, Any]]:
+    """Every size's fleet up beside the others (booted and first deployed one after the
+    other), then ``repeats`` rounds in which each size runs converged, --dry and status in
+    turn: load or drift on the machine meets every size alike."""
+    from sparkfleet.testbed import paths
+
+    if paths.INSTANCE + len(sizes) - 1 > 9:
+        raise SystemExit(f"{len(sizes)} sizes need testbed instances {paths.INSTANCE}..{paths.INSTANCE + len(sizes) - 1}; "
+                         f"the last is 9. Fix: SPARKFLEET_TESTBED_INSTANCE={10 - len(sizes)} or fewer sizes")
+    running: list[Size] = []
+    try:
+        for i, n in enumerate(sizes):
+            running.append(Size(n, paths.INSTANCE + i, logs, replace))
+            on_size([s.doc for s in running])
+        for r in range(repeats):
+            for size in running:
+                n = size.doc["hosts"]
+                print(f"... round {r + 1}/{repeats}, {n} host(s)", file=sys.stderr, flush=True)
+                size.doc["rounds"].append({kind: size.ask(f"{kind} {n}-{kind}-{r + 1}")
+                                           for kind in ("converged", "dry", "status")})
+            on_size([s.doc for s in running])
+        for size in running:
+            size.finish()
+    finally:
+        for size in running:
+            size.stop()
+    for size in running:
+        size.doc["summary"] = summarize(size.doc)
+    return [s.doc for s in running]
 
 
 # --- output ---------------------------------------------------------------------------
@@ -437,6 +519,23 @@ def background_line(sizes: list[dict[str, Any]]) -> str:
             "hosts' CPU: " + "; ".join(parts))
 
 
+def floor_line(sizes: list[dict[str, Any]]) -> str:
+    """The least wall time each run of the largest size could take here with the CPU it
+    used: its controller's and hosts' CPU spread over this machine's cores, or the
+    controller's alone (one process), whichever is longer; and that over the smallest
+    size's measured time. What the shared cores allow at best, not what a real fleet
+    takes: there each Spark spends its share on its own cores."""
+    base, top = sizes[0]["summary"], sizes[-1]["summary"]
+    cores = os.cpu_count() or 1
+    parts = []
+    for kind in ("converged", "dry", "status"):
+        ctl, hosts = top[f"{kind}_controller_cpu_s"], top[f"{kind}_hosts_cpu_s"]
+        least = max(ctl, (ctl + hosts) / cores)
+        parts.append(f"{kind} {num(least, 2)} s ({num(least / base[f'{kind}_wall_s'], 2)}x)")
+    return (f"the least a {top['hosts']}-host run could take on these {cores} cores with its CPU (controller + "
+            f"hosts over the cores), and over {base['hosts']} host(s)' measured time: " + ", ".join(parts))
+
+
 def write_json(path: Path, doc: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -451,7 +550,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="rounds of converged / dry / status per size (default 3)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" /
                     f"scale-{datetime.date.today().isoformat()}.json", help="JSON of the table and every raw number")
-    ap.add_argument("--replace", action="store_true", help="replace this instance's fleet if one is up")
+    ap.add_argument("--replace", action="store_true", help="replace a fleet up in an instance the sizes use")
+    ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # one size's process (serve_size)
+    ap.add_argument("--logs", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("run as root: the simulated fleet needs network namespaces and systemd-nspawn")
@@ -470,20 +571,25 @@ def main() -> int:
     existing = State.load()
     if existing is not None and existing.hosts and not args.replace:
         raise SystemExit(f"instance {paths.INSTANCE} has a fleet up ({len(existing.hosts)} hosts): --replace to "
-                         "replace it, or SPARKFLEET_TESTBED_INSTANCE=N for another instance")
+                         "replace it, or SPARKFLEET_TESTBED_INSTANCE=N for other instances")
+    if args.serve:
+        serve_size(args.serve, args.logs)
+        return 0
     logs = Path(tempfile.mkdtemp(prefix="bench-scale-"))
     print(f"... instance {paths.INSTANCE}, sizes {sizes}, {args.repeats} round(s); logs in {logs}",
           file=sys.stderr, flush=True)
     doc: dict[str, Any] = {
         "issue": 31, "date": datetime.datetime.now().isoformat(timespec="seconds"), "cpus": os.cpu_count(),
         "mem_total_kib": next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal:")),
-        "instance": paths.INSTANCE, "repeats": args.repeats, "logs": str(logs), "sizes": [],
+        "instances": f"{paths.INSTANCE}..{paths.INSTANCE + len(sizes) - 1}", "repeats": args.repeats, "logs": str(logs), "sizes": [],
     }
-    done: list[dict[str, Any]] = []
-    for n in sizes:
-        done.append(one_size(n, args.repeats, logs))
-        doc["sizes"] = done
+
+    def keep(sizes_so_far: list[dict[str, Any]]) -> None:
+        doc["sizes"] = sizes_so_far
         write_json(args.out, doc)
+
+    done = all_sizes(sizes, args.repeats, logs, args.replace, keep)
+    keep(done)
     text = table(done, args.repeats)
     line = summary_line(done)
     doc["table"], doc["summary_line"] = text, line
@@ -491,6 +597,7 @@ def main() -> int:
     print(text)
     print("\n" + memory_line(done, doc["mem_total_kib"]))
     print(background_line(done))
+    print(floor_line(done))
     print(f"sshd on the hosts: {done[0].get('sshd') or '?'}; JSON: {args.out}; logs: {logs}")
     print(line)
     return 0
