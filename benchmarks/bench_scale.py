@@ -357,6 +357,7 @@ class Size:
     instance, so that the sizes' runs alternate round by round."""
 
     def __init__(self, n: int, instance: int, logs: Path, replace: bool):
+        self.n = n
         argv = [sys.executable, str(Path(__file__).resolve()), "--serve", str(n), "--logs", str(logs)]
         self.proc = subprocess.Popen(argv + (["--replace"] if replace else []), cwd=REPO, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -368,8 +369,8 @@ class Size:
             if line.startswith(ANSWER):
                 return json.loads(line[len(ANSWER):])
             sys.stderr.write(line)  # the testbed's own output
-        raise RuntimeError(f"the {self.doc.get('hosts', '?')}-host fleet's process ended (exit "
-                           f"{self.proc.wait()}); its output is above")
+        raise RuntimeError(f"the {self.n}-host fleet's process ended (exit {self.proc.wait()}); "
+                           "its output is above")
 
     def ask(self, what: str) -> dict[str, Any]:
         self.proc.stdin.write(what + "\n")
@@ -403,7 +404,7 @@ def all_sizes(sizes: list[int], repeats: int, logs: Path, replace: bool, on_size
             on_size([s.doc for s in running])
         for r in range(repeats):
             for size in running:
-                n = size.doc["hosts"]
+                n = size.n
                 print(f"... round {r + 1}/{repeats}, {n} host(s)", file=sys.stderr, flush=True)
                 size.doc["rounds"].append({kind: size.ask(f"{kind} {n}-{kind}-{r + 1}")
                                            for kind in ("converged", "dry", "status")})
