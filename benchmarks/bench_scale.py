@@ -311,7 +311,10 @@ def serve_size(n: int, logs: Path) -> None:
     after the rounds, then the fleet down (also on an error or SIGTERM)."""
     from sparkfleet.testbed import fleet
 
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # Its parent stops it (SIGTERM: the fleet goes down in the finally below). A Ctrl-C
+    # reaches the whole process group: taken here too, it would start the teardown that
+    # the parent's SIGTERM then cuts short, leaving hosts up.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     size: dict[str, Any] = {"hosts": n}
     mem_before = mem_available_kib()
     started = time.monotonic()
@@ -362,7 +365,11 @@ class Size:
         self.proc = subprocess.Popen(argv + (["--replace"] if replace else []), cwd=REPO, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env={**os.environ, "SPARKFLEET_TESTBED_INSTANCE": str(instance)})
-        self.doc: dict[str, Any] = {**self._answer(), "rounds": [], "instance": instance}
+        self.doc: dict[str, Any] = {"hosts": n, "rounds": [], "instance": instance}
+
+    def ready(self) -> None:
+        """Wait for the fleet to be up and first deployed (its first answer)."""
+        self.doc.update(self._answer())
 
     def _answer(self) -> dict[str, Any]:
         for line in self.proc.stdout:
@@ -400,7 +407,8 @@ def all_sizes(sizes: list[int], repeats: int, logs: Path, replace: bool, on_size
     running: list[Size] = []
     try:
         for i, n in enumerate(sizes):
-            running.append(Size(n, paths.INSTANCE + i, logs, replace))
+            running.append(Size(n, paths.INSTANCE + i, logs, replace))  # stopped below, even while booting
+            running[-1].ready()
             on_size([s.doc for s in running])
         for r in range(repeats):
             for size in running:
@@ -573,6 +581,9 @@ def main() -> int:
     if existing is not None and existing.hosts and not args.replace:
         raise SystemExit(f"instance {paths.INSTANCE} has a fleet up ({len(existing.hosts)} hosts): --replace to "
                          "replace it, or SPARKFLEET_TESTBED_INSTANCE=N for other instances")
+    # SIGTERM ends either process through its finally: the parent stops its sizes' processes,
+    # each of those takes its fleet down.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.serve:
         serve_size(args.serve, args.logs)
         return 0
