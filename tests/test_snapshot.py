@@ -588,7 +588,6 @@ def test_a_fact_the_fleet_asks_of_a_host_comes_with_its_first_read_from_the_next
         hint.unlink(missing_ok=True)
 
 
-
 def test_two_fleets_hosts_of_one_name_keep_hints_of_their_own():
     """The test suite's fleets side by side, or two inventories of one checkout, name their
     hosts alike and reach them through an ssh_config (no ssh_hostname): each host's hint
