@@ -532,10 +532,24 @@ def table(doc: dict[str, Any]) -> str:
             out.append(f"    requests {ep['requests']}, in flight {ep['in_flight']}, refused (401/4xx) "
                        f"{ep['refused_401']}, 5xx {ep['errors_5xx']}, member errors {ep['errors']}; "
                        f"metrics {ep['metrics']}")
-        for name, m in ep.get("members", {}).items():
-            out.append(f"    {name} {m['address']}: {m['state']}, in flight {m['in_flight']}, "
-                       f"requests {m['requests']}, errors {m['errors']}, last check {m['check'] or '-'}")
+        out.extend(_members(ep.get("members", {})))
     return "\n".join(out)
+
+
+def _members(members: dict[str, dict[str, Any]]) -> list[str]:
+    """The endpoint's members: a line for each that needs a look (out of rotation, errors,
+    a check that failed), one for all the others: 32 Sparks mostly say the same."""
+    def quiet(m):
+        return m["state"] == "UP" and not m["errors"] and m["check"] == "L7OK"
+
+    out = [f"    {name} {m['address']}: {m['state']}, in flight {m['in_flight']}, requests {m['requests']}, "
+           f"errors {m['errors']}, last check {m['check'] or '-'}" for name, m in members.items() if not quiet(m)]
+    rest = [m for m in members.values() if quiet(m)]
+    if rest:
+        low, high = min(m["requests"] for m in rest), max(m["requests"] for m in rest)
+        who = f"every member ({len(rest)})" if len(rest) == len(members) else f"the other {len(rest)}"
+        out.append(f"    {who}: UP, last check L7OK, no errors, requests {low if low == high else f'{low}-{high}'} each")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

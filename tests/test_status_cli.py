@@ -262,3 +262,28 @@ def test_the_digest_is_read_from_a_pinned_or_a_local_name_only():
     assert digest_of(local_image(pinned)) == "sha256:" + "a" * 64  # the name hosts run it by
     for other in ("10.0.0.1:5000/sparkfleet/vllm-sim:0.23.0", local_image("ghcr.io/x/y:latest"), "sha256:0123"):
         assert digest_of(other) is None, other
+
+
+def test_the_endpoint_lists_the_members_that_need_a_look_and_sums_up_the_others():
+    from sparkfleet.status import table
+
+    def member(n, state="UP", errors=0, check="L7OK", requests=40):
+        return {"state": state, "in_flight": 1, "requests": requests, "errors": errors, "check": check,
+                "address": f"10.0.0.{n}:8000"}
+
+    ep = {"host": "spark-1", "url": "http://10.0.0.1:8080/v1", "state": "running", "metrics": "m",
+          "requests": 0, "in_flight": 0, "refused_401": 0, "errors_5xx": 0, "errors": 0}
+    members = {f"spark-{n}": member(n, requests=40 + n % 3) for n in range(1, 33)}
+    members["spark-7"] = member(7, state="DRAIN")
+    members["spark-9"] = member(9, errors=2)
+    members["spark-12"] = member(12, state="DOWN", check="L4CON")
+    shown = table({"hosts": [], "endpoint": {**ep, "members": members}})
+    assert "30/32 members in rotation" in shown  # spark-9 serves, with errors
+    assert "    spark-7 10.0.0.7:8000: DRAIN, in flight 1, requests 40, errors 0, last check L7OK" in shown
+    assert "    spark-9 10.0.0.9:8000: UP, in flight 1, requests 40, errors 2, last check L7OK" in shown
+    assert "    spark-12 10.0.0.12:8000: DOWN, in flight 1, requests 40, errors 0, last check L4CON" in shown
+    assert "    the other 29: UP, last check L7OK, no errors, requests 40-42 each" in shown
+    assert "spark-3 " not in shown  # a member with nothing to say is in the sum alone
+    quiet = {name: m for name, m in members.items() if name not in ("spark-7", "spark-9", "spark-12")}
+    assert table({"hosts": [], "endpoint": {**ep, "members": quiet}}).endswith(
+        "    every member (29): UP, last check L7OK, no errors, requests 40-42 each")
