@@ -569,5 +569,8 @@ def main(argv: list[str] | None = None) -> int:
         data[key] = parse_cli_arg(value)
     state, settings = opened("sparkfleet status", args.inventory, data)
     doc = collect(state, settings)
-    print(json.dumps(doc, indent=2) if args.json else table(doc))
+    try:
+        print(json.dumps(doc, indent=2) if args.json else table(doc), flush=True)
+    except BrokenPipeError:  # `sparkfleet status | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at exit's flush
     return 0 if all(r.get("reachable") for r in doc["hosts"]) else 1

@@ -8,6 +8,7 @@ forever on a module lock that another greenlet held."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -60,6 +61,13 @@ def test_a_fleet_where_no_host_answers_is_a_table_of_unreachable_hosts(tmp_path)
     assert done.returncode == 1, done.stdout + done.stderr
     out = done.stdout
     assert out.splitlines()[1].split()[:2] == ["spark-gone.invalid", "unreachable"], out
+    # A reader that stops early (`| head`) ends it quietly, as other tools end.
+    r, w = os.pipe()
+    os.close(r)
+    with os.fdopen(w, "w") as closed:
+        ended = subprocess.run([sys.executable, "-m", "sparkfleet.cli", "status", str(inventory)], cwd=CHECKOUT,
+                               stdout=closed, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert ended.returncode == 1 and "Traceback" not in ended.stderr and "Broken" not in ended.stderr, ended.stderr
 
 
 def test_a_host_row_reads_metrics_with_prometheus_parser():
