@@ -114,6 +114,8 @@ def teardown(state: State | None = None, *, remove_hosts_json: bool = True) -> N
         paths.HOSTS_JSON.unlink(missing_ok=True)
         paths.SUDO_PASSWORD_FILE.unlink(missing_ok=True)
         paths.SSH_CONFIG.unlink(missing_ok=True)
+        for known in paths.KNOWN_HOSTS.parent.glob(f"{paths.KNOWN_HOSTS.name}.*"):
+            known.unlink(missing_ok=True)
         if paths.INSTANCE:
             paths.INVENTORY.unlink(missing_ok=True)
     dt = time.monotonic() - t0

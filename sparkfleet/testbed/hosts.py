@@ -124,8 +124,9 @@ def provision(h: HostState, rootfs: Path, pubkey: str, toolkit_deb: Path, login_
     )
     login.provision(root, login_kind, pubkey, sudo_password)
     h.user = login.user(login_kind)
-    # Unique sshd host keys per host (the cached root has none).
+    # Unique sshd host keys per host (the cached root has none), which the controller checks.
     run(["chroot", root, "ssh-keygen", "-A"], timeout=60)
+    h.host_keys = sorted(" ".join(p.read_text().split()[:2]) for p in (root / "etc/ssh").glob("ssh_host_*_key.pub"))
     # sshd's limits as DGX OS ships them (OpenSSH's defaults, never raised for tests): a
     # deploy that opens more than 10 channels on one host's connection fails here as there.
     simhw.write_files(root, {SSHD_LIMITS: ("# As on DGX OS: OpenSSH's defaults.\nMaxSessions 10\n"

@@ -131,12 +131,15 @@ def _authorized_keys(root: Path, home: Path, key_line: str, uid: int, gid: int) 
 # --- the controller's side -------------------------------------------------------------
 
 
-def write_ssh_config(entries: list[tuple[str, str, str]], key: Path, path: Path = paths.SSH_CONFIG) -> None:
-    """ssh_config for (alias, address, user) entries: how the controller alone resolves them."""
+def write_ssh_config(entries: list[tuple[str, str, str]], key: Path, known_hosts: str | None = None,
+                     path: Path = paths.SSH_CONFIG) -> None:
+    """ssh_config for (alias, address, user) entries: how the controller alone resolves them,
+    checking each host's key against ``known_hosts`` (None: any key is taken)."""
+    check = (f"    StrictHostKeyChecking yes\n    UserKnownHostsFile {known_hosts}\n" if known_hosts else
+             "    StrictHostKeyChecking no\n    UserKnownHostsFile /dev/null\n")
     blocks = [
         f"Host {alias}\n    HostName {address}\n    User {login_user}\n    IdentityFile {key}\n"
-        "    IdentitiesOnly yes\n    StrictHostKeyChecking no\n    UserKnownHostsFile /dev/null\n"
-        "    LogLevel ERROR\n"
+        f"    IdentitiesOnly yes\n{check}    LogLevel ERROR\n"
         for alias, address, login_user in entries
     ]
     path.parent.mkdir(parents=True, exist_ok=True)

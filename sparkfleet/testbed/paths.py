@@ -42,6 +42,9 @@ MIRROR_TLS_DIR = f"{_CONTROLLER_FILES}/mirror-tls"
 #: A dgx login's sudo password (0600) and the ssh_config of alias names (login.py).
 SUDO_PASSWORD_FILE = HOSTS_JSON.with_name("sudo-password")
 SSH_CONFIG = HOSTS_JSON.with_name("ssh_config")
+#: The hosts' sshd keys, as a real fleet's known_hosts holds them (one file per `up`:
+#: pyinfra keeps a known_hosts file it read for the life of its process).
+KNOWN_HOSTS = HOSTS_JSON.with_name("known_hosts")
 
 #: Built once, kept by `down` (rootfs, image base layer, wheels, signing key); shared.
 CACHE_DIR = Path("/var/cache/sparkfleet-testbed")

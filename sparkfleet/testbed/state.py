@@ -34,6 +34,8 @@ class HostState:
     switches: dict[str, Any] = field(default_factory=dict)
     #: Who the controller logs in as (login.py): root, or a dgx login's user.
     user: str = "root"
+    #: Its sshd's public keys ("TYPE BASE64"), made at provisioning: the controller checks them.
+    host_keys: list[str] = field(default_factory=list)
 
     @property
     def dir(self) -> Path:
@@ -118,6 +120,13 @@ class State:
             return None
 
 
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def write_hosts_json(state: State, ssh_key: Path = paths.SSH_KEY, path: Path = paths.HOSTS_JSON) -> None:
     """`.testbed/hosts.json`, the contract with inventory/testbed.py (and, for alias
     names, the ssh_config beside it)."""
@@ -143,14 +152,19 @@ def write_hosts_json(state: State, ssh_key: Path = paths.SSH_KEY, path: Path = p
     }
     if state.login != "root":
         doc["sudo_password_file"] = str(path.with_name(paths.SUDO_PASSWORD_FILE.name))
+    if all(h.host_keys for h in hosts):
+        known = path.with_name(f"{paths.KNOWN_HOSTS.name}.{state.run_id}")
+        _write(known, "".join(f"{login.inventory_name(h.name, state.names)},{h.address} {key}\n"
+                              for h in hosts for key in h.host_keys))
+        doc["known_hosts"] = str(known)
+        for old in known.parent.glob(f"{paths.KNOWN_HOSTS.name}.*"):
+            if old != known:  # an earlier fleet's
+                old.unlink(missing_ok=True)
     if state.names == "alias":
         doc["ssh_config"] = str(path.with_name(paths.SSH_CONFIG.name))
         login.write_ssh_config([(e["inventory_name"], e["address"], e["user"]) for e in doc["hosts"]], ssh_key,
-                               Path(doc["ssh_config"]))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+                               doc.get("known_hosts"), Path(doc["ssh_config"]))
+    _write(path, json.dumps(doc, indent=2, sort_keys=True) + "\n")
     if paths.INSTANCE and path == paths.HOSTS_JSON:
         paths.INVENTORY.write_text(_INSTANCE_INVENTORY.format(instance=paths.INSTANCE))
 
@@ -178,8 +192,10 @@ def inventory_hosts(hosts_json: Path) -> list[tuple[str, dict]]:
                 **reach,
                 "ssh_user": h.get("user", "root"),
                 "ssh_key": h["ssh_key"],
-                "ssh_strict_host_key_checking": "no",
-                "ssh_known_hosts_file": "/dev/null",
+                # As a real fleet's: a host whose key is not the one it had is refused.
+                **({"ssh_strict_host_key_checking": "yes", "ssh_known_hosts_file": doc["known_hosts"]}
+                   if doc.get("known_hosts") else
+                   {"ssh_strict_host_key_checking": "no", "ssh_known_hosts_file": "/dev/null"}),
                 **sudo,
                 **doc.get("data", {}),
             },

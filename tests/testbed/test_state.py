@@ -123,6 +123,30 @@ def test_inventory_of_a_dgx_login_with_alias_names(tmp_path):
     assert cfg.lookup("spark-2")["hostname"] == "spark-2"  # nothing else is aliased
 
 
+def test_the_hosts_keys_are_checked_as_a_real_fleets_known_hosts_checks_them(tmp_path):
+    """Keys made at provisioning go to a known_hosts file of this fleet's alone (pyinfra keeps
+    a file it read for its process's life); pyinfra and the ssh_config refuse another key."""
+    st = _state()
+    st.names = "alias"
+    for h in st.hosts.values():
+        h.host_keys = [f"ssh-ed25519 AAAA{h.name}", f"ecdsa-sha2-nistp256 BBBB{h.name}"]
+    hosts_json = tmp_path / "hosts.json"
+    (tmp_path / f"{paths.KNOWN_HOSTS.name}.earlier").write_text("spark-1 ssh-ed25519 OLD\n")
+    write_hosts_json(st, ssh_key=tmp_path / "k", path=hosts_json)
+    known = tmp_path / f"{paths.KNOWN_HOSTS.name}.{st.run_id}"
+    assert json.loads(hosts_json.read_text())["known_hosts"] == str(known)
+    assert known.read_text().splitlines() == [
+        "spark-1.local,10.213.0.11 ssh-ed25519 AAAAspark-1", "spark-1.local,10.213.0.11 ecdsa-sha2-nistp256 BBBBspark-1",
+        "spark-2.local,10.213.0.12 ssh-ed25519 AAAAspark-2", "spark-2.local,10.213.0.12 ecdsa-sha2-nistp256 BBBBspark-2"]
+    assert not (tmp_path / f"{paths.KNOWN_HOSTS.name}.earlier").exists()  # an earlier fleet's keys go
+    (_, data), _ = inventory_hosts(hosts_json)
+    assert (data["ssh_strict_host_key_checking"], data["ssh_known_hosts_file"]) == ("yes", str(known))
+    import paramiko
+
+    found = paramiko.SSHConfig.from_path(data["ssh_config_file"]).lookup("spark-2.local")
+    assert (found["stricthostkeychecking"], found["userknownhostsfile"]) == ("yes", str(known))
+
+
 def test_root_command_through_sudo_reads_the_password_from_stdin(tmp_path, monkeypatch):
     monkeypatch.setattr(paths, "SUDO_PASSWORD_FILE", tmp_path / "pw")
     monkeypatch.setattr(login, "password", lambda path=None: "s3cret")
