@@ -111,6 +111,16 @@ def write_switches(h: HostState) -> None:
     (sim / "switches.json").write_text(json.dumps(h.switches, indent=1, sort_keys=True) + "\n")
 
 
+#: OpenSSH's HostKeyAlgorithms order for the key types ssh-keygen -A makes.
+_KEY_ORDER = ("ssh-ed25519", "ecdsa-sha2-nistp256", "ssh-rsa")
+
+
+def by_preference(keys) -> list[str]:
+    """Public keys ("TYPE BASE64") in OpenSSH's order of preference, any other type last."""
+    return sorted(keys, key=lambda k: (_KEY_ORDER.index(k.split()[0]) if k.split()[0] in _KEY_ORDER
+                                       else len(_KEY_ORDER), k))
+
+
 def provision(h: HostState, rootfs: Path, pubkey: str, toolkit_deb: Path, login_kind: str = "root",
               sudo_password: str | None = None) -> None:
     """Prepare a host's root before its first boot (overlay mounted, files written)."""
@@ -124,9 +134,12 @@ def provision(h: HostState, rootfs: Path, pubkey: str, toolkit_deb: Path, login_
     )
     login.provision(root, login_kind, pubkey, sudo_password)
     h.user = login.user(login_kind)
-    # Unique sshd host keys per host (the cached root has none), which the controller checks.
+    # Unique sshd host keys per host (the cached root has none), which the controller checks;
+    # Ed25519 first: paramiko asks a host for the first type known_hosts lists for it, and
+    # an OpenSSH client would ask for Ed25519.
     run(["chroot", root, "ssh-keygen", "-A"], timeout=60)
-    h.host_keys = sorted(" ".join(p.read_text().split()[:2]) for p in (root / "etc/ssh").glob("ssh_host_*_key.pub"))
+    h.host_keys = by_preference(" ".join(p.read_text().split()[:2])
+                                for p in (root / "etc/ssh").glob("ssh_host_*_key.pub"))
     # sshd's limits as DGX OS ships them (OpenSSH's defaults, never raised for tests): a
     # deploy that opens more than 10 channels on one host's connection fails here as there.
     simhw.write_files(root, {SSHD_LIMITS: ("# As on DGX OS: OpenSSH's defaults.\nMaxSessions 10\n"

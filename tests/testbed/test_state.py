@@ -147,6 +147,14 @@ def test_the_hosts_keys_are_checked_as_a_real_fleets_known_hosts_checks_them(tmp
     assert (found["stricthostkeychecking"], found["userknownhostsfile"]) == ("yes", str(known))
 
 
+def test_host_keys_are_listed_ed25519_first_as_openssh_prefers():
+    from sparkfleet.testbed.hosts import by_preference
+
+    made = ["ssh-rsa AAAAr", "ecdsa-sha2-nistp256 AAAAe", "ssh-ed25519 AAAAd", "ssh-dss AAAAx"]
+    assert by_preference(made) == ["ssh-ed25519 AAAAd", "ecdsa-sha2-nistp256 AAAAe", "ssh-rsa AAAAr",
+                                   "ssh-dss AAAAx"]
+
+
 def test_root_command_through_sudo_reads_the_password_from_stdin(tmp_path, monkeypatch):
     monkeypatch.setattr(paths, "SUDO_PASSWORD_FILE", tmp_path / "pw")
     monkeypatch.setattr(login, "password", lambda path=None: "s3cret")
