@@ -112,13 +112,12 @@ def write_switches(h: HostState) -> None:
 
 
 #: OpenSSH's HostKeyAlgorithms order for the key types ssh-keygen -A makes.
-_KEY_ORDER = ("ssh-ed25519", "ecdsa-sha2-nistp256", "ssh-rsa")
+_KEY_ORDER = {"ssh-ed25519": 0, "ecdsa-sha2-nistp256": 1, "ssh-rsa": 2}
 
 
 def by_preference(keys) -> list[str]:
     """Public keys ("TYPE BASE64") in OpenSSH's order of preference, any other type last."""
-    return sorted(keys, key=lambda k: (_KEY_ORDER.index(k.split()[0]) if k.split()[0] in _KEY_ORDER
-                                       else len(_KEY_ORDER), k))
+    return sorted(keys, key=lambda k: (_KEY_ORDER.get(k.split()[0], len(_KEY_ORDER)), k))
 
 
 def provision(h: HostState, rootfs: Path, pubkey: str, toolkit_deb: Path, login_kind: str = "root",

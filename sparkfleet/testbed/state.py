@@ -156,10 +156,7 @@ def write_hosts_json(state: State, ssh_key: Path = paths.SSH_KEY, path: Path = p
         known = path.with_name(f"{paths.KNOWN_HOSTS.name}.{state.run_id}")
         _write(known, "".join(f"{login.inventory_name(h.name, state.names)},{h.address} {key}\n"
                               for h in hosts for key in h.host_keys))
-        doc["known_hosts"] = str(known)
-        for old in known.parent.glob(f"{paths.KNOWN_HOSTS.name}.*"):
-            if old != known:  # an earlier fleet's
-                old.unlink(missing_ok=True)
+        doc["known_hosts"] = str(known)  # an earlier fleet's went with it (cleanup.teardown)
     if state.names == "alias":
         doc["ssh_config"] = str(path.with_name(paths.SSH_CONFIG.name))
         login.write_ssh_config([(e["inventory_name"], e["address"], e["user"]) for e in doc["hosts"]], ssh_key,

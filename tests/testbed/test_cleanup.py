@@ -56,8 +56,14 @@ def test_up_removes_leftovers_and_down_leaves_nothing(root_only):
         assert STRAY_NETNS in found["netns"] and STRAY_VETH in found["links"]
         assert found["mounts"] and str(stray.pid) in found["processes"]
 
+        earlier = paths.KNOWN_HOSTS.with_name(f"{paths.KNOWN_HOSTS.name}.earlier")
+        earlier.parent.mkdir(parents=True, exist_ok=True)
+        earlier.write_text("spark-1 ssh-ed25519 OLD\n")
         tb = fleet.up(4)
         assert stray.wait(timeout=15) is not None, "the stray server was not stopped"
+        assert not earlier.exists()  # an earlier fleet's keys go
+        assert [p.name for p in paths.KNOWN_HOSTS.parent.glob(f"{paths.KNOWN_HOSTS.name}.*")] == [
+            f"{paths.KNOWN_HOSTS.name}.{tb.state.run_id}"]
         assert STRAY_NETNS not in cleanup.leftovers()["netns"]
         assert not list(paths.CACHE_DIR.glob("*.tmp-999999"))
         assert [h.name for h in tb.hosts] == ["spark-1", "spark-2", "spark-3", "spark-4"]
@@ -77,6 +83,7 @@ def test_up_removes_leftovers_and_down_leaves_nothing(root_only):
         fleet.down()
     assert cleanup.leftovers() == {k: [] for k in cleanup.leftovers()}
     assert not paths.HOSTS_JSON.exists()
+    assert not list(paths.KNOWN_HOSTS.parent.glob(f"{paths.KNOWN_HOSTS.name}.*"))
     for name in (paths.netns_name("spark-1"), paths.netns_name("spark-4")):
         assert name not in run(["ip", "netns", "list"]).stdout
     mounts = open("/proc/mounts").read()

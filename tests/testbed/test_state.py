@@ -131,14 +131,12 @@ def test_the_hosts_keys_are_checked_as_a_real_fleets_known_hosts_checks_them(tmp
     for h in st.hosts.values():
         h.host_keys = [f"ssh-ed25519 AAAA{h.name}", f"ecdsa-sha2-nistp256 BBBB{h.name}"]
     hosts_json = tmp_path / "hosts.json"
-    (tmp_path / f"{paths.KNOWN_HOSTS.name}.earlier").write_text("spark-1 ssh-ed25519 OLD\n")
     write_hosts_json(st, ssh_key=tmp_path / "k", path=hosts_json)
     known = tmp_path / f"{paths.KNOWN_HOSTS.name}.{st.run_id}"
     assert json.loads(hosts_json.read_text())["known_hosts"] == str(known)
     assert known.read_text().splitlines() == [
         "spark-1.local,10.213.0.11 ssh-ed25519 AAAAspark-1", "spark-1.local,10.213.0.11 ecdsa-sha2-nistp256 BBBBspark-1",
         "spark-2.local,10.213.0.12 ssh-ed25519 AAAAspark-2", "spark-2.local,10.213.0.12 ecdsa-sha2-nistp256 BBBBspark-2"]
-    assert not (tmp_path / f"{paths.KNOWN_HOSTS.name}.earlier").exists()  # an earlier fleet's keys go
     (_, data), _ = inventory_hosts(hosts_json)
     assert (data["ssh_strict_host_key_checking"], data["ssh_known_hosts_file"]) == ("yes", str(known))
     import paramiko
