@@ -1,9 +1,10 @@
-"""The failure summary CI keeps: a failed operation comes with what its host printed."""
+"""The failure summary CI keeps: a failed operation comes with what its host printed; a run
+that should have changed nothing names each operation that did."""
 
 from __future__ import annotations
 
 from _pytest._code import ExceptionInfo
-from support.failures import explain, telling_lines
+from support.failures import changed_hosts, changes, explain, telling_lines
 
 RUN = """--> Starting operation: preflight: GB10, aarch64, driver, docker, disk, memory
     [spark-1.local] No changes
@@ -31,6 +32,21 @@ def test_a_line_said_twice_is_told_once():
 
 def test_a_run_that_says_nothing_telling_gives_nothing():
     assert telling_lines("--> Loading config...\n    [spark-1.local] Success\n") == []
+
+
+def test_each_change_is_named_by_its_host_and_operation():
+    converged = """--> Starting operation: Mirror | the HF mirror holds every file of the locked commits
+    [spark-1.local] mirror-holds-z-lab--DFlash: done in 0 s
+    [spark-1.local] Success
+    [spark-2.local] No changes
+--> Starting operation: Serving | READY: the served model answers
+    [spark-2] noop: READY
+    [spark-2] No changes
+"""
+    assert changes(converged + RUN) == ["spark-1: Mirror | the HF mirror holds every file of the locked commits",
+                                        "spark-3: preflight: GB10, aarch64, driver, docker, disk, memory (failed)"]
+    assert changed_hosts(converged + RUN) == {"spark-1", "spark-3"}
+    assert changes(RUN.replace("Error: executed 0 commands", "No changes")) == []
 
 
 def _failed_report(message: str):

@@ -11,13 +11,12 @@ import re
 import time
 
 import pytest
+from support.failures import changed_hosts, changes
 
 from sparkfleet.hostpaths import SERVE_ENV
 from sparkfleet.ready import READY_PROMPT
 
 pytestmark = pytest.mark.e2e
-
-CHANGED = re.compile(r"\[(spark-\d+)(?:\.local)?\] (Success|Error)")  # .local: --names alias
 
 
 def completion(testbed, name: str, timeout: float = 20) -> str | None:
@@ -50,10 +49,6 @@ def wait_for_answer(testbed, name: str, timeout: float = 180) -> str:
             return answer
         time.sleep(2)
     raise AssertionError(f"{name} did not answer within {timeout} s: {unit(testbed, name)}")
-
-
-def changed_hosts(output: str) -> set[str]:
-    return {m.group(1) for m in CHANGED.finditer(output)}
 
 
 def test_from_scratch_to_ready_on_every_host(testbed, run_pyinfra):
@@ -98,7 +93,7 @@ def test_hf_token_reaches_hosts_only_in_the_private_file(testbed, run_pyinfra):
         assert testbed.exec(name, "grep -c HF_TOKEN /etc/sparkfleet/secrets.env || true").stdout.strip() == "0"
     # A controller without the token leaves it; an explicit empty hf_token removes it.
     again = run_pyinfra("deploy.py")
-    assert again.returncode == 0 and changed_hosts(again.stdout + again.stderr) == set()
+    assert again.returncode == 0 and changes(again.stdout + again.stderr) == []
     assert run_pyinfra("deploy.py", "--data", "hf_token=").returncode == 0
     assert testbed.exec(testbed.names[0], "grep -c '^HF_TOKEN=' /etc/sparkfleet/hf.env || true").stdout.strip() == "0"
 
@@ -108,7 +103,7 @@ def test_second_run_changes_nothing_and_restarts_nothing(testbed, run_pyinfra):
     result = run_pyinfra("deploy.py")
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
-    assert changed_hosts(out) == set(), out[-4000:]
+    assert changes(out) == [], out[-4000:]
     after = {name: unit(testbed, name)["ExecMainStartTimestampMonotonic"] for name in testbed.names}
     assert after == before
 
@@ -238,7 +233,7 @@ def test_hybrid_build_on_the_host_is_served_as_the_dense_checkpoint(testbed, run
         assert "Paris" in completion(testbed, name)
     # A second run builds nothing again.
     again = run_pyinfra("deploy.py", "--data", "build_hybrid=true")
-    assert again.returncode == 0 and changed_hosts(again.stdout + again.stderr) == set()
+    assert again.returncode == 0 and changes(again.stdout + again.stderr) == []
     assert run_pyinfra("deploy.py").returncode == 0
 
 

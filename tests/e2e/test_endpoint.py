@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import requests
+from support.failures import changed_hosts, changes
 
 from sparkfleet.haproxy import save_state_command
 from sparkfleet.testbed import login, paths, traffic
@@ -28,13 +29,8 @@ pytestmark = pytest.mark.e2e
 ROUTER = "spark-1"
 ROUTER_NAME = login.inventory_name(ROUTER, login.DEFAULT_NAMES)
 DATA = f"fleet_endpoint={ROUTER_NAME}"
-CHANGED = re.compile(r"\[(spark-\d+)(?:\.local)?\] (Success|Error)")
 REPO_ROOT = paths.REPO_ROOT
 INVENTORY = str(paths.INVENTORY.relative_to(REPO_ROOT))
-
-
-def changed_hosts(output: str) -> set[str]:
-    return {m.group(1) for m in CHANGED.finditer(output)}
 
 
 def session() -> requests.Session:
@@ -261,7 +257,7 @@ def test_status_and_a_converged_deploy_as_the_fleet_login(testbed, ep):
     assert all(r["ready"] and r["image_digest"] and r["endpoint"] == "UP" for r in doc["hosts"]), doc["hosts"]
     assert doc["endpoint"]["state"] == "running" and len(doc["endpoint"]["members"]) == 3
     combined = result.stdout + result.stderr
-    assert result.returncode == 0 and changed_hosts(combined) == set(), combined[-3000:]
+    assert result.returncode == 0 and changes(combined) == [], combined[-3000:]
     assert login.password() not in combined + out.stdout + out.stderr
 
 
@@ -269,7 +265,7 @@ def test_converged_rerun_changes_nothing_on_the_router_host(testbed, ep):
     pids = haproxy_pids(testbed)
     result = deploy()
     out = result.stdout + result.stderr
-    assert result.returncode == 0 and changed_hosts(out) == set(), out[-3000:]
+    assert result.returncode == 0 and changes(out) == [], out[-3000:]
     assert haproxy_pids(testbed) == pids  # not restarted, not reloaded
     assert f"fleet endpoint {ep.url}/v1 serves `qwen` over 3 member(s)" in out
 
@@ -346,7 +342,7 @@ def test_fleet_endpoint_none_stops_it_and_then_changes_nothing(testbed, ep):
         session().get(f"{ep.url}/v1/models", headers=ep.auth, timeout=5)
     again = subprocess.run(["pyinfra", "-y", INVENTORY, "deploy.py", "--data", "fleet_endpoint=none", *monitor],
                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
-    assert again.returncode == 0 and changed_hosts(again.stdout + again.stderr) == set()
+    assert again.returncode == 0 and changes(again.stdout + again.stderr) == []
     table = subprocess.run(["sparkfleet", "status", INVENTORY], cwd=REPO_ROOT, capture_output=True, text=True,
                            timeout=120).stdout
     assert "fleet endpoint: none" in table, table

@@ -13,9 +13,10 @@ import socket
 import time
 
 import pytest
+from support.failures import changed_hosts, changes
 
 from sparkfleet.testbed.proc import wait_until
-from tests.e2e.test_deploy import SERVE_ENV, changed_hosts, completion, unit
+from tests.e2e.test_deploy import SERVE_ENV, completion, unit
 from tests.e2e.test_image_patches import serving_state
 
 pytestmark = pytest.mark.e2e
@@ -61,7 +62,7 @@ def test_a_change_that_breaks_the_engine_is_rolled_back_on_every_host(testbed, r
         assert unit(testbed, name)["ActiveState"] == "active"
     # What is on disk is what serves: the next deploy has nothing to do.
     again = run_pyinfra("deploy.py")
-    assert again.returncode == 0 and changed_hosts(again.stdout + again.stderr) == set(), again.stdout[-3000:]
+    assert again.returncode == 0 and changes(again.stdout + again.stderr) == [], again.stdout[-3000:]
 
 
 def test_a_host_with_nothing_good_before_is_left_stopped_not_crash_looping(testbed, run_pyinfra):
@@ -98,7 +99,7 @@ def test_a_crash_loop_ends_and_one_deploy_converges_the_host(testbed, run_pyinfr
     assert result.returncode == 0, out[-4000:]
     assert "Paris" in (completion(testbed, name) or "")
     again = run_pyinfra("deploy.py")
-    assert again.returncode == 0 and changed_hosts(again.stdout + again.stderr) == set(), again.stdout[-3000:]
+    assert again.returncode == 0 and changes(again.stdout + again.stderr) == [], again.stdout[-3000:]
 
 
 def test_a_host_restarting_on_its_own_runs_the_settings_on_disk_after_one_deploy(testbed, run_pyinfra):
@@ -111,7 +112,7 @@ def test_a_host_restarting_on_its_own_runs_the_settings_on_disk_after_one_deploy
     assert "--max-num-seqs 2" in argv
     started = unit(testbed, name)["ExecMainStartTimestampMonotonic"]
     again = run_pyinfra("deploy.py", "--data", "max_num_seqs=2")
-    assert again.returncode == 0 and changed_hosts(again.stdout + again.stderr) == set()
+    assert again.returncode == 0 and changes(again.stdout + again.stderr) == []
     assert unit(testbed, name)["ExecMainStartTimestampMonotonic"] == started
     assert run_pyinfra("deploy.py").returncode == 0
 
@@ -260,7 +261,7 @@ def test_an_unreachable_mirror_host_hands_the_mirror_to_a_reachable_one(testbed,
         assert "Paris" in completion(testbed, name)
     assert {n: unit(testbed, n)["ExecMainStartTimestampMonotonic"] for n in testbed.names} == started
     again = run_pyinfra("deploy.py")
-    assert again.returncode == 0 and changed_hosts(again.stdout + again.stderr) == set()
+    assert again.returncode == 0 and changes(again.stdout + again.stderr) == []
 
 
 def test_a_revision_that_does_not_exist_is_one_line_with_its_fix(testbed, run_pyinfra):

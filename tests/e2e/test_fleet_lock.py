@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import requests
+from support.failures import changes
 
 from sparkfleet import lockfile
 from sparkfleet.image import one_shot
@@ -25,7 +26,6 @@ from sparkfleet.profiles import INTEL_INT4, PROFILES
 from sparkfleet.testbed import paths
 from sparkfleet.testbed.hubservice import REPOS_DIR
 from tests.e2e.conftest import REPO_ROOT, module_fleet, run_pyinfra
-from tests.e2e.test_deploy import changed_hosts
 
 DRAFTER = PROFILES["dense"].drafter
 HYBRID = PROFILES["dense"].model
@@ -105,7 +105,7 @@ def test_upstream_moving_its_branch_and_tag_changes_nothing_on_a_converged_fleet
     before = {n: serving(tb, n) for n in ("spark-1", "spark-2")}
     text = Path(tb.data["fleet_lock_file"]).read_text()
     code, out = deploy(inventory(tb, ["spark-1", "spark-2"]))
-    assert code == 0 and changed_hosts(out) == set(), out[-4000:]
+    assert code == 0 and changes(out) == [], out[-4000:]
     assert "--> Fleet lock" not in out and Path(tb.data["fleet_lock_file"]).read_text() == text
     assert {n: serving(tb, n) for n in ("spark-1", "spark-2")} == before
 
@@ -163,7 +163,7 @@ def test_an_explicit_update_shows_then_rolls_the_new_bytes_through_the_gate(tb, 
     held = tb.exec("spark-1", f"ls {files}").stdout.split()
     assert sorted(held) == sorted(p.name for p in (REPOS_DIR / DRAFTER / seen["drafter2"]).rglob("*") if p.is_file())
     code, again = deploy(inv)
-    assert code == 0 and changed_hosts(again) == set(), again[-4000:]
+    assert code == 0 and changes(again) == [], again[-4000:]
 
 
 def test_a_pair_whose_members_cached_different_commits_is_refused_naming_both(tb, seen):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import requests
+from support.failures import changes
 
 from sparkfleet.ready import READY_PROMPT
 from sparkfleet.testbed import login, paths
@@ -29,7 +30,6 @@ INTEL = "Intel/Qwen3.5-122B-A10B-int4-AutoRound"
 IMAGE_REPO = "sparkfleet/vllm-sim"
 HF = "/var/lib/sparkfleet/hf/hub"
 MIRROR = "/var/lib/sparkfleet/mirror"  # mirror_dir: olah's cache and the registry's storage
-CHANGED = re.compile(r"\[(spark-\d+)(?:\.local)?\] (Success|Error)")  # .local: --names alias
 REPO_ROOT = paths.REPO_ROOT
 INVENTORY = str(paths.INVENTORY.relative_to(REPO_ROOT))
 
@@ -121,10 +121,6 @@ def shown(tb, name: str) -> str:
 def local_name(tb) -> str:
     """The name hosts run the image by (sparkfleet.mirror.names.local_image)."""
     return f"localhost/sparkfleet/serve:{tb.image['digest'].replace(':', '-')}"
-
-
-def changed_hosts(output: str) -> set[str]:
-    return {m.group(1) for m in CHANGED.finditer(output)}
 
 
 def completion(tb, name: str) -> str:
@@ -227,7 +223,7 @@ def test_a_converged_fleet_changes_nothing(fleet4, deploy_run):
     result = deploy_run("deploy.py")
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-3000:]
-    assert changed_hosts(out) == set(), out[-3000:]
+    assert changes(out) == [], out[-3000:]
     assert "--> Downloads" not in out
 
 

@@ -1,4 +1,5 @@
-"""What a failed pyinfra run printed that says why, for a test's failure summary."""
+"""What a pyinfra run printed that says why it failed, for a test's failure summary, and
+what it changed, for a test of a run that should change nothing."""
 
 from __future__ import annotations
 
@@ -9,6 +10,29 @@ import re
 _TELLING = re.compile(r"\] Error|rollout stopped|Traceback|\berror:|Error response|timed out after")
 #: pyinfra's line for a failed operation; the host's lines just before it say what failed.
 _FAILED_OP = re.compile(r"^(\[[^\]]+\]) Error: executed")
+#: pyinfra's header of an operation, and a host's result of it that changed or failed it
+#: (``.local``: a fleet reached by alias names).
+_OPERATION = re.compile(r"^--> Starting operation: (.*?)\s*$")
+_CHANGED = re.compile(r"^\[(spark-\d+)(?:\.local)?\] (Success|Error)")
+
+
+def changes(text: str) -> list[str]:
+    """Each operation a run changed or failed on a host, as "host: operation", in order:
+    an assertion that a run changed nothing shows which operation did, where the tail of
+    the output shows only the results table."""
+    found, operation = [], "?"
+    for line in text.splitlines():
+        line = line.strip()
+        if header := _OPERATION.match(line):
+            operation = header[1]
+        elif result := _CHANGED.match(line):
+            found.append(f"{result[1]}: {operation}" + (" (failed)" if result[2] == "Error" else ""))
+    return found
+
+
+def changed_hosts(text: str) -> set[str]:
+    """The hosts a run changed or failed an operation on."""
+    return {change.split(":", 1)[0] for change in changes(text)}
 
 
 def telling_lines(text: str) -> list[str]:
