@@ -140,8 +140,13 @@ def kept(record_path: str, locked: list[dict[str, Any]], keep_previous: int, mir
 #: Runs on the mirror host (its python3, stdlib only): asks its own HF mirror for the
 #: revision's metadata, its tree and every file of it (the bodies are dropped: olah keeps
 #: them), with the fleet's HF token from its 0600 file; marks the commit held when all came.
+#: A body shorter than its Content-Length is a failure (urllib's read(n) ends quietly at a
+#: cut connection: the commit was marked held without the rest of a file). A request cut
+#: or answered 5xx/429 (upstream or the mirror under load) is asked again, twice, as
+#: huggingface_hub does: one dropped connection among a 95 GB commit's files does not
+#: leave the commit unheld until the next deploy.
 _HOLD_PY = r"""
-import json, os, sys, urllib.parse, urllib.request
+import http.client, json, os, sys, time, urllib.error, urllib.parse, urllib.request
 base, repo, commit, marker, env_file = sys.argv[1:6]
 token = None
 try:
@@ -151,16 +156,30 @@ try:
 except OSError:
     pass
 headers = {"Authorization": "Bearer " + token} if token else {}
-def get(path):
-    return urllib.request.urlopen(urllib.request.Request(base + path, headers=headers), timeout=900)
+def get(path, read):
+    for attempt in range(3):
+        try:
+            with urllib.request.urlopen(urllib.request.Request(base + path, headers=headers), timeout=900) as answer:
+                return read(answer)
+        except (OSError, http.client.HTTPException) as exc:
+            code = exc.code if isinstance(exc, urllib.error.HTTPError) else None
+            if attempt == 2 or (code is not None and code < 500 and code != 429):
+                raise
+            print(f"asking again in {3 ** (attempt + 1)} s for {path} ({type(exc).__name__}: {exc})", flush=True)
+            time.sleep(3 ** (attempt + 1))
+def drained(answer):
+    # read(n) takes a connection cut short for the end of the body: count it against the length.
+    got, size = 0, answer.headers.get("Content-Length")
+    while chunk := answer.read(1 << 20):
+        got += len(chunk)
+    if size and size.isdigit() and got != int(size):
+        raise http.client.IncompleteRead(b"", int(size) - got)
 try:
-    get(f"/api/models/{repo}/revision/{commit}").read()
-    tree = json.load(get(f"/api/models/{repo}/tree/{commit}?recursive=true"))
+    get(f"/api/models/{repo}/revision/{commit}", drained)
+    tree = get(f"/api/models/{repo}/tree/{commit}?recursive=true", json.load)
     files = [entry["path"] for entry in tree if entry.get("type") == "file"]
     for path in files:
-        with get(f"/{repo}/resolve/{commit}/{urllib.parse.quote(path)}") as answer:
-            while answer.read(1 << 20):
-                pass
+        get(f"/{repo}/resolve/{commit}/{urllib.parse.quote(path)}", drained)
 except Exception as exc:
     print(f"report: the mirror does not hold every file of {repo}@{commit} ({type(exc).__name__}: {exc}): "
           "a host added after upstream deletes it cannot fetch it; the next deploy tries again", flush=True)

@@ -79,9 +79,11 @@ def test_the_mirror_asks_its_hf_mirror_for_every_file_of_a_commit_and_marks_it_h
                               capture_output=True, text=True, timeout=60)
 
     with HubServer(tmp_path / "repos", "127.0.0.1", 0, token="hf_token_of_the_fleet_0123456789") as hub:
+        hub.inject_abort(DRAFTER, "model.safetensors", 1000)  # one connection cut mid-file: asked again
         done = hold(hub.url)
         assert done.returncode == 0 and f"the mirror holds {DRAFTER}@{commit}: 2 files" in done.stdout, done
-        assert marker.read_text() == "2 files\n" and hub.stats()["total"] == 5002
+        assert f"asking again in 3 s for /{DRAFTER}/resolve/{commit}/model.safetensors" in done.stdout, done
+        assert marker.read_text() == "2 files\n" and hub.stats()["total"] == 1000 + 5002
         hub.move_ref(DRAFTER)
         hub.delete_revision(DRAFTER, commit)
         marker.unlink()
