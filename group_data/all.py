@@ -254,7 +254,8 @@ serving = True
 # Turn the GB10/aarch64 gate into a warning (other Blackwell hosts, untested).
 force = False
 # How long READY may take after a (re)start; None: 3 x a cold start of this checkpoint with
-# this load_format on a GB10 (runtime/startup.py: ~3 min with fastsafetensors, ~11 without).
+# this load_format on a GB10 (runtime/startup.py: ~3 min with fastsafetensors, ~11 without),
+# a pair's for its members (two Sparks start slower: the field's 6-15 min).
 ready_timeout_s = None
 # 1: real time. The simulated fleet runs its engine's start-up this much faster (and sets it
 # here), so the READY wait and rollout pacing it derives keep their ratios to it.

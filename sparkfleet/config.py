@@ -281,8 +281,6 @@ class Settings(BaseModel):
             serve_args.build_serve_argv(self.serve_env())
         except ValueError as exc:
             raise ValueError(_unbuildable(str(exc))) from None
-        if self.ready_timeout_s is None:  # frozen: set once, here, from what this host starts
-            object.__setattr__(self, "ready_timeout_s", self.derived_ready_timeout_s)
         return self
 
     @property
@@ -291,11 +289,14 @@ class Settings(BaseModel):
         name = "hybrid-build" if self.build_hybrid else self.model_repo
         return self.artifact_size_gib(name) + (self.artifact_size_gib(self.drafter) if self.drafter else 0.0)
 
-    @property
-    def derived_ready_timeout_s(self) -> int:
-        """READY's wait when ``ready_timeout_s`` is None: a cold start of this checkpoint with
-        this loader (runtime/startup.py), times its slack, in this fleet's time."""
-        return startup.ready_timeout_s(self.checkpoint_gib, self.load_format, time_scale=self.startup_time_scale)
+    def ready_wait_s(self, pair: bool = False) -> int:
+        """How long READY may take after a (re)start: ``ready_timeout_s``, else a cold start of
+        this checkpoint with this loader (runtime/startup.py) times its slack, in this fleet's
+        time; a pair's (two Sparks over the link start ~1.5x slower) for a pair's member."""
+        if self.ready_timeout_s is not None:
+            return self.ready_timeout_s
+        return startup.ready_timeout_s(self.checkpoint_gib, self.load_format, pair=pair,
+                                       time_scale=self.startup_time_scale)
 
     # --- what the profile and the overrides add up to -----------------------------
 

@@ -191,11 +191,12 @@ def ready_address(settings: Settings, member: PairMember | None) -> str:
     return local_address(settings.bind_address)
 
 
-def ready_for(settings: Settings, target_host, member: PairMember | None = None) -> tuple:
+def ready_for(settings: Settings, target_host, member: PairMember | None = None, pair: bool = False) -> tuple:
     """The READY wait's arguments for ``settings`` on ``target_host``: (address, port,
-    model, timeout_s, hint), for :func:`wait_ready` / :func:`await_ready` outside ``service.running``."""
+    model, timeout_s, hint), for :func:`wait_ready` / :func:`await_ready` outside
+    ``service.running``; ``pair``: the host heads a pair (a member: one by its ``member``)."""
     return (ready_address(settings, member), settings.port, settings.served_model_name,
-            settings.ready_timeout_s, endpoint_hint(settings, target_host, member))
+            settings.ready_wait_s(pair=pair or member is not None), endpoint_hint(settings, target_host, member))
 
 
 def endpoint_hint(settings: Settings, target_host=None, member: PairMember | None = None) -> str:

@@ -258,10 +258,12 @@ def rolled(state, host, settings: Settings, revision: str | None, pair: Pair | N
         if change is not None:
             step = change.what
             ro.restarted.add(host.name)
-            _changed(ep, host, settings, [(host, change), *((p, ro.changes[p.name]) for p in peers)])
+            _changed(ep, host, settings, [(host, change), *((p, ro.changes[p.name]) for p in peers)],
+                     pair=pair is not None)
             return True
         step = "restart"
         ro.restarted.add(host.name)
+        waited = ready.ready_for(settings, host, pair=pair is not None)  # a pair's start is slower
         for peer in peers:  # the pair's members rejoin the head's new engine
             remote.run(peer, f"systemctl reset-failed {UNIT} 2>/dev/null; systemctl restart --no-block {UNIT}")
         done = remote.run(host, f"echo {revision} > {REVISION_FILE} && systemctl reset-failed {UNIT} 2>/dev/null; "
@@ -270,8 +272,7 @@ def rolled(state, host, settings: Settings, revision: str | None, pair: Pair | N
             raise OperationError(f"rollout: systemctl restart {UNIT} failed: {' '.join(done.stderr)}")
         step = "READY"
         try:
-            ready.wait_ready(state, host, *ready.ready_for(settings, host), restarting=True,  # rolls back
-                                peers=peers)
+            ready.wait_ready(state, host, *waited, restarting=True, peers=peers)  # rolls back
         except OperationError as exc:
             rolled_back = "rolled back: the last good settings serve again" in str(exc)
             _after_rollback(ep, host, settings, rolled_back)
@@ -283,7 +284,7 @@ def rolled(state, host, settings: Settings, revision: str | None, pair: Pair | N
             change = ready.change_from_last_good(host)
             host.log(f"gate failed ({problem}): rolling back to the last good settings ({change})", logger.warning)
             restored = ready.restore_last_good(host, peers)
-            again = (ready.await_ready(host, *ready.ready_for(settings, host)) if restored.ok
+            again = (ready.await_ready(host, *waited) if restored.ok
                      else "could not restore: " + " ".join(restored.stderr))
             _after_rollback(ep, host, settings, again is None)
             outcome = ("rolled back: the last good settings serve again" if again is None
@@ -326,8 +327,9 @@ def _each(made: list[tuple[Host, Change]], step: str = "apply") -> str | None:
     return "; ".join(f"{target.name}: {job.value}" for (target, _), job in zip(made, jobs) if job.value) or None
 
 
-def _changed(ep, host, settings: Settings, made: list[tuple[Host, Change]]) -> None:
-    """A change's turn once drained: the change (on every member of a pair at once), READY,
+def _changed(ep, host, settings: Settings, made: list[tuple[Host, Change]], pair: bool) -> None:
+    """A change's turn once drained: the change (on every member of a pair at once; ``pair``:
+    the host heads one, its READY a pair's start), READY,
     the gate, back in rotation; where any fails, the change is undone, the host gated again
     and put back (or, when it cannot go back, left drained with its engine stopped), and the
     rollout stops."""
@@ -335,7 +337,7 @@ def _changed(ep, host, settings: Settings, made: list[tuple[Host, Change]]) -> N
     out_since = time.monotonic()
     step, problem = change.what, _each(made)
     if problem is None:
-        step, problem = "READY", ready.await_ready(host, *ready.ready_for(settings, host))
+        step, problem = "READY", ready.await_ready(host, *ready.ready_for(settings, host, pair=pair))
     if problem is None:
         step, problem = "gate", gate(host, settings)
     if problem is None and all(c.proven for _, c in made):
@@ -349,7 +351,7 @@ def _changed(ep, host, settings: Settings, made: list[tuple[Host, Change]]) -> N
     journal = ready.journal_tail(host)
     host.log(f"{step} failed ({problem}): going back to {change.back}", logger.warning)
     why_not = _each(made, "undo")
-    again = why_not or ready.await_ready(host, *ready.ready_for(settings, host))
+    again = why_not or ready.await_ready(host, *ready.ready_for(settings, host, pair=pair))
     if again is None:
         _after_rollback(ep, host, settings, True)
         outcome = f"went back: {change.back} serves again"

@@ -275,7 +275,7 @@ def running(settings: Settings, also_restart_for: tuple = (), member: PairMember
     ready.ready(
         name="READY: the served model answers",  # a headless pair member: at its head
         address=address, port=settings.port, model=settings.served_model_name,
-        timeout_s=settings.ready_timeout_s, restarting=started.will_change and not rolling,
+        timeout_s=settings.ready_wait_s(pair=member is not None), restarting=started.will_change and not rolling,
         hint=ready.endpoint_hint(settings, member=member),
     )
     ready.last_good_kept(name="these settings kept as the last good ones", revision=wanted, hf_home=settings.hf_home)

@@ -237,6 +237,9 @@ def test_a_host_that_failed_before_its_turn_does_not_hold_the_next_batch(five):
     assert waiting.successful()
 
 
+PAIR_WAIT = (" (a pair's wait)",)
+
+
 class Hosts:
     """The host side of turns: every command run on a host and every READY wait, in order."""
 
@@ -245,7 +248,8 @@ class Hosts:
         self.ready_error, self.running = ready_error or {}, running
         monkeypatch.setattr(rollout, "_endpoint", lambda state, host: None)
         monkeypatch.setattr(rollout.remote, "run", self.run)
-        monkeypatch.setattr(rollout.ready, "ready_for", lambda settings, host: ())
+        # READY's arguments: a mark for a pair's wait (a pair starts slower than one Spark).
+        monkeypatch.setattr(rollout.ready, "ready_for", lambda settings, host, pair=False: PAIR_WAIT if pair else ())
         monkeypatch.setattr(rollout.ready, "wait_ready", self.wait_ready)
         monkeypatch.setattr(rollout, "gate", lambda host, settings, acceptance_floor=True: None)
 
@@ -257,9 +261,9 @@ class Hosts:
         return remote.Result(True, [], [])
 
     def wait_ready(self, state, host, *args, restarting, peers=()):
-        assert restarting
+        assert restarting and args in ((), PAIR_WAIT)
         gevent.sleep(0.01)
-        self.log.append((host.name, "READY" + "".join(f" with {p.name}" for p in peers)))
+        self.log.append((host.name, "READY" + "".join(f" with {p.name}" for p in peers) + " ".join(args)))
         if host.name in self.ready_error:
             raise OperationError(self.ready_error[host.name])
         return True
@@ -324,7 +328,7 @@ def test_a_pair_restarts_in_its_heads_turn_its_headless_member_first(five, monke
     assert [s for s in steps if s[1] != "revision"] == [
         (S1, "restart"), (S1, "READY"),
         (S3, "rejoin"),  # restarted by its head, to rejoin the head's new engine...
-        (S2, "restart"), (S2, f"READY with {S3}"),  # ...which waits for READY and gates for both
+        (S2, "restart"), (S2, f"READY with {S3} (a pair's wait)"),  # ...which waits for READY and gates for both
     ]
     assert steps.index((S3, "revision")) < steps.index((S3, "rejoin"))  # the member's revision, by itself
     assert (S3, f"echo {REV} > {REVISION_FILE}") in hosts.log
@@ -506,12 +510,12 @@ def roll_change(state, s: Settings, names: list[str], failing: str | None = None
 
 def test_a_pairs_stack_change_is_made_on_both_members_at_once_in_its_heads_turn(five, monkeypatch):
     hosts = Hosts(monkeypatch)
-    monkeypatch.setattr(rollout.ready, "await_ready", lambda host, *a: hosts.log.append((host.name, "READY")))
+    monkeypatch.setattr(rollout.ready, "await_ready", lambda host, *a: hosts.log.append((host.name, "READY" + "".join(a))))
     got, made = roll_change(five, settings(rollout_batch=1), [S1, S2, S3])
     assert got == {S1: True, S2: True, S3: True}
     assert made[:2] == [("apply", S1), ("applied", S1)]  # S1 alone, then the pair as one
     assert set(made[2:4]) == {("apply", S2), ("apply", S3)} and set(made[4:6]) == {("applied", S2), ("applied", S3)}
-    assert hosts.log == [(S1, "READY"), (S2, "READY")]  # the pair is READY and gated at its head
+    assert hosts.log == [(S1, "READY"), (S2, "READY (a pair's wait)")]  # the pair is READY and gated at its head
     assert set(made[6:]) == {("proven", S2), ("proven", S3)}  # then its link, measured at both ends
 
 
