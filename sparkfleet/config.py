@@ -74,6 +74,8 @@ FIXES: dict[str, str] = {
     "api_key": "use 'auto' (generated per fleet), 'none' (trusted network only) or a key of 16+ characters",
     "fleet_mirror": "use 'auto' (the first host of group `mirror`, else of the inventory), a host of the inventory, or none",
     "mirror_olah": "use a pip requirement like olah==0.5.4",
+    "mirror_address": "use an IP address of the mirror host that every host reaches (`ip -4 addr` on it) or a "
+                      "DNS name, or leave it unset: the deploy finds the address the hosts route to",
     "fleet_endpoint": "use 'auto' (the first host of group `endpoint`, else none), a host of the inventory, or none",
     "fleet_monitor": "use 'auto' (the first host of group `monitor`, else the fleet endpoint's host, else none), "
                      "a host of the inventory, or none",

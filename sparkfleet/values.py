@@ -75,10 +75,15 @@ def _host_address(value: str) -> str:
         pass
     if not _HOSTNAME.match(value):
         raise ValueError("must be a host name, an IPv4 or an IPv6 address")
+    if value.lower().rstrip(".").endswith(".local"):
+        # Resolved by mDNS (avahi, nss-mdns) on the host alone: the serving image's
+        # containers on the host network, which fetch from it, have no mDNS resolver.
+        raise ValueError("is an mDNS (.local) name, which the hosts' containers cannot resolve")
     return value
 
 
-#: A host name or an IP address (an IPv6 one with or without its brackets), as other hosts reach it.
+#: A host name or an IP address (an IPv6 one with or without its brackets), as other hosts
+#: and their containers reach it: not a .local name.
 HostAddress = Annotated[str, AfterValidator(_host_address)]
 
 #: fleet_mirror, fleet_endpoint and fleet_monitor values that turn the role off.

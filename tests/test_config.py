@@ -35,6 +35,15 @@ def test_every_default_is_a_setting_and_every_setting_has_a_default():
     assert set(defaults()) == set(Settings.model_fields)
 
 
+def test_a_mirror_address_the_hosts_containers_cannot_resolve_is_refused_with_its_fix():
+    # The weights are fetched by the serving image on the host network: no mDNS resolver.
+    message = error_for(mirror_address="spark-01.local")
+    assert "spark-7" in message and "`mirror_address` = 'spark-01.local'" in message
+    assert "mDNS" in message and "leave it unset" in message
+    for usable in ("10.0.0.5", "fd00::5", "mirror.example.com", "spark-01.localdomain"):
+        assert validate_host_data("spark-7", {**defaults(), "mirror_address": usable}).mirror_address == usable
+
+
 def test_unknown_profile_lists_the_valid_ones():
     message = error_for(profile="nonsense")
     assert "spark-7" in message and "`profile` = 'nonsense'" in message
