@@ -102,7 +102,7 @@ endpoint_metrics_port = 8405
 # Idle time HAProxy allows either side (measured: a stream resets it with every token; a
 # silence longer than it is cut, 504 before the first byte). A stream is silent while it
 # waits in vLLM's queue and prefills up to 262k tokens (minutes on a GB10); a non-streaming
-# answer until its last token: 4 h covers one filling the 262k context at 18 tok/s.
+# answer until its last token: 4 h covers a 262k-token answer at 18.2 tok/s.
 endpoint_timeout_s = 14400
 
 # --- The fleet monitor: Prometheus watches the fleet (sparkfleet/monitor.py) -------------------
@@ -280,8 +280,8 @@ drain_timeout_s = 600
 # /metrics): a drafter that does not match its model accepts ~1 and only costs time.
 rollout_min_acceptance = 1.5
 # The gate's floor for one stream's decode rate (tokens/s of its decode request, prefill
-# included): a GB10 decodes 28.2 tok/s with no speculation and 36-81 with it on every
-# profile (the reference recipe's tables); half the slowest is a host that is broken, not
+# included): a GB10 decodes 28.2 tok/s with no speculation and 33-81 with it (prose to
+# agent turns, the reference recipe's tables); half the slowest is a host that is broken, not
 # slow (a driver or toolkit upgrade that lost the GPU path, a throttled GPU). 0: no floor.
 rollout_min_decode_tok_s = 14.0
 

@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""Download one Hugging Face repository into the HF cache, resumably, and mark it complete.
+"""Download one Hugging Face repository into the HF cache, file by file, and mark it complete.
 
 Runs inside the serving image (its huggingface_hub, ``HF_HOME=/hf``). The token, when
 needed, arrives as ``HF_TOKEN`` in the environment, never on the command line. An
-interrupted download resumes from the partial files on the next run; the completion
-marker is written only after every file of the snapshot is in place, so its presence
-is what "cached" means to the deploy.
+interrupted download keeps the files it finished: the next run fetches the others (a
+file cut mid-way starts again: huggingface_hub >= 1.18 deletes its partial file). The
+completion marker is written only after every file of the snapshot is in place, so its
+presence is what "cached" means to the deploy.
 
 A revision the endpoint refuses (upstream deleted it, or the whole repository) is
 fetched from ``--fallback-endpoint`` when given: the fleet mirror's offline HF endpoint,
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                              "the mirrors above it), tried in turn")
     # A fleet's mirror that many hosts ask at once can drop a connection, and a relay can
     # restart: every source once more, after a pause, before the deploy fails the host
-    # (16 hosts on one mirror lost 2 that way). The partial files resume.
+    # (16 hosts on one mirror lost 2 that way). The finished files stay.
     parser.add_argument("--round-waits", default="15,60",
                         help="seconds to wait before each further round of every source, comma-separated")
     args = parser.parse_args(argv)
