@@ -99,13 +99,20 @@ def decide(state: dict, sample: dict | None, now: float, args) -> tuple[dict, st
 
 
 def memory_decision(state: dict, full: float, available: float, total: float, args) -> tuple[str | None, str]:
-    """"stop", "start" or None, from the host's memory pressure. The engine starts again
-    only when its start would pass the preflight's own rule (its share of the memory and
-    vLLM's start-up take fit in MemAvailable), so it does not start into the same squeeze."""
+    """"stop", "start", "short" or None, from the host's memory pressure. The engine starts
+    again only when its start would pass the preflight's own rule (its share of the memory
+    and vLLM's start-up take fit in MemAvailable), so it does not start into the same
+    squeeze; "short", once a stop: the pressure cleared, but something else still holds
+    the memory a start needs (said, so a host left down tells why)."""
     if state.get("reason") == "memory":
         needed = args.gpu_memory_utilization * total + args.startup_gib
         if full < args.psi_full_resume and available >= needed:
             return "start", f"memory pressure cleared (PSI full avg10 {full:g}%, MemAvailable {available:.1f} GiB)"
+        if full < args.psi_full_resume and not state.get("short"):
+            return "short", (f"memory pressure cleared, but MemAvailable {available:.1f} GiB is under the "
+                             f"{needed:.1f} GiB a start needs (gpu_memory_utilization x MemTotal + "
+                             f"engine_startup_memory_gib): the engine stays stopped until that is free, or the "
+                             "next deploy; find what holds it with `ps aux --sort=-rss | head`")
         return None, ""
     if full >= args.psi_full_stop or available < args.stop_available_gib:
         return "stop", (f"memory pressure: PSI full avg10 {full:g}% (stop at {args.psi_full_stop:g}%), MemAvailable "
@@ -258,8 +265,12 @@ def look(args) -> None:
         systemctl("stop")
         state.update(agent="down", reason="memory", since=now)
         state.pop("tokens", None)
+    elif action == "short":
+        event("memory", why)
+        state.update(short=True)
     elif action == "start":
         event("memory", f"{why}: started the engine again")
+        state.pop("short", None)
         systemctl("start")
         state.update(reason="starting")  # in rotation again once it answers
     elif state.get("reason") != "memory":

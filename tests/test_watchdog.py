@@ -79,9 +79,13 @@ def test_memory_pressure_stops_the_engine_before_the_freeze():
 
 def test_the_engine_starts_again_only_when_its_start_fits():
     stopped = {"reason": "memory"}
-    assert program.memory_decision(stopped, *pressure(0.0, 100.0), ARGS)[0] is None  # 0.82 x 121.7 + 9 = 108.8
     assert program.memory_decision(stopped, *pressure(3.0, 115.0), ARGS)[0] is None  # still stalling
     assert program.memory_decision(stopped, *pressure(0.2, 115.0), ARGS)[0] == "start"
+    # Pressure gone, memory still held by something else: said once, then waited on quietly.
+    action, why = program.memory_decision(stopped, *pressure(0.0, 100.0), ARGS)  # 0.82 x 121.7 + 9 = 108.8
+    assert action == "short" and "MemAvailable 100.0 GiB is under the 108.8 GiB a start needs" in why
+    assert program.memory_decision({**stopped, "short": True}, *pressure(0.0, 100.0), ARGS)[0] is None
+    assert program.memory_decision({**stopped, "short": True}, *pressure(0.0, 115.0), ARGS)[0] == "start"
 
 
 def test_restarts_are_counted_in_their_window(tmp_path, monkeypatch):

@@ -92,6 +92,7 @@ def test_memory_pressure_drains_and_stops_the_engine_and_it_serves_again(testbed
     squeezed = testbed.names[2]
     ep = traffic.Endpoint(testbed, ROUTER, testbed.api_key_file)
     squeeze(testbed, squeezed, 30.0, 0.0)
+    short_before = events(testbed, squeezed).count("a start needs")
     mounted = testbed.exec(squeezed, "mount --bind /run/sf-test-meminfo /proc/meminfo && "
                                      "mount --bind /run/sf-test-psi /proc/pressure/memory && echo ok")
     assert mounted.stdout.strip() == "ok", mounted.stdout + mounted.stderr
@@ -108,6 +109,12 @@ def test_memory_pressure_drains_and_stops_the_engine_and_it_serves_again(testbed
                 assert time.monotonic() < deadline, "the engine was not stopped"
                 time.sleep(1)
             stopped_s = time.monotonic() - pressed
+            squeeze(testbed, squeezed, 60.0, 0.0)  # no stall, but something else still holds the memory
+            deadline = time.monotonic() + 3 * INTERVAL_S + 10
+            while events(testbed, squeezed).count("a start needs") == short_before:
+                assert time.monotonic() < deadline, "the watchdog did not say why the engine stays stopped"
+                time.sleep(1)
+            assert testbed.exec(squeezed, "systemctl is-active sparkfleet-serve; true").stdout.strip() != "active"
             squeeze(testbed, squeezed, 118.0, 0.0)  # the squeeze is gone
             back = watch.wait(lambda s: s.get(squeezed) == "UP", 120)
             assert back is not None, watch.samples[-3:]
@@ -118,6 +125,7 @@ def test_memory_pressure_drains_and_stops_the_engine_and_it_serves_again(testbed
           f"back after {back - out:.1f} s; {load.ok} requests ok, {len(load.failed)} failed")
     log = events(testbed, squeezed)
     assert "drained and stopped the engine" in log and "started the engine again" in log, log[-2000:]
+    assert log.count("a start needs") == short_before + 1, log[-2000:]  # said once, not at every look
     late = [r.error for r in load.requests if r.error and r.start > out + 1]
     assert late == [] and load.ok > 0, late[:5]
 
