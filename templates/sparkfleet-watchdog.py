@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--psi-full-resume", type=float, default=1.0)
     p.add_argument("--stop-available-gib", type=float, default=8.0)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.82)
-    p.add_argument("--startup-gib", type=float, default=9.0)
+    p.add_argument("--startup-gib", type=float, default=1.5)  # engine_startup_memory_gib
     p.add_argument("--settle", type=float, default=2.0)
     p.add_argument("--psi", default="/proc/pressure/memory")
     p.add_argument("--meminfo", default="/proc/meminfo")
