@@ -47,6 +47,9 @@ def test_each_change_is_named_by_its_host_and_operation():
                                         "spark-3: preflight: GB10, aarch64, driver, docker, disk, memory (failed)"]
     assert changed_hosts(converged + RUN) == {"spark-1", "spark-3"}
     assert changes(RUN.replace("Error: executed 0 commands", "No changes")) == []
+    # Names padded to the inventory's longest, and an operation nested in another.
+    padded = "--> Starting operation: Serving | unit \n    [spark-9]  Success\n    [spark-10] nested Success\n"
+    assert changes(padded) == ["spark-9: Serving | unit", "spark-10: Serving | unit"]
 
 
 def _failed_report(message: str):

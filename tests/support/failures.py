@@ -11,9 +11,10 @@ _TELLING = re.compile(r"\] Error|rollout stopped|Traceback|\berror:|Error respon
 #: pyinfra's line for a failed operation; the host's lines just before it say what failed.
 _FAILED_OP = re.compile(r"^(\[[^\]]+\]) Error: executed")
 #: pyinfra's header of an operation, and a host's result of it that changed or failed it
-#: (``.local``: a fleet reached by alias names).
+#: (``.local``: a fleet reached by alias names; pyinfra pads a name to the inventory's
+#: longest, spark-9 beside spark-10; ``nested``: an operation run inside another).
 _OPERATION = re.compile(r"^--> Starting operation: (.*?)\s*$")
-_CHANGED = re.compile(r"^\[(spark-\d+)(?:\.local)?\] (Success|Error)")
+_CHANGED = re.compile(r"^\[([^\]\s]+?)(?:\.local)?\]\s+(?:nested\s+)?(Success|Error)")
 
 
 def changes(text: str) -> list[str]:
