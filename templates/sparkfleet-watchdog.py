@@ -111,8 +111,8 @@ def memory_decision(state: dict, full: float, available: float, total: float, ar
         if full < args.psi_full_resume and not state.get("short"):
             return "short", (f"memory pressure cleared, but MemAvailable {available:.1f} GiB is under the "
                              f"{needed:.1f} GiB a start needs (gpu_memory_utilization x MemTotal + "
-                             f"engine_startup_memory_gib): the engine stays stopped until that is free, or the "
-                             "next deploy; find what holds it with `ps aux --sort=-rss | head`")
+                             f"engine_startup_memory_gib): the engine stays stopped until that is free; find "
+                             "what holds it with `ps aux --sort=-rss | head`")
         return None, ""
     if full >= args.psi_full_stop or available < args.stop_available_gib:
         return "stop", (f"memory pressure: PSI full avg10 {full:g}% (stop at {args.psi_full_stop:g}%), MemAvailable "
@@ -257,6 +257,11 @@ def look(args) -> None:
     if not os.path.exists(AGENT):
         _write(AGENT, "up\n")
 
+    if state.get("reason") == "memory" and _get(args.port, "/metrics", timeout=5) is not None:
+        # Started meanwhile by a deploy or by hand: it rejoins once it answers, as after any start.
+        event("memory", "the engine was started again (by a deploy or by hand) after the memory stop")
+        state.update(reason="starting")
+        state.pop("short", None)
     full, available, total = parse_pressure(_read(args.psi), _read(args.meminfo))
     action, why = memory_decision(state, full, available, total, args)
     if action == "stop":
@@ -271,6 +276,7 @@ def look(args) -> None:
     elif action == "start":
         event("memory", f"{why}: started the engine again")
         state.pop("short", None)
+        systemctl("reset-failed")  # systemd's start limit counts this start too
         systemctl("start")
         state.update(reason="starting")  # in rotation again once it answers
     elif state.get("reason") != "memory":

@@ -88,6 +88,35 @@ def test_the_engine_starts_again_only_when_its_start_fits():
     assert program.memory_decision({**stopped, "short": True}, *pressure(0.0, 115.0), ARGS)[0] == "start"
 
 
+def test_a_look_after_a_memory_stop_says_why_it_waits_once_and_rejoins_an_engine_started_meanwhile(
+        tmp_path, monkeypatch):
+    for name in ("STATE", "AGENT", "EVENTS"):
+        monkeypatch.setattr(program, name, str(tmp_path / name.lower()))
+    ran, answers = [], {"/metrics": None}
+    monkeypatch.setattr(program, "systemctl", lambda *a: ran.append(a))
+    monkeypatch.setattr(program, "_get", lambda port, path, timeout: answers.get(path))
+    args = SimpleNamespace(**vars(ARGS), port=8000, settle=0, psi=str(tmp_path / "psi"), meminfo=str(tmp_path / "mem"))
+
+    def look(available_gib: float) -> dict:
+        (tmp_path / "psi").write_text("full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
+        (tmp_path / "mem").write_text(f"MemTotal: {int(121.7 * 2**20)} kB\nMemAvailable: {int(available_gib * 2**20)} kB\n")
+        program.look(args)
+        return json.loads((tmp_path / "state").read_text())
+
+    (tmp_path / "state").write_text(json.dumps({"agent": "down", "reason": "memory"}))
+    for _ in range(3):
+        assert look(60.0)["reason"] == "memory" and ran == []
+    assert (tmp_path / "events").read_text().count("a start needs") == 1  # said once
+    assert look(115.0)["reason"] == "starting" and ran == [("reset-failed",), ("start",)]  # the limit reset first
+    # A deploy started the engine while the watchdog waited: it answers, so it rejoins.
+    (tmp_path / "state").write_text(json.dumps({"agent": "down", "reason": "memory", "short": True}))
+    answers.update({"/metrics": "vllm:num_requests_running 0.0\nvllm:generation_tokens_total 5.0\n", "/v1/models": "{}"})
+    state = look(20.0)  # the running engine holds its memory: no start is asked for
+    assert state["agent"] == "up" and "short" not in state and ran[2:] == []
+    assert "started again (by a deploy or by hand)" in (tmp_path / "events").read_text()
+    assert (tmp_path / "agent").read_text() == "up\n"
+
+
 def test_restarts_are_counted_in_their_window(tmp_path, monkeypatch):
     log = tmp_path / "watchdog.log"
     log.write_text("2026-01-01T00:00:00Z wedge a\n2026-01-01T00:50:00Z wedge b\n2026-01-01T00:55:00Z up c\n")
