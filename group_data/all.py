@@ -102,7 +102,7 @@ endpoint_metrics_port = 8405
 # Idle time HAProxy allows either side (measured: a stream resets it with every token; a
 # silence longer than it is cut, 504 before the first byte). A stream is silent while it
 # waits in vLLM's queue and prefills up to 262k tokens (minutes on a GB10); a non-streaming
-# answer until its last token: 4 h covers a 262k-token answer at 18.2 tok/s.
+# answer until its last token: 4 h is a 262k-token answer at ~18.3 tok/s.
 endpoint_timeout_s = 14400
 
 # --- The fleet monitor: Prometheus watches the fleet (sparkfleet/monitor.py) -------------------
@@ -255,7 +255,7 @@ serving = True
 force = False
 # How long READY may take after a (re)start; None: 3 x a cold start of this checkpoint with
 # this load_format on a GB10 (runtime/startup.py: ~3 min with fastsafetensors, ~11 without),
-# a pair's for its members (two Sparks start slower: the field's 6-15 min).
+# a pair's for its members (two Sparks start slower: the field's 6-15 min; ~19 min wait).
 ready_timeout_s = None
 # 1: real time. The simulated fleet runs its engine's start-up this much faster (and sets it
 # here), so the READY wait and rollout pacing it derives keep their ratios to it.

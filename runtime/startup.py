@@ -57,7 +57,10 @@ JIT_COLD_S = 30.0  # Triton autotune and FlashInfer JIT: lost with the container
 JIT_WARM_S = 3.0
 GRAPHS_S = 20.0  # assumed: KV cache profile and CUDA graph capture (3 sequences)
 # Two Sparks (TP=2) start slower: the field saw cold starts of 6-15 min (../shared/facts.md).
-PAIR_FACTOR = 1.5
+# Each rank reads its half of the weights; the rest (NCCL's setup over the link, compile,
+# JIT, graphs) takes twice as long: ~6 min cold with fastsafetensors, the field's low end,
+# and the READY wait (3x) ~19 min covers its high end.
+PAIR_FACTOR = 2.0
 #: A start this many times the model's estimate is a stall, not a slow start.
 READY_SLACK = 3.0
 #: Added unscaled: the container's own start (docker run of a local image), seconds on a

@@ -66,7 +66,7 @@ _CONNECTOR_PREFIXES = ("ssh_", "_", "docker_", "chroot_", "local_", "winrm_", "v
 FIXES: dict[str, str] = {
     "profile": "pick one of the profiles, e.g. --data profile=dense",
     "gpu_memory_utilization": ("use a fraction between 0.10 and 0.95: 0.82 (the default) of a Spark's 121.7 GiB starts "
-                               "on a headless Spark (~101-102 GiB available), 0.87+ over-subscribes its unified memory"),
+                               "on a headless Spark (~101-102 GiB available); above ~0.83 vLLM refuses to start there"),
     "max_model_len": f"use a context length from 1 to {MAX_CONTEXT}",
     "port": "use a TCP port from 1 to 65535",
     "num_speculative_tokens": "use 0 (off) to 16, or leave it unset for the profile's default",

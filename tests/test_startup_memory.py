@@ -74,11 +74,11 @@ def test_the_ready_wait_derives_from_the_start_up_and_scales_with_the_fleets_tim
     sim = validate_host_data("h", {**defaults, "startup_time_scale": 0.05})
     assert sim.ready_wait_s() - startup.READY_FLOOR_S == pytest.approx(
         (real.ready_wait_s() - startup.READY_FLOOR_S) * 0.05, abs=1)
-    # A pair (two Sparks, TP=2 over the link) starts slower: its members wait for a pair's
-    # cold start (~13.6 min here), not a single Spark's (~10.6 min), before rolling back.
+    # A pair (two Sparks, TP=2 over the link) starts slower, the field's 6-15 min: its members
+    # wait for a pair's cold start (~18.6 min here), not a single Spark's (~10.6 min).
     pair_cold = startup.estimate(real.checkpoint_gib, "fastsafetensors", False, False, pair=True).total_s
     assert real.ready_wait_s(pair=True) == startup.READY_FLOOR_S + round(pair_cold * startup.READY_SLACK)
-    assert real.ready_wait_s(pair=True) > real.ready_wait_s() + 120
+    assert real.ready_wait_s(pair=True) > 15 * 60 > real.ready_wait_s()
     given = validate_host_data("h", {**defaults, "ready_timeout_s": 900})
     assert given.ready_wait_s() == given.ready_wait_s(pair=True) == 900
 

@@ -142,8 +142,8 @@ def kept(record_path: str, locked: list[dict[str, Any]], keep_previous: int, mir
 #: them), with the fleet's HF token from its 0600 file; marks the commit held when all came.
 #: A body shorter than its Content-Length is a failure (urllib's read(n) ends quietly at a
 #: cut connection: the commit was marked held without the rest of a file). A request cut
-#: or answered 5xx/429 (upstream or the mirror under load) is asked again, twice, as
-#: huggingface_hub does: one dropped connection among a 95 GB commit's files does not
+#: or answered 5xx/429 (upstream or the mirror under load) is asked again, twice (huggingface_hub
+#: retries such answers too): one dropped connection among a 95 GB commit's files does not
 #: leave the commit unheld until the next deploy.
 _HOLD_PY = r"""
 import http.client, json, os, sys, time, urllib.error, urllib.parse, urllib.request
