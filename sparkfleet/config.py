@@ -295,7 +295,7 @@ class Settings(BaseModel):
     def ready_wait_s(self, pair: bool = False) -> int:
         """How long READY may take after a (re)start: ``ready_timeout_s``, else a cold start of
         this checkpoint with this loader (runtime/startup.py) times its slack, in this fleet's
-        time; a pair's (two Sparks over the link start ~1.5x slower) for a pair's member."""
+        time; a pair's (two Sparks over the link start slower: startup.PAIR_FACTOR) for a pair's member."""
         if self.ready_timeout_s is not None:
             return self.ready_timeout_s
         return startup.ready_timeout_s(self.checkpoint_gib, self.load_format, pair=pair,
